@@ -1,0 +1,24 @@
+"""Privacy accountants, one file each, behind runner.accountants.base.Accountant.
+
+Modules are imported explicitly here (not discovered), and tests/test_accountant_contract.py checks that every
+name in conf/accountant/ is registered, so a file cannot silently drop out.
+"""
+from __future__ import annotations
+
+from runner.accountants.base import ACCOUNTANTS, Accountant, UnsupportedMechanism  # noqa: F401
+from runner.accountants.mechanisms import Mechanism, NoPrivacy, SubsampledGaussian, SubsampledJL  # noqa: F401
+
+NON_ACCOUNTANT_NAMES = ("auto", "none")
+
+
+def resolve_name(name: str, method) -> str:
+    """`auto` -> the method's default accountant (pld for exact DP-SGD, jl for JL, hsa for DP-SBCD)."""
+    if name == "auto":
+        return method.default_accountant
+    if name != "none" and name not in ACCOUNTANTS:
+        ACCOUNTANTS.get(name)  # raises the one-line "unknown accountant" error
+    return name
+
+
+def build(name: str) -> Accountant | None:
+    return None if name == "none" else ACCOUNTANTS.build(name)

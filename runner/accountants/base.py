@@ -1,0 +1,63 @@
+"""The accountant interface: told each step's mechanism, answers epsilon(delta).
+
+    acc = ACCOUNTANTS.build("pld")
+    acc.step(SubsampledGaussian(sample_rate=256/60000, noise_multiplier=1.3), count=3516)
+    acc.epsilon(1e-5)   # -> ~0.865
+
+Contract (tests/test_accountant_contract.py): no steps -> epsilon 0; an unsupported mechanism raises
+UnsupportedMechanism (never a number for the wrong mechanism); epsilon is non-decreasing in the steps.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import ClassVar
+
+from runner.accountants.mechanisms import Mechanism
+from runner.errors import DprunError
+from runner.registry import Registry
+
+ACCOUNTANTS = Registry("accountant")
+
+
+class UnsupportedMechanism(DprunError):
+    pass
+
+
+class Accountant:
+    """Subclasses set `name`, `supported` (mechanism classes) and implement `_epsilon(delta)` over `self.history`."""
+
+    name: ClassVar[str] = "base"
+    supported: ClassVar[tuple[type, ...]] = ()
+    approximate: ClassVar[bool] = False  # True: may underestimate (logged as such)
+
+    def __init__(self):
+        # mechanism -> number of steps; insertion-ordered so composition order is kept where it matters
+        self.history: Counter[Mechanism] = Counter()
+
+    def supports(self, mechanism: Mechanism) -> bool:
+        return isinstance(mechanism, self.supported)
+
+    def step(self, mechanism: Mechanism, count: int = 1) -> None:
+        if not self.supports(mechanism):
+            ok = ", ".join(c.__name__ for c in self.supported)
+            raise UnsupportedMechanism(
+                f"accountant {self.name!r} does not support mechanism {mechanism.kind} ({mechanism}); it supports: {ok}"
+            )
+        if count < 0:
+            raise ValueError("count must be >= 0")
+        if count:
+            self.history[mechanism] += count
+
+    @property
+    def steps(self) -> int:
+        return sum(self.history.values())
+
+    def epsilon(self, delta: float) -> float:
+        if not 0 < delta < 1:
+            raise DprunError(f"delta must be in (0, 1), got {delta}")
+        if self.steps == 0:
+            return 0.0
+        return self._epsilon(delta)
+
+    def _epsilon(self, delta: float) -> float:
+        raise NotImplementedError

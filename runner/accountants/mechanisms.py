@@ -1,0 +1,41 @@
+"""Descriptions of one training step's privacy mechanism, as told to an accountant.
+
+A method returns one of these per step; the accountant composes them. They are plain frozen
+dataclasses so that equal steps compare equal (accountants batch runs of identical steps) and so
+that they serialise to the run log (`asdict`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """Base class. `kind` names the mechanism in logs and error messages."""
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+
+@dataclass(frozen=True)
+class SubsampledGaussian(Mechanism):
+    """DP-SGD step: Poisson sampling at rate q, per-example clipping to C, noise N(0, (sigma*C)^2 I) on the sum."""
+
+    sample_rate: float  # q = expected batch size / N
+    noise_multiplier: float  # sigma
+
+
+@dataclass(frozen=True)
+class SubsampledJL(Mechanism):
+    """DP-SGD-JL step (JL paper, Algorithm 1 / Theorem 4.1): like SubsampledGaussian but the clip factor uses a
+    norm estimate from r Gaussian projections, so the sensitivity is C * Z_r with Z_r = 1/sqrt(chi^2_r / r)."""
+
+    sample_rate: float
+    noise_multiplier: float
+    r: int
+
+
+@dataclass(frozen=True)
+class NoPrivacy(Mechanism):
+    """A non-private step: no accountant supports it."""

@@ -1,0 +1,62 @@
+"""Datasets as tensors on the run's device, loaded once. One file per dataset family registers in DATASETS.
+
+    data = load_dataset(cfg.dataset, data_dir="~/.cache/dprun", device="cpu")
+    data.train_x[idx], data.train_y[idx]     # batches are index gathers, no DataLoader
+
+Each loader is `fn(cfg, data_dir) -> Dataset` with tensors on the CPU; `load_dataset` moves them to the device.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.registry import Registry
+
+DATASETS = Registry("dataset")
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """What a model needs to know about its input. Images: input_shape (C, H, W); text: (seq_len,) of token ids."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    kind: str = "image"  # "image" | "text"
+    vocab_size: int | None = None  # text only
+    train_size: int = 0
+    test_size: int = 0
+
+
+@dataclass
+class Dataset:
+    info: DataInfo
+    train_x: torch.Tensor  # (N, *input_shape) float32 images (normalised) or int64 token ids
+    train_y: torch.Tensor  # (N,) int64
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    source: str = "real"  # "real" | "synthetic" (a column of the result tables)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def to(self, device: torch.device | str) -> "Dataset":
+        return replace(self, train_x=self.train_x.to(device), train_y=self.train_y.to(device),
+                       test_x=self.test_x.to(device), test_y=self.test_y.to(device))
+
+
+def default_data_dir() -> str:
+    """Per-user cache: $DPRUN_DATA_DIR, else $XDG_CACHE_HOME/dprun, else ~/.cache/dprun."""
+    if os.environ.get("DPRUN_DATA_DIR"):
+        return os.environ["DPRUN_DATA_DIR"]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "dprun")
+
+
+def load_dataset(cfg: Any, data_dir: str | os.PathLike | None, device: torch.device | str = "cpu") -> Dataset:
+    name = cfg["name"] if isinstance(cfg, dict) else cfg.name
+    root = Path(os.path.expanduser(str(data_dir or default_data_dir())))
+    data = DATASETS.build(name, cfg, root)
+    return data.to(device)

@@ -1,0 +1,47 @@
+"""Batch samplers over example indices, on the data's device.
+
+Poisson (the default; the accountants assume it): each example joins each batch independently with
+probability q = batch_size / N, so batch sizes vary (and may be 0). An epoch is round(N / batch_size) batches.
+Shuffle: a random permutation cut into batches (logged with a warning: the accountants' numbers then assume a
+sampling the run did not do). Fixed: one random partition into disjoint batches drawn once and reused every
+epoch, each example once per epoch (what DP-SBCD's hidden-state analysis assumes).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+
+from runner.errors import DprunError
+from runner.registry import unknown_name_message
+
+SAMPLINGS = ("poisson", "shuffle", "fixed")
+
+
+class Sampler:
+    def __init__(self, kind: str, n: int, batch_size: int, generator: torch.Generator, device="cpu"):
+        if kind not in SAMPLINGS:
+            raise DprunError(unknown_name_message("sampling", kind, list(SAMPLINGS)))
+        if not 1 <= batch_size <= n:
+            raise DprunError(f"batch_size={batch_size} must be between 1 and the training set size {n}")
+        self.kind, self.n, self.batch_size, self.generator, self.device = kind, n, batch_size, generator, device
+        self.sample_rate = batch_size / n
+        self.steps_per_epoch = max(1, round(n / batch_size)) if kind == "poisson" else math.ceil(n / batch_size)
+        self._fixed: list[torch.Tensor] | None = None
+
+    def _perm(self) -> torch.Tensor:
+        return torch.randperm(self.n, generator=self.generator).to(self.device)
+
+    def epoch(self) -> Iterator[torch.Tensor]:
+        """Yields int64 index tensors (B_t,) for one epoch."""
+        if self.kind == "poisson":
+            for _ in range(self.steps_per_epoch):
+                mask = torch.rand(self.n, generator=self.generator) < self.sample_rate
+                yield mask.nonzero().squeeze(1).to(self.device)
+        elif self.kind == "shuffle":
+            yield from self._perm().split(self.batch_size)
+        else:
+            if self._fixed is None:
+                self._fixed = list(self._perm().split(self.batch_size))
+            yield from self._fixed

@@ -1,0 +1,9 @@
+"""The one error type users see: a single line naming the bad value and the accepted ones."""
+
+
+class DprunError(Exception):
+    """A user-facing error. The CLI prints `dprun: <message>` (one line) and exits with status 2."""
+
+
+class NotImplementedYet(DprunError):
+    """A method or feature whose issue has not landed yet."""

@@ -1,0 +1,99 @@
+"""Timers (CUDA-synchronised), peak memory, and crash-safe CSV/JSON writers.
+
+Writers replace the whole file through a temporary file + os.replace, so an interrupted run leaves the previous
+complete version (only complete rows), never a half-written line.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Wall time of one step, CUDA-synchronised at both ends so the GPU's queued work is counted."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        synchronize(self.device)
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - self.start
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: max allocated since the last reset. CPU: the process's peak resident set size (never reset)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_csv(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> None:
+    rows = list(rows)
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, restval="")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def package_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "dprun", "hydra-core", "dp-accounting", "opacus", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"

@@ -1,0 +1,3 @@
+from runner.registry import Registry
+
+MODELS = Registry("model")

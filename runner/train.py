@@ -1,0 +1,174 @@
+"""The training loop, top to bottom: data -> model -> method -> noise -> step -> account -> log.
+
+    from runner.train import train
+    summary = train(cfg, out_dir="outputs/runs/x")     # cfg: the composed Hydra config (conf/config.yaml)
+
+Writes out_dir/metrics.csv (one row per finished epoch) and out_dir/summary.json (resolved config, versions,
+device, final metrics). Both are replaced atomically, so an interrupted run leaves only complete rows.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from runner import accountants, methods, models
+from runner.data import load_dataset
+from runner.data.sampler import Sampler
+from runner.errors import DprunError
+from runner.metrics import (StepTimer, device_name, package_versions, peak_memory_bytes, reset_peak_memory,
+                            write_csv, write_json)
+from runner.optimizers import build_optimizer
+from runner.progress import progress_bar
+
+log = logging.getLogger("dprun")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise DprunError(f"device={name} but CUDA is not available here; use device=cpu or device=auto")
+    if name not in ("cpu",) and not name.startswith("cuda"):
+        raise DprunError(f"unknown device {name!r}; valid: auto, cpu, cuda, cuda:N")
+    return torch.device(name)
+
+
+def per_example_cross_entropy(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs, y, reduction="none")  # (B,)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[float, float]:
+    """Mean loss and accuracy over (x, y), in eval mode."""
+    model.eval()
+    loss, correct = 0.0, 0
+    for i in range(0, len(y), batch_size):
+        out = model(x[i:i + batch_size])
+        loss += F.cross_entropy(out, y[i:i + batch_size], reduction="sum").item()
+        correct += (out.argmax(1) == y[i:i + batch_size]).sum().item()
+    model.train()
+    return loss / max(1, len(y)), correct / max(1, len(y))
+
+
+def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(str(cfg.device))
+    dtype = {"float32": torch.float32, "float64": torch.float64}[str(cfg.dtype)]
+    torch.manual_seed(int(cfg.seed))
+    gen = torch.Generator().manual_seed(int(cfg.seed))
+
+    # data: tensors on the device, loaded once
+    data = load_dataset(cfg.dataset, cfg.data_dir, device)
+    if data.train_x.is_floating_point():
+        data.train_x, data.test_x = data.train_x.to(dtype), data.test_x.to(dtype)
+    sampler = Sampler(str(cfg.sampling), data.info.train_size or len(data.train_y), int(cfg.batch_size), gen, device)
+    if sampler.kind != "poisson":
+        log.warning("sampling=%s: the accountants assume Poisson sampling; epsilon is reported for Poisson sampling "
+                    "and the tables carry sampling=%s", sampler.kind, sampler.kind)
+    steps_per_epoch = sampler.steps_per_epoch
+    if cfg.max_steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, int(cfg.max_steps_per_epoch))
+
+    # model and method
+    model_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    model = models.build(str(cfg.model.name), data.info, **model_kwargs).to(device=device, dtype=dtype)
+    method = methods.build(cfg)
+    model = method.prepare(model, data)
+
+    # privacy: accountant and (optionally) sigma calibrated to a target epsilon
+    accountant_name = accountants.resolve_name(str(cfg.accountant.name), method)
+    total_steps = steps_per_epoch * int(cfg.epochs)
+    if cfg.target_epsilon is not None:
+        if not method.private:
+            raise DprunError("target_epsilon is set but method=nonprivate has no privacy to calibrate")
+        method.sigma = accountants.calibrate_sigma(accountant_name, method.mechanism, sampler.sample_rate,
+                                                   total_steps, float(cfg.target_epsilon), float(cfg.delta))
+        log.info("calibrated sigma=%.4f for epsilon=%s at delta=%s", method.sigma, cfg.target_epsilon, cfg.delta)
+    accountant = accountants.build(accountant_name) if method.private else None
+    if accountant is not None and not accountant.supports(method.mechanism(sampler.sample_rate)):
+        raise DprunError(f"accountant={accountant_name} does not support method={method.name}'s mechanism "
+                         f"{method.mechanism(sampler.sample_rate).kind}; try accountant={method.default_accountant}")
+
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), float(cfg.lr))
+    loss_fn = per_example_cross_entropy
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {
+        "status": "running",
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "method": method.name,
+        "sigma": method.sigma if method.private else None,
+        "accountant": accountant_name if method.private else None,
+        "accountant_approximate": bool(accountant is not None and accountant.approximate),
+        "data_source": data.source,
+        "sampling": sampler.kind,
+        "sample_rate": sampler.sample_rate,
+        "steps_per_epoch": steps_per_epoch,
+        "num_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "device": str(device),
+        "device_name": device_name(device),
+        "versions": package_versions(),
+        "mechanisms": [],
+    }
+    write_json(out_dir / "summary.json", summary)
+
+    model.train()
+    try:
+        for epoch in range(1, int(cfg.epochs) + 1):
+            reset_peak_memory(device)
+            step_times, loss_sum, correct, seen = [], 0.0, 0, 0
+            epoch_start = time.perf_counter()
+            batches = sampler.epoch()
+            bar = progress_bar(range(steps_per_epoch), enabled=bool(cfg.progress), desc=f"epoch {epoch}/{cfg.epochs}")
+            for step in bar:
+                idx = next(batches)
+                x, y = data.train_x[idx], data.train_y[idx]
+                with StepTimer(device) as t:
+                    out = method.step(model, loss_fn, x, y, optimizer, sample_rate=sampler.sample_rate,
+                                      expected_batch_size=sampler.sample_rate * sampler.n, indices=idx)
+                if step >= int(cfg.warmup_steps) or steps_per_epoch <= int(cfg.warmup_steps):
+                    step_times.append(t.seconds)
+                if accountant is not None:
+                    accountant.step(out.mechanism)
+                loss_sum += out.losses.sum().item()
+                seen += len(y)
+                if out.outputs is not None:
+                    correct += (out.outputs.argmax(1) == y).sum().item()
+                bar.set_postfix(loss=f"{loss_sum / max(seen, 1):.3f}")
+            for _ in batches:  # finish the epoch's generator (capped epochs)
+                pass
+            epoch_time = time.perf_counter() - epoch_start
+            test_loss, test_acc = evaluate(model, data.test_x, data.test_y, int(cfg.eval_batch_size))
+            eps = accountant.epsilon(float(cfg.delta)) if accountant is not None else None
+            rows.append({
+                "epoch": epoch,
+                "steps": steps_per_epoch,
+                "train_loss": loss_sum / max(seen, 1),
+                "train_acc": correct / max(seen, 1),
+                "test_loss": test_loss,
+                "test_acc": test_acc,
+                "epoch_time_s": epoch_time,
+                "step_time_s": statistics.median(step_times) if step_times else float("nan"),
+                "peak_mem_bytes": peak_memory_bytes(device),
+                "epsilon": "" if eps is None else eps,
+            })
+            write_csv(out_dir / "metrics.csv", rows)
+            log.info("epoch %d: test_acc=%.4f epoch_time=%.2fs epsilon=%s", epoch, test_acc, epoch_time, eps)
+        summary["status"] = "finished"
+    except KeyboardInterrupt:
+        summary["status"] = "interrupted"
+        raise
+    finally:
+        if accountant is not None:
+            summary["mechanisms"] = [{"kind": m.kind, **m.__dict__, "steps": n} for m, n in accountant.history.items()]
+        summary["final"] = rows[-1] if rows else {}
+        summary["epochs_completed"] = len(rows)
+        write_json(out_dir / "summary.json", summary)
+    return summary
