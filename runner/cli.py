@@ -14,6 +14,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from runner.data.base import default_data_dir
@@ -61,6 +62,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         run(cfg)
     except DprunError as e:
         print(f"dprun: {e}", file=sys.stderr)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # a sweep goes on with its other jobs; Hydra reports the failed one at the end
         sys.exit(2)
 
 

@@ -69,8 +69,12 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     data = load_dataset(cfg.dataset, cfg.data_dir, device)
     if data.train_x.is_floating_point():
         data.train_x, data.test_x = data.train_x.to(dtype), data.test_x.to(dtype)
-    sampler = Sampler(str(cfg.sampling), data.info.train_size or len(data.train_y), int(cfg.batch_size), gen, device)
-    if sampler.kind != "poisson":
+    required = methods.METHODS.get(str(cfg.method.name)).sampling  # e.g. sbcd: fixed disjoint batches
+    sampling = required or str(cfg.sampling)
+    sampler = Sampler(sampling, data.info.train_size or len(data.train_y), int(cfg.batch_size), gen, device)
+    if required and required != str(cfg.sampling):
+        log.info("method=%s needs sampling=%s (its accountant assumes it); using it", cfg.method.name, required)
+    if sampler.kind != "poisson" and not required:
         log.warning("sampling=%s: the accountants assume Poisson sampling; epsilon is reported for Poisson sampling "
                     "and the tables carry sampling=%s", sampler.kind, sampler.kind)
     steps_per_epoch = sampler.steps_per_epoch
@@ -158,6 +162,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                 "step_time_s": statistics.median(step_times) if step_times else float("nan"),
                 "peak_mem_bytes": peak_memory_bytes(device),
                 "epsilon": "" if eps is None else eps,
+                **(accountant.extra_metrics(float(cfg.delta)) if accountant is not None else {}),
             })
             write_csv(out_dir / "metrics.csv", rows)
             log.info("epoch %d: test_acc=%.4f epoch_time=%.2fs epsilon=%s", epoch, test_acc, epoch_time, eps)

@@ -1,12 +1,25 @@
 """Privacy accountants, one file each, behind runner.accountants.base.Accountant.
 
+    from runner import accountants
+    acc = accountants.build("pld")                  # rdp, pld, gdp, jl (+ hsa with DP-SBCD)
+    acc.step(SubsampledGaussian(0.004, 1.3), count=3516); acc.epsilon(1e-5)
+    accountants.calibrate_sigma("pld", method.mechanism, 0.004, 3516, target_epsilon=1.0, delta=1e-5)
+
 Modules are imported explicitly here (not discovered), and tests/test_accountant_contract.py checks that every
 name in conf/accountant/ is registered, so a file cannot silently drop out.
 """
 from __future__ import annotations
 
+import importlib.util
+
 from runner.accountants.base import ACCOUNTANTS, Accountant, UnsupportedMechanism  # noqa: F401
 from runner.accountants.mechanisms import Mechanism, NoPrivacy, SubsampledGaussian, SubsampledJL  # noqa: F401
+from runner.accountants import gdp, jl, pld, rdp  # noqa: F401,E402  (each registers its accountant)
+from runner.accountants.calibrate import calibrate_sigma  # noqa: F401,E402
+
+# hsa (hidden-state accounting for DP-SBCD) lives with its own issue; imported as soon as its file exists
+if importlib.util.find_spec("runner.accountants.hsa") is not None:
+    from runner.accountants import hsa  # noqa: F401
 
 NON_ACCOUNTANT_NAMES = ("auto", "none")
 

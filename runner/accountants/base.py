@@ -61,3 +61,7 @@ class Accountant:
 
     def _epsilon(self, delta: float) -> float:
         raise NotImplementedError
+
+    def extra_metrics(self, delta: float) -> dict[str, float]:
+        """Extra per-epoch columns for metrics.csv (hsa: the composition baseline's epsilon)."""
+        return {}

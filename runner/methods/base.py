@@ -48,6 +48,7 @@ class Method:
     exact: ClassVar[bool] = True  # computes exact per-example norms (checked against nxbp)
     default_accountant: ClassVar[str] = "pld"
     summary: ClassVar[str] = ""  # one line for the method table (JL paper Table 1)
+    sampling: ClassVar[str | None] = None  # set: the sampling the method needs, overriding cfg.sampling (sbcd)
 
     def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, r: int = 1, **_: Any):
         self.cfg = cfg if cfg is not None else {}

@@ -1,0 +1,57 @@
+# dprun — `make help` lists the targets. Everything runs from a fresh clone after `make install`.
+PY ?= python
+SCALE ?= smoke
+
+.PHONY: help install demo test test-slow bench
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
+
+install: ## install dprun (editable) with its test extras; keeps an already installed torch
+	$(PY) -m pip install -e ".[test]"
+
+demo: ## the built-in demo: non-private MLP on scikit-learn's digits, CPU, seconds
+	dprun
+
+test: ## the default test suite (fast; slow sweeps are excluded)
+	$(PY) -m pytest -q
+
+test-slow: ## the slow suite: end-to-end figure sweeps at smoke scale
+	$(PY) -m pytest -q -m slow
+
+# --- benchmarks (ratios measured side by side in one process) ---
+# --- figures and tables ---
+# make figures SCALE=smoke (default; CPU minutes) | SCALE=paper (the papers' hyperparameters, for a GPU).
+# Each fig-<name>: the preset's Hydra sweeps (runner/figures/sweep.py), dprun-report, then the plot (docs/figures.md).
+# SWEEP_ARGS go to every dprun of a sweep, e.g. SWEEP_ARGS="launcher=slurm" or "device=cuda data_dir=/data".
+FIGURES_TRAINED := jl_fig3 jl_table2 jl_fig4 jl_table3 jl_fig5 jl_fig6 lk_fig5 lk_fig6 lk_fig7 lk_fig8 lk_fig9 lk_memory
+FIGURES_COMPUTED := jl_table1 jl_fig2 jl_epsilon_r sbcd_hsa_vs_composition sbcd_epoch_contribution sbcd_adaptive_noise
+TABLES := jl_table1 jl_table2 jl_table3
+SWEEP_ARGS ?=
+REPORT = $(PY) -m runner.report --quiet && $(PY) -m runner.report --epochs --quiet
+.PHONY: figures tables report plots figures-list
+
+figures: ## every table and figure of the three works -> outputs/figures/*.png|pdf, outputs/tables/*.csv
+	$(PY) -m runner.figures.sweep $(FIGURES_TRAINED) --scale $(SCALE) -- $(SWEEP_ARGS)
+	$(REPORT)
+	$(PY) -m runner.plots $(FIGURES_TRAINED) $(FIGURES_COMPUTED) --scale $(SCALE)
+
+tables: ## the papers' tables only (JL Tables 1-3) as PNG + CSV
+	$(PY) -m runner.figures.sweep $(TABLES) --scale $(SCALE) -- $(SWEEP_ARGS)
+	$(REPORT)
+	$(PY) -m runner.plots $(TABLES) --scale $(SCALE)
+
+fig-%: ## one table or figure, e.g. make fig-jl_table2 SCALE=smoke (list: make figures-list)
+	$(PY) -m runner.figures.sweep $* --scale $(SCALE) -- $(SWEEP_ARGS)
+	$(REPORT)
+	$(PY) -m runner.plots $* --scale $(SCALE)
+
+report: ## dprun-report over outputs/: one row per run (outputs/tables/runs.csv)
+	$(PY) -m runner.report
+
+plots: ## redraw every figure from the existing tables (no training)
+	$(REPORT)
+	$(PY) -m runner.plots $(FIGURES_TRAINED) $(FIGURES_COMPUTED) --scale $(SCALE)
+
+figures-list: ## the figure names and the preset each reads
+	$(PY) -m runner.plots --list

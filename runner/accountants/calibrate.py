@@ -1,0 +1,65 @@
+"""Noise calibration: the smallest sigma whose epsilon after `steps` steps is at most a target, for any accountant.
+
+    from runner.accountants import calibrate_sigma
+    sigma = calibrate_sigma("pld", method.mechanism, sample_rate=256/60000, steps=3516,
+                            target_epsilon=0.865, delta=1e-5)        # -> ~1.30
+
+`mechanism_for(sample_rate)` is the method's Method.mechanism: it describes one step at the method's CURRENT sigma
+(SubsampledGaussian or SubsampledJL with its r); we vary only noise_multiplier (dataclasses.replace), so the
+calibration works for every mechanism that has one. epsilon(sigma) is non-increasing, so bisection on log sigma
+finds it; we return the upper end of the final bracket, i.e. a sigma whose epsilon is <= target (within 1%).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+from runner.accountants.base import ACCOUNTANTS
+from runner.accountants.mechanisms import Mechanism
+from runner.errors import DprunError
+
+SIGMA_MIN, SIGMA_MAX = 0.05, 1000.0
+
+
+def epsilon_for(accountant_name: str, mechanism: Mechanism, steps: int, delta: float) -> float:
+    acc = ACCOUNTANTS.build(accountant_name)
+    acc.step(mechanism, count=int(steps))
+    return acc.epsilon(delta)
+
+
+def calibrate_sigma(accountant_name: str, mechanism_for: Callable[[float], Mechanism], sample_rate: float,
+                    steps: int, target_epsilon: float, delta: float, rtol: float = 1e-3) -> float:
+    template = mechanism_for(sample_rate)
+    if not hasattr(template, "noise_multiplier"):
+        raise DprunError(f"cannot calibrate sigma for mechanism {template.kind}: it has no noise multiplier")
+    if not target_epsilon > 0:
+        raise DprunError(f"target_epsilon={target_epsilon} must be > 0")
+
+    seen: dict[float, float] = {}
+
+    def eps(sigma: float) -> float:
+        if sigma not in seen:
+            mech = dataclasses.replace(template, noise_multiplier=sigma)
+            seen[sigma] = epsilon_for(accountant_name, mech, steps, delta)
+        return seen[sigma]
+
+    where = f"accountant={accountant_name}, {steps} steps at q={sample_rate:.4g}, delta={delta:g}"
+    lo, hi = 1.0, 1.0
+    if eps(hi) > target_epsilon:  # grow sigma until the target is met
+        while eps(hi) > target_epsilon:
+            lo, hi = hi, hi * 4
+            if hi > SIGMA_MAX:
+                best = eps(SIGMA_MAX)
+                reach = "no finite epsilon" if math.isinf(best) else f"epsilon={best:.4g} at best"
+                raise DprunError(f"target_epsilon={target_epsilon} is unreachable with {where}: sigma={SIGMA_MAX:g} "
+                                 f"still gives {reach}; raise the target or lower the steps")
+    else:  # shrink sigma while the target still holds
+        while eps(lo) <= target_epsilon:
+            lo, hi = lo / 2, lo
+            if lo < SIGMA_MIN:
+                return hi  # the target allows even less noise than SIGMA_MIN: use SIGMA_MIN
+    while hi / lo > 1 + rtol:  # invariant: eps(lo) > target >= eps(hi)
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if eps(mid) > target_epsilon else (lo, mid)
+    return hi

@@ -1,0 +1,48 @@
+"""nxBP (Lee & Kifer section 3; the papers' "DP-SGD-Vanilla"): one forward and one backward per example.
+
+The oracle: every exact method's clipped sum and norms must equal these (tests/test_exact_methods.py).
+Slow by design: B sequential backward passes.
+"""
+from __future__ import annotations
+
+import torch
+
+from runner.methods.base import METHODS, Method, StepOutput, clip_factors
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class NxBP(Method):
+    name = "nxbp"
+    summary = "one backward per example (exact; the oracle and the papers' DP-SGD-Vanilla)"
+
+    def privatize(self, model, loss_fn, x, y) -> StepOutput:
+        params = trainable(model)
+        sums = [torch.zeros_like(p) for p in params]
+        norms, losses, outputs = [], [], []
+        for i in range(len(y)):
+            out = model(x[i:i + 1])  # (1, classes)
+            loss = loss_fn(out, y[i:i + 1]).sum()
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+            norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+            factor = clip_factors(norm, self.clip)
+            for s, g in zip(sums, grads):
+                s.add_(g, alpha=float(factor))
+            norms.append(norm.detach())
+            losses.append(loss.detach())
+            outputs.append(out.detach())
+        for p, s in zip(params, sums):
+            p.grad = s
+        dev = params[0].device if params else x.device
+        return StepOutput(
+            losses=torch.stack(losses) if losses else torch.zeros(0, device=dev),
+            outputs=torch.cat(outputs) if outputs else None,
+            norms=torch.stack(norms) if norms else torch.zeros(0, device=dev),
+            mechanism=self.mechanism(0.0),
+        )
+
+
+METHODS.register("nxbp", NxBP)

@@ -1,0 +1,36 @@
+"""Shared fixtures: composing the real conf/ tree, and small run configs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+import runner.cli  # noqa: F401  (registers the resolvers conf/ uses)
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def compose_config(overrides: list[str] | None = None):
+    """conf/config.yaml composed with overrides, as `dprun k=v ...` would see it (no Hydra run dir)."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides or [])
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.fixture
+def cfg_factory():
+    return compose_config
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,41 @@
+"""calibrate_sigma: round trip within 1% for any accountant; impossible targets are one-line errors."""
+import pytest
+
+from runner.accountants import ACCOUNTANTS, SubsampledGaussian, SubsampledJL, calibrate_sigma
+from runner.errors import DprunError
+
+
+class FakeMethod:  # what runner/train.py passes: method.mechanism reads the method's current sigma
+    def __init__(self, r=None):
+        self.sigma, self.r = 1.0, r
+
+    def mechanism(self, q):
+        if self.r is None:
+            return SubsampledGaussian(q, self.sigma)
+        return SubsampledJL(q, self.sigma, self.r)
+
+
+def epsilon(name, mech, steps, delta=1e-5):
+    acc = ACCOUNTANTS.build(name)
+    acc.step(mech, count=steps)
+    return acc.epsilon(delta)
+
+
+@pytest.mark.parametrize("name", ["rdp", "pld", "gdp"])
+def test_round_trip(name):
+    q, steps, target = 0.02, 200, 0.5  # sigma > 1: cheap PLDs
+    sigma = calibrate_sigma(name, FakeMethod().mechanism, q, steps, target, 1e-5)
+    assert 0.99 * target <= epsilon(name, SubsampledGaussian(q, sigma), steps) <= target
+
+
+@pytest.mark.slow
+def test_round_trip_jl():
+    q, steps, target = 0.01, 50, 1.0
+    sigma = calibrate_sigma("jl", FakeMethod(r=200).mechanism, q, steps, target, 1e-5)
+    assert 0.99 * target <= epsilon("jl", SubsampledJL(q, sigma, 200), steps) <= target
+
+
+def test_impossible_target_is_one_line():
+    with pytest.raises(DprunError, match="target_epsilon=0.0001 is unreachable") as err:
+        calibrate_sigma("rdp", FakeMethod().mechanism, 0.5, 10_000, 1e-4, 1e-5)
+    assert "\n" not in str(err.value) and "epsilon=" in str(err.value)

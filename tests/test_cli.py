@@ -1,0 +1,69 @@
+"""The `dprun` command: composition, sweeps, and one-line errors for bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def dprun(*args, cwd, timeout=300):
+    return subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def one_line_error(proc) -> str:
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("dprun: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("arg,bad,valid", [("method=foo", "foo", "nxbp"), ("model=bar", "bar", "mlp"),
+                                           ("dataset=cifar100", "cifar100", "cifar10"),
+                                           ("optimizer=rmsprop", "rmsprop", "adam")])
+def test_unknown_group_option_is_one_line(tmp_path, arg, bad, valid):
+    line = one_line_error(dprun(arg, cwd=tmp_path))
+    assert bad in line and valid in line
+
+
+def test_bad_knob_values_are_one_line(tmp_path):
+    line = one_line_error(dprun("sampling=random", "epochs=1", cwd=tmp_path))
+    assert "random" in line and "poisson" in line
+    line = one_line_error(dprun("device=tpu", "epochs=1", cwd=tmp_path))
+    assert "tpu" in line and "cpu" in line
+    line = one_line_error(dprun("batch_size=100000", "epochs=1", cwd=tmp_path))
+    assert "100000" in line
+
+
+def test_missing_dataset_files_name_the_files_and_folder(tmp_path):
+    line = one_line_error(dprun("dataset=mnist", f"data_dir={tmp_path}/nowhere", "epochs=1", cwd=tmp_path))
+    assert "nowhere" in line and "train-images" in line
+
+
+def test_multirun_writes_one_folder_per_run(tmp_path):
+    proc = dprun("-m", "model=cnn,mlp", "dataset=digits", "epochs=1", "max_steps_per_epoch=3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summaries = sorted((tmp_path / "outputs" / "multirun").rglob("summary.json"))
+    assert len(summaries) == 2
+    models = {json.loads(p.read_text())["config"]["model"]["name"] for p in summaries}
+    assert models == {"cnn", "mlp"}
+    assert all((p.parent / "metrics.csv").exists() for p in summaries)
+
+
+def test_two_runs_in_the_same_second_never_share_a_folder(tmp_path):
+    a = dprun("epochs=1", "max_steps_per_epoch=2", cwd=tmp_path)
+    b = dprun("epochs=1", "max_steps_per_epoch=2", cwd=tmp_path)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert len(list((tmp_path / "outputs" / "runs").rglob("summary.json"))) == 2
+
+
+def test_synthetic_cifar_run_starts(tmp_path):
+    proc = dprun("dataset=synthetic", "dataset.like=cifar10", "dataset.train_size=512", "epochs=1",
+                 "max_steps_per_epoch=2", "batch_size=32", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "papernot_cnn" in (list((tmp_path / "outputs").rglob("summary.json"))[0]).read_text()

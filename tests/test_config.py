@@ -1,0 +1,91 @@
+"""Every option of every config group composes, and instantiates (or fails with the documented one-line error)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import compose_config, group_options
+from runner import accountants, methods, models
+from runner.data.synthetic import LIKE
+from runner.data.base import DataInfo
+from runner.errors import DprunError
+from runner.optimizers import build_optimizer
+
+INFO_FOR_LIKE = {name: DataInfo(name, shape, classes, kind, vocab, 100, 10)
+                 for name, (shape, classes, kind, vocab, _, _) in LIKE.items()}
+
+
+def test_the_groups_exist_and_are_non_empty():
+    for group in ("dataset", "model", "method", "accountant", "optimizer"):
+        assert group_options(group), group
+
+
+def test_every_method_name_of_the_issue_composes():
+    for name in ("nonprivate", "nxbp", "multiloss", "reweight", "jl", "sbcd", "opacus"):
+        cfg = compose_config([f"method={name}", "r=4", "dataset=cifar10"])
+        assert cfg.method.name == name and cfg.r == 4 and cfg.model.name == "papernot_cnn"
+
+
+@pytest.mark.parametrize("option", group_options("method"))
+def test_method_options_instantiate(option):
+    cfg = compose_config([f"method={option}"])
+    method = methods.build(cfg)
+    assert method.name == option
+    assert method.clip == cfg.clip and method.sigma == cfg.sigma
+
+
+@pytest.mark.parametrize("option", group_options("accountant"))
+def test_accountant_options_instantiate(option):
+    cfg = compose_config([f"accountant={option}"])
+    if option in accountants.NON_ACCOUNTANT_NAMES:
+        assert option in ("auto", "none")
+    else:
+        assert accountants.build(cfg.accountant.name).name == option
+
+
+@pytest.mark.parametrize("option", group_options("optimizer"))
+def test_optimizer_options_instantiate(option):
+    cfg = compose_config([f"optimizer={option}"])
+    opt = build_optimizer(cfg.optimizer, [torch.nn.Parameter(torch.zeros(2))], cfg.lr)
+    assert isinstance(opt, torch.optim.Optimizer)
+
+
+@pytest.mark.parametrize("option", [o for o in group_options("model") if o != "auto"])
+def test_model_options_instantiate(option):
+    cfg = compose_config([f"model={option}"])
+    kwargs = {k: v for k, v in cfg.model.items() if k != "name"}
+    is_text = option in ("bilstm", "transformer")
+    info = INFO_FOR_LIKE["imdb" if is_text else ("cifar10" if option.startswith(("vgg", "resnet", "papernot")) else "mnist")]
+    model = models.build(cfg.model.name, info, **kwargs)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.parametrize("option", group_options("dataset"))
+def test_dataset_options_compose_with_their_paper_model(option):
+    cfg = compose_config([f"dataset={option}"])
+    assert cfg.dataset.name == option
+    assert cfg.model.name in models.MODELS, f"{option}'s paper model {cfg.model.name} is not registered"
+
+
+def test_paper_model_defaults():
+    expected = {"mnist": "bu_cnn", "fmnist": "bu_cnn", "cifar10": "papernot_cnn", "imdb": "bilstm"}
+    for dataset, model in expected.items():
+        assert compose_config([f"dataset={dataset}"]).model.name == model
+    assert compose_config(["dataset=synthetic", "dataset.like=imdb"]).model.name == "bilstm"
+    assert compose_config(["dataset=imdb", "model=transformer"]).model.name == "transformer"
+
+
+def test_top_level_knobs_are_bare_overrides():
+    knobs = {"r": 10, "batch_size": 32, "epochs": 2, "lr": 0.01, "sigma": 0.7, "clip": 2.0, "delta": 1e-6,
+             "target_epsilon": 3.0, "seed": 7, "device": "cpu", "data_dir": "/tmp/x", "sampling": "shuffle"}
+    cfg = compose_config([f"{k}={v}" for k, v in knobs.items()])
+    for k, v in knobs.items():
+        assert cfg[k] == v, k
+    assert compose_config().target_epsilon is None
+
+
+def test_unknown_registry_name_is_one_line():
+    with pytest.raises(DprunError) as e:
+        models.build("resnet19", INFO_FOR_LIKE["cifar10"])
+    msg = str(e.value)
+    assert "\n" not in msg and "resnet19" in msg and "valid:" in msg
