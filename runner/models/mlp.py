@@ -10,7 +10,7 @@ import math
 
 from torch import nn
 
-from runner.models.base import MODELS
+from runner.models.base import MODELS, require_image
 
 
 class MLP(nn.Module):
@@ -30,4 +30,5 @@ class MLP(nn.Module):
 
 @MODELS.register("mlp")
 def build_mlp(info, depth: int = 2, widths=(128, 256), activation: str = "sigmoid"):
+    require_image(info, "mlp")  # token ids are not features; text models: bilstm, transformer, rnn, lstm, gru
     return MLP(math.prod(info.input_shape), info.num_classes, int(depth), tuple(widths), activation)
