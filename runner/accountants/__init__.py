@@ -10,16 +10,11 @@ name in conf/accountant/ is registered, so a file cannot silently drop out.
 """
 from __future__ import annotations
 
-import importlib.util
-
 from runner.accountants.base import ACCOUNTANTS, Accountant, UnsupportedMechanism  # noqa: F401
 from runner.accountants.mechanisms import Mechanism, NoPrivacy, SubsampledGaussian, SubsampledJL  # noqa: F401
-from runner.accountants import gdp, jl, pld, rdp  # noqa: F401,E402  (each registers its accountant)
+from runner.accountants import gdp, hsa, jl, pld, rdp  # noqa: F401,E402  (each registers its accountant)
 from runner.accountants.calibrate import calibrate_sigma  # noqa: F401,E402
 
-# hsa (hidden-state accounting for DP-SBCD) lives with its own issue; imported as soon as its file exists
-if importlib.util.find_spec("runner.accountants.hsa") is not None:
-    from runner.accountants import hsa  # noqa: F401
 
 NON_ACCOUNTANT_NAMES = ("auto", "none")
 
