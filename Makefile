@@ -20,6 +20,11 @@ test-slow: ## the slow suite: end-to-end figure sweeps at smoke scale
 	$(PY) -m pytest -q -m slow
 
 # --- benchmarks (ratios measured side by side in one process) ---
+BENCH_ARGS ?=
+.PHONY: bench-clip
+bench-clip: ## exact clipping methods vs non-private and Opacus, side by side (BENCH_ARGS="--device cuda --quick")
+	$(PY) -m runner.bench.clip $(BENCH_ARGS)
+
 # --- figures and tables ---
 # make figures SCALE=smoke (default; CPU minutes) | SCALE=paper (the papers' hyperparameters, for a GPU).
 # Each fig-<name>: the preset's Hydra sweeps (runner/figures/sweep.py), dprun-report, then the plot (docs/figures.md).

@@ -170,6 +170,10 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     except KeyboardInterrupt:
         summary["status"] = "interrupted"
         raise
+    except Exception as e:  # e.g. CUDA out of memory: recorded so that reports never mistake it for a running job
+        summary["status"] = "failed"
+        summary["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+        raise
     finally:
         if accountant is not None:
             summary["mechanisms"] = [{"kind": m.kind, **m.__dict__, "steps": n} for m, n in accountant.history.items()]

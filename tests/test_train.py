@@ -99,3 +99,16 @@ def test_every_model_trains_a_few_steps_on_synthetic_data():
             loss.backward()
             opt.step()
         assert torch.isfinite(loss), name
+
+
+def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
+    from runner.methods.base import NonPrivate
+
+    def oom(self, *a, **k):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(NonPrivate, "step", oom)
+    with pytest.raises(RuntimeError):
+        train(compose_config(["epochs=1", "progress=false"]), tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "out of memory" in summary["error"]

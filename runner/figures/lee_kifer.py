@@ -1,0 +1,121 @@
+"""Lee & Kifer's figures (fast per-example clipping): seconds per epoch by architecture (Figure 5), batch size
+(Figure 6), MLP depth (Figure 7), ResNet/VGG on LSUN-shaped images (Figure 8), image size (Figure 9), and the
+memory study (largest batch before out-of-memory, section 6.7; GPU only).
+
+    python -m runner.plots lk_fig6 --scale smoke      # after: make fig-lk_fig6 (sweep + dprun-report)
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from runner.figures.spec import Figure, add, seconds_per_epoch
+from runner.figures.style import LK_ORDER, bar_panel, finish, line_panel, lk_label, panels
+
+DATA_TITLES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR10", "imdb": "IMDB", "lsun": "LSUN"}
+MODEL_TITLES = {"mlp": "MLP", "cnn": "CNN", "rnn": "RNN", "lstm": "LSTM", "transformer": "Transformer"}
+# Paper, section 6.7: the batch size at which each method first ran out of memory (ResNet-101, 256x256, 11 GB)
+PAPER_MEMORY = {"Non-private": 48, "ReweightGP": 36, "multiLoss": 18}
+
+
+def timing_table(runs, epochs, scale) -> pd.DataFrame:
+    """One row per run: what it stands for (data, model, depth, batch, image size), method label, s/epoch."""
+    out = pd.DataFrame({
+        "data": [l if d == "synthetic" and isinstance(l, str) else d for d, l in zip(runs["dataset"], runs["like"])],
+        "model": runs["model"], "depth": runs["depth"], "batch_size": runs["batch_size"],
+        "image_size": runs["image_size"],
+        "label": [lk_label(m, r) for m, r in zip(runs["method"], runs["r"])],
+        "s_per_epoch": seconds_per_epoch(runs).values, "peak_mem_bytes": runs["peak_mem_bytes"],
+        "status": runs["status"],
+    })
+    nx = out[out["label"] == "nxBP"].set_index(["data", "model", "depth", "batch_size", "image_size"])["s_per_epoch"]
+    keys = list(zip(out["data"], out["model"], out["depth"], out["batch_size"], out["image_size"]))
+    out["speedup_vs_nxbp"] = [nx.get(k, float("nan")) / v if v else float("nan") for k, v in zip(keys, out["s_per_epoch"])]
+    return out
+
+
+def draw_fig5(data, caption, scale):
+    sets = [d for d in ("mnist", "fmnist", "cifar10", "imdb") if d in set(data["data"])]
+    fig, axes = panels(1, max(1, len(sets)), "Lee & Kifer Figure 5: seconds per epoch by architecture (B=32)")
+    for ax, d in zip(axes, sets):
+        sub = data[data["data"] == d].assign(model=lambda t: t["model"].map(lambda m: MODEL_TITLES.get(m, m)))
+        bar_panel(ax, sub, "model", "s_per_epoch", "label", DATA_TITLES.get(d, d), order=LK_ORDER)
+    axes[0].legend(fontsize=7)
+    return finish(fig, caption)
+
+
+def draw_fig6(data, caption, scale):
+    models = [m for m in ("mlp", "cnn", "rnn") if m in set(data["model"])]
+    fig, axes = panels(1, max(1, len(models)), "Lee & Kifer Figure 6: execution time by batch size (MNIST)")
+    for ax, m in zip(axes, models):
+        line_panel(ax, data[data["model"] == m], "batch_size", "s_per_epoch", "label", MODEL_TITLES[m],
+                   order=LK_ORDER, xlabel="batch size")
+        ax.set_xscale("log", base=2)
+    axes[0].legend(fontsize=7)
+    return finish(fig, caption)
+
+
+def draw_fig7(data, caption, scale):
+    sets = [d for d in ("mnist", "fmnist", "cifar10") if d in set(data["data"])]
+    fig, axes = panels(1, max(1, len(sets)), "Lee & Kifer Figure 7: seconds per epoch by number of hidden layers "
+                                             "(MLP, B=128)")
+    for ax, d in zip(axes, sets):
+        line_panel(ax, data[data["data"] == d], "depth", "s_per_epoch", "label", DATA_TITLES[d], order=LK_ORDER,
+                   xlabel="hidden layers")
+    axes[0].legend(fontsize=7)
+    return finish(fig, caption)
+
+
+def draw_fig8(data, caption, scale):
+    sizes = sorted(int(s) for s in set(data["image_size"].dropna()))
+    fig, axes = panels(1, max(1, len(sizes)), "Lee & Kifer Figure 8: ResNet and VGG networks on LSUN-shaped images "
+                                              "(B=20); a missing bar: the run failed (out of memory)", 5.5)
+    for ax, size in zip(axes, sizes):
+        bar_panel(ax, data[data["image_size"] == size], "model", "s_per_epoch", "label", f"{size}x{size}",
+                  order=LK_ORDER)
+    axes[0].legend(fontsize=7)
+    return finish(fig, caption)
+
+
+def draw_fig9(data, caption, scale):
+    fig, (ax, ratio) = panels(1, 2, "Lee & Kifer Figure 9: processing time by image resolution (ResNet-18, B=32)")
+    line_panel(ax, data, "image_size", "s_per_epoch", "label", "seconds per epoch", order=LK_ORDER,
+               xlabel="image size (pixels per side)")
+    line_panel(ratio, data[data["label"] != "nxBP"], "image_size", "speedup_vs_nxbp", "label", "speed-up over nxBP",
+               order=LK_ORDER, xlabel="image size (pixels per side)", ylabel="nxBP time / method time")
+    ax.legend(fontsize=7)
+    return finish(fig, caption)
+
+
+def memory_table(runs, epochs, scale) -> pd.DataFrame:
+    t = timing_table(runs, epochs, scale)
+    rows = []
+    for label, sub in t.groupby("label"):
+        ok, failed = sub[sub["status"] == "finished"], sub[sub["status"] != "finished"]
+        rows.append({"label": label, "largest batch trained": ok["batch_size"].max() if len(ok) else None,
+                     "first batch that failed": failed["batch_size"].min() if len(failed) else None,
+                     "largest batch tried": sub["batch_size"].max(),
+                     "peak memory GiB at largest": (ok.sort_values("batch_size")["peak_mem_bytes"].iloc[-1] / 2**30
+                                                    if len(ok) else None),
+                     "paper (11 GB GPU): first failed at": PAPER_MEMORY.get(label)})
+    return pd.DataFrame(rows)
+
+
+def draw_memory(data, caption, scale):
+    fig, (ax,) = panels(1, 1, "Lee & Kifer section 6.7: largest batch before out-of-memory (ResNet-101, 256x256)", 6)
+    data = data.set_index("label").reindex([l for l in LK_ORDER if l in set(data["label"])])
+    ax.bar(range(len(data)), data["largest batch trained"], label="ours")
+    ax.scatter(range(len(data)), data["paper (11 GB GPU): first failed at"], color="k", marker="_", s=400,
+               label="paper: first failed at (GTX 1080 Ti, 11 GB)", zorder=3)
+    ax.set_xticks(range(len(data)), list(data.index))
+    ax.set_ylabel("largest batch size trained")
+    ax.legend(fontsize=7)
+    return finish(fig, caption)
+
+
+add(Figure("lk_fig5", "L&K", "Seconds per epoch by architecture", "figure", "lk_fig5", timing_table, draw_fig5))
+add(Figure("lk_fig6", "L&K", "Execution time by batch size", "figure", "lk_fig6", timing_table, draw_fig6))
+add(Figure("lk_fig7", "L&K", "Seconds per epoch by MLP depth", "figure", "lk_fig7", timing_table, draw_fig7))
+add(Figure("lk_fig8", "L&K", "ResNet and VGG on LSUN-shaped images", "figure", "lk_fig8", timing_table, draw_fig8))
+add(Figure("lk_fig9", "L&K", "Processing time by image resolution", "figure", "lk_fig9", timing_table, draw_fig9))
+add(Figure("lk_memory", "L&K", "Largest batch before out-of-memory", "figure", "lk_memory", memory_table,
+           draw_memory, gpu_only=True))

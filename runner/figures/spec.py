@@ -1,0 +1,58 @@
+"""A paper table or figure: which preset's runs it reads, how those runs become its data table, how it is drawn.
+
+    from runner.figures import FIGURES
+    fig = FIGURES.get("jl_table2")
+    data = fig.table(runs, epochs, "smoke")     # the report's tables -> the figure's own (written as CSV)
+    mpl_figure = fig.draw(data, caption, "smoke")  # matplotlib Figure (saved as PNG + PDF by runner.plots)
+
+`experiment` names the conf/experiment preset whose runs the figure reads (several figures may share one preset:
+JL Figure 4 reads Table 2's runs). `experiment=None` marks a computed figure (scipy, an accountant, the DP-SBCD
+bound): no training; `table` then ignores the runs. `needs()` returns why the figure cannot be made yet (a module
+or registry entry that has not landed), or None.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import pandas as pd
+
+from runner.registry import Registry
+
+FIGURES = Registry("figure")
+
+TableFn = Callable[[pd.DataFrame, pd.DataFrame, str], pd.DataFrame]  # (runs, per-epoch rows, scale) -> data
+DrawFn = Callable[[pd.DataFrame, str, str], "object"]  # (data, caption, scale) -> matplotlib.figure.Figure
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    paper: str  # "JL" | "L&K" | "DP-SBCD"
+    title: str  # the paper's caption, shortened
+    kind: str  # "figure" | "table"
+    experiment: Optional[str]  # conf/experiment preset whose runs it reads; None = computed, no training
+    table: TableFn
+    draw: DrawFn
+    needs: Callable[[], Optional[str]] = lambda: None
+    gpu_only: bool = False
+
+
+def add(fig: Figure) -> Figure:
+    FIGURES.register(fig.name, fig)
+    return fig
+
+
+def seconds_per_epoch(runs: pd.DataFrame) -> pd.Series:
+    """Measured mean epoch time for full epochs; the estimate from the median step time where steps were capped."""
+    capped = runs["max_steps_per_epoch"].notna() if "max_steps_per_epoch" in runs else False
+    return runs["epoch_time_est_s"].where(capped, runs["mean_epoch_time_s"])
+
+
+def threshold(paper_value: float, observed: pd.Series, scale: str) -> tuple[float, str]:
+    """The paper's fixed accuracy / time / epsilon at scale=paper; at smoke (short runs on small or synthetic data,
+    where the paper's value is out of reach) the median of the runs, so the panel still compares the methods."""
+    if scale == "paper" or observed.dropna().empty:
+        return paper_value, f"{paper_value:g}"
+    value = float(observed.dropna().median())
+    return value, f"{value:.3g} (smoke: median of the runs; paper {paper_value:g})"

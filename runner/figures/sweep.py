@@ -1,0 +1,135 @@
+"""Run the Hydra multirun sweeps behind figures: the preset's grid, then each of its `extra_sweeps`.
+
+    python -m runner.figures.sweep jl_table2 --scale smoke      # dprun -m experiment=jl_table2 scale=smoke ...
+    python -m runner.figures.sweep lk_fig5 lk_fig6 --scale paper -- launcher=slurm
+    python -m runner.figures.sweep jl_table2 --dry-run          # print the dprun commands only
+
+A preset (conf/experiment/<name>.yaml) sets `hydra.sweeper.params` (its grid; `dprun -m experiment=<name>` alone
+runs it) and may list `extra_sweeps`: override strings for arms that are not a product with the grid (JL's r only
+for method=jl). Each becomes one `dprun -m experiment=<name> scale=<scale> <extra>` (an extra's keys replace the
+grid's). Figures sharing a preset (JL Table 2 and Figure 4) run it once per call. Sweep values whose code has not
+landed (a method still a placeholder, an unregistered model or accountant) are dropped with a printed note.
+Arguments after `--` go to every dprun command (e.g. launcher=joblib, device=cuda, data_dir=...).
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from runner.cli import CONF_DIR
+from runner.figures import FIGURES
+
+
+def compose_preset(experiment: str, scale: str, extra: list[str] | None = None):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=[f"experiment={experiment}", f"scale={scale}", *(extra or [])],
+                       return_hydra_config=True)
+
+
+def missing(group: str, value: str) -> str | None:
+    """Why `group=value` cannot run yet, or None."""
+    from runner import accountants, methods, models
+
+    if group == "method":
+        cls = methods.METHODS.get(value) if value in methods.METHODS else None
+        if cls is None or cls.__qualname__.startswith("_not_yet"):
+            return f"method={value} is not implemented yet"
+        acc = cls.default_accountant
+        if cls.private and acc not in accountants.NON_ACCOUNTANT_NAMES and acc not in accountants.ACCOUNTANTS:
+            return f"accountant {acc} (method={value}'s default) is not registered yet"
+    if group in ("model", "model.name"):
+        if value not in models.MODELS:
+            return f"model={value} is not registered yet"
+        if group == "model" and not (Path(CONF_DIR) / "model" / f"{value}.yaml").exists():
+            return f"conf/model/{value}.yaml does not exist yet"
+    return None
+
+
+def parse(override: str) -> tuple[str, list[str]]:
+    key, _, value = override.partition("=")
+    return key, (value.split(",") if "${" not in value else [value])
+
+
+def sweep_commands(experiment: str, scale: str, passthrough: list[str]) -> tuple[list[list[str]], list[str]]:
+    """The dprun argv of each sweep of a preset, with unavailable values dropped, and the notes saying which."""
+    cfg = compose_preset(experiment, scale, passthrough)
+    grid = {str(k): str(v) for k, v in (cfg.hydra.sweeper.params or {}).items()}
+    commands, notes = [], []
+    for extra in [""] + list(cfg.get("extra_sweeps") or []):
+        params = dict(grid)
+        params.update({key: ",".join(values) for key, values in map(parse, extra.split())})
+        fixed = {"method": str(cfg.method.name), "model.name": str(cfg.model.name)}
+        blocked = None
+        for key, value in fixed.items():
+            group = key.split(".")[0]
+            if group not in params and key not in params:
+                blocked = blocked or missing(key, value)
+        if blocked:
+            notes.append(f"{experiment} [{extra or 'grid'}]: skipped, {blocked}")
+            continue
+        argv = [f"experiment={experiment}", f"scale={scale}"]
+        for key, value in params.items():
+            values = value.split(",") if "${" not in value else [value]
+            kept = [v for v in values if not missing(key, v)]
+            notes += [f"{experiment}: dropped {key}={v}: {missing(key, v)}" for v in values if missing(key, v)]
+            if not kept:
+                blocked = f"no {key} value can run yet"
+                break
+            argv.append(f"{key}={','.join(kept)}")
+        if blocked:
+            notes.append(f"{experiment} [{extra or 'grid'}]: skipped, {blocked}")
+            continue
+        commands.append(argv + ["progress=false", *passthrough])
+    return commands, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    passthrough = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="python -m runner.figures.sweep", description=__doc__.splitlines()[0])
+    p.add_argument("names", nargs="+", help="figure names (python -m runner.plots --list)")
+    p.add_argument("--scale", default="smoke", choices=["smoke", "paper"])
+    p.add_argument("--dry-run", action="store_true", help="print the dprun commands, run nothing")
+    args = p.parse_args(argv)
+    experiments, failed = [], 0
+    for name in args.names:
+        fig = FIGURES.get(name)
+        if fig.experiment is None:
+            print(f"sweep: {name} is computed (no training); nothing to run")
+        elif fig.gpu_only and not args.dry_run and not _cuda():
+            print(f"sweep: {name} skipped: GPU only (largest batch before out-of-memory) and CUDA is not available")
+        elif fig.experiment not in experiments:
+            experiments.append(fig.experiment)
+    for experiment in experiments:
+        commands, notes = sweep_commands(experiment, args.scale, passthrough)
+        for note in notes:
+            print(f"sweep: {note}")
+        for cmd in commands:
+            print("sweep: dprun -m " + " ".join(cmd), flush=True)
+            if args.dry_run:
+                continue
+            rc = subprocess.call([sys.executable, "-m", "runner.cli", "-m", *cmd])
+            if rc != 0:
+                failed += 1
+                print(f"sweep: a job of `dprun -m {' '.join(cmd)}` failed (exit {rc}); the others ran, "
+                      "see their summary.json status in dprun-report", flush=True)
+    if failed:
+        print(f"sweep: {failed} sweep(s) had failed jobs; the figures use the runs that finished")
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

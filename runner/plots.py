@@ -1,0 +1,116 @@
+"""Draw the papers' tables and figures from dprun-report's tables: never runs training.
+
+    dprun-report --quiet && dprun-report --epochs --quiet      # outputs/tables/runs.csv, runs_epochs.csv
+    python -m runner.plots jl_table2 lk_fig6 --scale smoke     # -> outputs/figures/<name>.png/.pdf,
+                                                               #    outputs/tables/<name>.csv (the figure's data)
+    python -m runner.plots --all --scale paper
+    python -m runner.plots --list
+
+A figure whose preset has no finished runs at this scale, or whose code has not landed yet (a method, an
+accountant, runner/sbcd_curves.py), is skipped with a one-line note; nothing is drawn from made-up numbers.
+Computed figures (JL Table 1 and Figure 2, epsilon vs r, the DP-SBCD curves) need no runs.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from runner.figures import FIGURES
+from runner.figures.style import caption_for
+from runner.report import latest
+
+COMPUTED_WITH = {"jl_table1": "the method registry", "jl_fig2": "scipy.stats.chi",
+                 "jl_epsilon_r": "dprun's jl and pld accountants"}
+
+
+def read_table(path: Path) -> pd.DataFrame:
+    if not path.exists() or path.stat().st_size == 0:
+        return pd.DataFrame()
+    try:
+        return pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        return pd.DataFrame()
+
+
+def select_runs(runs: pd.DataFrame, experiment: str, scale: str) -> pd.DataFrame:
+    if runs.empty or "experiment" not in runs:
+        return runs
+    return latest(runs[(runs["experiment"] == experiment) & (runs["scale"] == scale)])
+
+
+def render(name: str, runs: pd.DataFrame, epochs: pd.DataFrame, scale: str, out_dir: Path, tables_dir: Path,
+           formats: tuple[str, ...] = ("png", "pdf")):
+    """Draw one figure (as PNG and PDF); return the PNG path, or a string saying why it was skipped."""
+    import matplotlib.pyplot as plt
+
+    fig = FIGURES.get(name)
+    reason = fig.needs()
+    if reason:
+        return f"skip {name}: {reason}"
+    if fig.gpu_only and not _cuda() and (runs.empty or "experiment" not in runs
+                                         or not (runs["experiment"] == fig.experiment).any()):
+        return f"skip {name}: GPU only (largest batch before out-of-memory); no CUDA here and no runs to draw"
+    if fig.experiment:
+        runs = select_runs(runs, fig.experiment, scale)
+        if runs.empty:
+            return (f"skip {name}: no finished runs of experiment={fig.experiment} at scale={scale} "
+                    f"(make fig-{name} SCALE={scale})")
+        epochs = epochs[epochs["run_dir"].isin(set(runs["run_dir"]))] if not epochs.empty else epochs
+        caption = f"{fig.paper}: " + caption_for(runs, scale)
+    else:
+        caption = f"{fig.paper}: " + caption_for(runs, scale, COMPUTED_WITH.get(name, "runner.sbcd_curves"))
+    data = fig.table(runs, epochs, scale)
+    tables_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data.to_csv(tables_dir / f"{name}.csv", index=False)
+    figure = fig.draw(data, caption, scale)
+    for fmt in formats:
+        figure.savefig(out_dir / f"{name}.{fmt}", dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return out_dir / f"{name}.png"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runner.plots", description=__doc__.splitlines()[0])
+    p.add_argument("names", nargs="*", help="figure names (see --list)")
+    p.add_argument("--all", action="store_true", help="every registered table and figure")
+    p.add_argument("--tables-only", action="store_true", help="with --all: only the tables")
+    p.add_argument("--list", action="store_true", help="list the figures and the preset each reads")
+    p.add_argument("--scale", default="smoke", choices=["smoke", "paper"])
+    p.add_argument("--tables", default="outputs/tables", help="where dprun-report wrote runs.csv, runs_epochs.csv")
+    p.add_argument("--out", default="outputs/figures")
+    args = p.parse_args(argv)
+    if args.list:
+        for name, fig in FIGURES.items():
+            print(f"{name:26s} {fig.kind:6s} {fig.experiment or '(computed)':12s} {fig.paper}: {fig.title}")
+        return 0
+    names = FIGURES.names() if args.all else args.names
+    if args.tables_only:
+        names = [n for n in names if FIGURES.get(n).kind == "table"]
+    if not names:
+        p.error("name a figure (see --list) or pass --all")
+    tables = Path(args.tables)
+    runs, epochs = read_table(tables / "runs.csv"), read_table(tables / "runs_epochs.csv")
+    failed = 0
+    for name in names:
+        try:
+            result = render(name, runs, epochs, args.scale, Path(args.out), tables)
+        except Exception as e:  # one figure's failure must not hide the others
+            print(f"plots: {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        print(f"plots: {result}" if isinstance(result, str) else f"plots: {name} -> {result}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

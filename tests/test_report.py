@@ -1,0 +1,93 @@
+"""dprun-report on run folders this test makes: one row per run, the config columns, final and per-epoch metrics,
+filters by experiment and scale, and `latest` keeps the newest of repeated runs."""
+from __future__ import annotations
+
+import json
+import os
+
+import pandas as pd
+import pytest
+
+from runner.metrics import write_csv, write_json
+from runner.report import collect, latest, main
+
+
+def make_run(folder, method, r=1, experiment="default", scale="smoke", epochs=2, step=0.01, status="finished",
+             sample_rate=0.1, capped=None, mtime=None):
+    cfg = {"experiment_name": experiment, "scale": scale, "dataset": {"name": "synthetic", "like": "cifar10"},
+           "model": {"name": "papernot_cnn"}, "method": {"name": method}, "r": r, "batch_size": 256, "sigma": 0.9,
+           "clip": 2.0, "lr": 0.1, "optimizer": {"name": "sgd"}, "epochs": epochs, "seed": 0,
+           "max_steps_per_epoch": capped, "delta": 1e-5}
+    rows = [{"epoch": e, "steps": 3, "train_loss": 2.0 / e, "train_acc": 0.1 * e, "test_loss": 2.1 / e,
+             "test_acc": 0.2 * e, "epoch_time_s": 1.0 + e, "step_time_s": step, "peak_mem_bytes": 1000,
+             "epsilon": "" if method == "nonprivate" else 0.5 * e} for e in range(1, epochs + 1)]
+    write_csv(folder / "metrics.csv", rows)
+    write_json(folder / "summary.json", {"status": status, "config": cfg, "method": method, "data_source": "synthetic",
+                                         "sampling": "poisson", "sample_rate": sample_rate, "steps_per_epoch": 3,
+                                         "device": "cpu", "device_name": "cpu (test)",
+                                         "versions": {"torch": "2.13.0"}, "final": rows[-1],
+                                         "epochs_completed": epochs})
+    if mtime:
+        os.utime(folder / "summary.json", (mtime, mtime))
+
+
+@pytest.fixture
+def outputs(tmp_path):
+    root = tmp_path / "outputs"
+    make_run(root / "runs" / "2026-01-01" / "a", "nonprivate")
+    for i, (m, r) in enumerate([("jl", 1), ("jl", 4), ("nxbp", 1)]):
+        make_run(root / "multirun" / "2026-01-01" / "s" / f"{i}_{m}", m, r=r, experiment="jl_table2", capped=3)
+    return root
+
+
+def test_one_row_per_run_with_config_and_final_metrics(outputs):
+    table = collect(outputs)
+    assert len(table) == 4
+    jl4 = table[(table["method"] == "jl") & (table["r"] == 4)].iloc[0]
+    assert (jl4["dataset"], jl4["like"], jl4["model"], jl4["batch_size"], jl4["sigma"], jl4["clip"]) == \
+        ("synthetic", "cifar10", "papernot_cnn", 256, 0.9, 2.0)
+    assert (jl4["data_source"], jl4["device"], jl4["torch_version"], jl4["experiment"]) == \
+        ("synthetic", "cpu", "2.13.0", "jl_table2")
+    assert jl4["test_acc"] == pytest.approx(0.4) and jl4["epsilon"] == pytest.approx(1.0)
+    assert jl4["total_time_s"] == pytest.approx(2.0 + 3.0)
+    assert jl4["epoch_time_est_s"] == pytest.approx(0.01 * 10)  # median step time x 1/q steps
+    assert pd.isna(table[table["method"] == "nonprivate"]["epsilon"].iloc[0])
+
+
+def test_filters_and_the_per_epoch_long_table(outputs):
+    assert set(collect(outputs, experiment="jl_table2")["method"]) == {"jl", "nxbp"}
+    assert collect(outputs, scale="paper").empty
+    long = collect(outputs, experiment="jl_table2", per_epoch=True)
+    assert len(long) == 3 * 2
+    assert list(long[long["r"] == 4].sort_values("epoch")["epsilon"]) == [0.5, 1.0]
+
+
+def test_latest_keeps_the_newest_finished_run(tmp_path):
+    make_run(tmp_path / "old", "jl", r=1, epochs=1, mtime=1_000_000)
+    make_run(tmp_path / "new", "jl", r=1, epochs=1, mtime=2_000_000)
+    make_run(tmp_path / "broken", "jl", r=1, epochs=1, status="running", mtime=3_000_000)
+    kept = latest(collect(tmp_path))
+    assert len(kept) == 1 and kept["run_dir"].iloc[0].endswith("new")
+
+
+def test_cli_prints_one_row_per_run_and_writes_csv(outputs, capsys):
+    assert main(["--root", str(outputs)]) == 0
+    out = capsys.readouterr().out
+    assert "4 runs, 4 rows" in out and out.count("finished") == 4
+    csv = pd.read_csv(outputs / "tables" / "runs.csv")
+    assert len(csv) == 4
+    assert main(["--root", str(outputs), "--experiment", "jl_table2", "--epochs", "--quiet"]) == 0
+    assert len(pd.read_csv(outputs / "tables" / "runs_jl_table2_epochs.csv")) == 6
+
+
+def test_bad_root_is_one_line(tmp_path, capsys):
+    assert main(["--root", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dprun-report: no outputs folder")
+
+
+def test_unreadable_run_is_skipped(outputs, capsys):
+    (outputs / "runs" / "bad").mkdir()
+    (outputs / "runs" / "bad" / "summary.json").write_text("{not json")
+    assert len(collect(outputs)) == 4
+    assert "skipping unreadable run" in capsys.readouterr().err
