@@ -1,0 +1,179 @@
+"""IMDB reviews (aclImdb text release) as subword token ids, shape (N, seq_len) int64, labels 1 = pos, 0 = neg.
+
+    dprun dataset=imdb data_dir=/work/shared/data model=bilstm           # reads imdb/aclImdb_labeled_text.tar.gz
+    dprun dataset=imdb dataset.vocab_size=16000 dataset.seq_len=256
+    dprun dataset=imdb dataset.download=true                            # fetch aclImdb_v1.tar.gz (md5-checked)
+
+Sources tried, in <data_dir>/imdb then <data_dir>: the folder aclImdb/{train,test}/{pos,neg}/*.txt (or the folder
+itself holding train/ and test/), then the tarballs aclImdb_v1.tar.gz and aclImdb_labeled_text.tar.gz (read in
+place). Reviews are ordered by (label, review id) in each split; the 50k unlabeled reviews are not used.
+
+Tokenizer: byte-level BPE (the `tokenizers` library) trained on the TRAINING split only, vocab_size tokens in all
+(default 8,185, the size of the JL paper's subwords8k), id 0 = "<pad>"; text is lower-cased, NFKC-normalised and
+"<br />" becomes a space. Byte-level means no unknown token. Sequences keep their first seq_len tokens and are
+zero-padded at the end. The trained tokenizer and the encoded tensors are cached in <data_dir>/imdb/ (or
+dataset.cache_dir; the per-user cache when that folder is read-only), keyed by (source, vocab_size, seq_len).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tarfile
+import tempfile
+from itertools import islice
+from pathlib import Path
+
+import torch
+
+from runner.data.base import DATASETS, DataInfo, Dataset, default_data_dir
+from runner.data.download import fetch, missing_files
+from runner.errors import DprunError
+
+TARBALLS = ("aclImdb_v1.tar.gz", "aclImdb_labeled_text.tar.gz")
+MIRRORS = ["https://ai.stanford.edu/~amaas/data/sentiment/"]
+V1_MD5 = "7c2ac02c03563afcf9b574c7e56c153a"
+BR = re.compile(r"<br\s*/?>")  # the reviews' HTML line breaks
+WORD = re.compile(r"\S+")
+REVIEW = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/(\d+)_\d+\.txt$")
+CACHE_VERSION = 1  # bump when the tokenizer recipe or the tensor layout changes
+MIN_VOCAB = 257  # 256 byte symbols + padding
+
+
+def find_source(root: Path) -> Path | None:
+    for base in (root / "imdb", root):
+        for folder in (base / "aclImdb", base):
+            if all((folder / s / c).is_dir() for s in ("train", "test") for c in ("pos", "neg")):
+                return folder
+        for name in TARBALLS:
+            if (base / name).is_file():
+                return base / name
+    return None
+
+
+def read_reviews(source: Path) -> dict[str, tuple[list[str], list[int]]]:
+    """-> {"train": (texts, labels), "test": (texts, labels)}, ordered by (label, review id)."""
+    found: dict[str, list[tuple[int, int, str]]] = {"train": [], "test": []}
+    if source.is_dir():
+        for split in found:
+            for label, cls in ((0, "neg"), (1, "pos")):
+                for p in (source / split / cls).glob("*.txt"):
+                    found[split].append((label, int(p.name.split("_")[0]), p.read_text(encoding="utf-8")))
+    else:
+        with tarfile.open(source) as tar:
+            for m in tar:
+                if m.isfile() and (r := REVIEW.search(m.name)):
+                    text = tar.extractfile(m).read().decode("utf-8")
+                    found[r.group(1)].append((int(r.group(2) == "pos"), int(r.group(3)), text))
+    for split, rows in found.items():
+        if not rows:
+            raise DprunError(f"{source} has no aclImdb/{split}/{{pos,neg}}/*.txt reviews: not the aclImdb release")
+        rows.sort(key=lambda r: r[:2])
+    return {s: ([r[2] for r in rows], [r[0] for r in rows]) for s, rows in found.items()}
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Sequence([normalizers.Replace(Regex(BR.pattern), " "), normalizers.NFKC(),
+                                           normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    assert tok.token_to_id("<pad>") == 0
+    return tok
+
+
+def encode(tok, texts: list[str], seq_len: int) -> torch.Tensor:
+    """-> (N, seq_len) int64 ids: the first seq_len tokens, zero-padded at the end.
+
+    Only a prefix of each review is encoded (less work for long reviews): the text up to its seq_len-th run of non-space characters.
+    Every such run yields at least one token and no token crosses whitespace, so the prefix holds the first seq_len
+    tokens of the whole review. "<br />" (which contains a space) is replaced before the cut."""
+    def prefix(t: str) -> str:
+        t = BR.sub(" ", t)
+        run = next(islice(WORD.finditer(t), seq_len - 1, None), None)  # the seq_len-th run, if any
+        return t[:run.end()] if run else t
+
+    cut = [prefix(t) for t in texts]
+    tok.enable_truncation(max_length=seq_len)
+    tok.enable_padding(length=seq_len, pad_id=0, pad_token="<pad>")
+    return torch.tensor([e.ids for e in tok.encode_batch_fast(cut)], dtype=torch.int64)
+
+
+def cache_folder(cfg, root: Path) -> Path:
+    if cfg.get("cache_dir"):
+        return Path(os.path.expanduser(str(cfg.get("cache_dir"))))
+    here = root / "imdb"
+    probe = here if here.exists() else root
+    # write bits too, not only os.access: a 0555 data folder stays untouched even when running as root
+    writable = probe.exists() and os.access(probe, os.W_OK) and probe.stat().st_mode & 0o222
+    return here if writable else Path(default_data_dir()) / "imdb"
+
+
+def fingerprint(source: Path) -> str:
+    """Short hash naming the source's path, size and modification time (a changed source -> a new cache)."""
+    st = source.stat()
+    key = f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_VERSION}"
+    return hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
+def atomic_write(path: Path, write) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    except OSError as e:
+        raise DprunError(f"cannot write the IMDB cache in {path.parent} ({e.strerror}); "
+                         f"set dataset.cache_dir to a writable folder")
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a cache is as readable as any data file
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+@DATASETS.register("imdb")
+def load_imdb(cfg, root) -> Dataset:
+    from tokenizers import Tokenizer
+
+    root = Path(root)
+    vocab_size, seq_len = int(cfg.get("vocab_size", 8185)), int(cfg.get("seq_len", 150))
+    if vocab_size < MIN_VOCAB or seq_len < 1:
+        raise DprunError(f"dataset.vocab_size={vocab_size}, dataset.seq_len={seq_len}: need vocab_size >= "
+                         f"{MIN_VOCAB} (256 bytes + padding) and seq_len >= 1")
+    source = find_source(root)
+    if source is None and cfg.get("download", False):
+        source = fetch(TARBALLS[0], MIRRORS, root / "imdb", md5=V1_MD5)
+    if source is None:
+        raise missing_files("imdb", ["aclImdb/{train,test}/{pos,neg}/*.txt or " + " or ".join(TARBALLS)],
+                            root / "imdb")
+
+    cache = cache_folder(cfg, root)
+    stem = f"imdb-{fingerprint(source)}-bpe{vocab_size}"
+    tok_path, data_path = cache / f"{stem}.tokenizer.json", cache / f"{stem}-len{seq_len}.pt"
+    if data_path.is_file() and tok_path.is_file():
+        t = torch.load(data_path, weights_only=True)
+    else:
+        reviews = read_reviews(source)
+        if tok_path.is_file():
+            tok = Tokenizer.from_file(str(tok_path))
+        else:
+            tok = train_tokenizer(reviews["train"][0], vocab_size)  # the training split only
+            atomic_write(tok_path, lambda p: tok.save(p))
+        t, small = {}, torch.int16 if vocab_size <= 32768 else torch.int32  # a quarter of the int64 cache size
+        for split, (texts, labels) in reviews.items():
+            t[f"{split}_x"] = encode(tok, texts, seq_len).to(small)
+            t[f"{split}_y"] = torch.tensor(labels, dtype=torch.int64)
+        atomic_write(data_path, lambda p: torch.save(t, p))
+    xtr, xte = t["train_x"].long(), t["test_x"].long()  # (N, seq_len) int64
+    info = DataInfo("imdb", (seq_len,), 2, kind="text", vocab_size=vocab_size,
+                    train_size=len(t["train_y"]), test_size=len(t["test_y"]))
+    return Dataset(info, xtr, t["train_y"], xte, t["test_y"], source="real",
+                   extras={"source": str(source), "tokenizer": str(tok_path), "cache": str(data_path)})
