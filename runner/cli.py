@@ -51,7 +51,7 @@ def print_result(summary: dict, out_dir) -> None:
 
     table = pd.read_csv(Path(out_dir) / "metrics.csv")
     cols = [c for c in ("epoch", "train_loss", "test_acc", "epoch_time_s", "step_time_s") if c in table]
-    cols += [c for c in table.columns if c.startswith("epsilon")]  # epsilon, and e.g. hsa's composition baseline
+    cols += [c for c in table.columns if c.startswith("epsilon") and table[c].notna().any()]  # + hsa's baseline
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"dprun: {summary['method']} on {summary['config']['dataset']['name']} -> {out_dir}")
 

@@ -82,9 +82,12 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         steps_per_epoch = min(steps_per_epoch, int(cfg.max_steps_per_epoch))
 
     # model and method
-    model_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    model_kwargs = {k: v for k, v in model_cfg.items() if k not in ("name", "kwargs")}
+    model_kwargs.update(model_cfg.get("kwargs") or {})  # model=auto: the dataset's knobs for its paper model
     model = models.build(str(cfg.model.name), data.info, **model_kwargs).to(device=device, dtype=dtype)
     method = methods.build(cfg)
+    method.validate(model)
     model = method.prepare(model, data)
 
     # privacy: accountant and (optionally) sigma calibrated to a target epsilon

@@ -112,3 +112,15 @@ def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
         train(compose_config(["epochs=1", "progress=false"]), tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and "out of memory" in summary["error"]
+
+
+@pytest.mark.parametrize("name", ["nxbp", "multiloss", "reweight", "jl", "opacus"])
+def test_every_private_method_rejects_batchnorm(name):
+    from runner.errors import DprunError
+    from runner.methods import METHODS
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 10))
+    with pytest.raises(DprunError, match=r"^1 \(BatchNorm2d\).*GroupNorm"):
+        METHODS.build(name).validate(model)
+    METHODS.build("nonprivate").validate(model)  # non-private training may use BatchNorm

@@ -20,6 +20,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from runner.errors import DprunError
 from runner.accountants.mechanisms import Mechanism, NoPrivacy, SubsampledGaussian
 from runner.methods.noise import add_noise_and_scale
 from runner.registry import Registry
@@ -63,6 +64,19 @@ class Method:
         except AttributeError:
             value = getattr(self.cfg, key, default)
         return default if value is None else value
+
+    def validate(self, model: torch.nn.Module) -> None:
+        """Checks every private method shares (the training loop calls it before prepare): BatchNorm is rejected,
+        since with batch statistics an example's gradient depends on the other examples and clipping bounds nothing."""
+        if not self.private:
+            return
+        from runner.norms.coverage import REASONS
+
+        for path, module in model.named_modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                reason = REASONS[torch.nn.modules.batchnorm._BatchNorm]
+                raise DprunError(f"{path or '<model>'} ({type(module).__name__}) cannot be trained with "
+                                 f"method={self.name}: {reason}")
 
     # -- hooks for subclasses ---------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module, data: Any = None) -> torch.nn.Module:

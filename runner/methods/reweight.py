@@ -1,0 +1,104 @@
+"""ReweightGP (Lee & Kifer section 5): exact per-example norms from each layer's inputs and output-gradients.
+
+One forward records every covered layer's input and output (runner/norms/hooks.py); one backward of
+sum_i loss_i gives the output-gradients, which are per example because the loss is a sum. The per-layer rules
+(runner/norms/) give squared norms, summed over layers: norm_i. With nu_i = min(1, C/(norm_i + 1e-6)):
+
+    method.mode=bk        (default) book-keeping (Bu et al. 2023): each layer's clipped sum sum_i nu_i grad_i
+                          is formed directly from the stored inputs and output-gradients; no second backward
+    method.mode=twopass   the paper: a second backward, of sum_i nu_i loss_i (the graph is kept for it)
+    method.norm=auto|direct|ghost   per layer, for sequence and conv inputs: the cheaper of materialising the
+                          per-example gradient and the ghost norm sum_{t,s} (a_t.a_s)(g_t.g_s)
+
+    dprun method=reweight dataset=digits epochs=3 sigma=1.0 clip=1.0
+    dprun method=reweight method.mode=twopass method.norm=ghost model=lstm dataset=mnist
+"""
+from __future__ import annotations
+
+import torch
+
+from runner.errors import DprunError
+from runner.methods.base import METHODS, Method, StepOutput, clip_factors
+from runner.norms import Recorder, plan_model
+from runner.norms.base import check_how
+
+MODES = ("bk", "twopass")
+
+
+class ReweightGP(Method):
+    name = "reweight"
+    summary = "ReweightGP: per-example norms from layer inputs and output-gradients, then one re-weighted sum"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mode = str(self.option("mode", "bk"))
+        if self.mode not in MODES:
+            raise DprunError(f"unknown method.mode {self.mode!r} for method=reweight; valid: {', '.join(MODES)}")
+        self.how = check_how(str(self.option("norm", "auto")))
+        self._plan, self._model_id = None, None
+
+    def prepare(self, model, data=None):
+        self.plan(model)
+        return model
+
+    def plan(self, model):
+        """The model's covered layers; re-checked whenever the set of trainable parameters changes."""
+        if self._plan is None or self._model_id != id(model) or not self._plan.matches(model):
+            self._plan, self._model_id = plan_model(model), id(model)
+        return self._plan
+
+    def privatize(self, model, loss_fn, x, y) -> StepOutput:
+        plan = self.plan(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if len(y) == 0:  # an empty Poisson batch: the clipped sum is zero
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            dev = params[0].device if params else x.device
+            return StepOutput(torch.zeros(0, device=dev), None, torch.zeros(0, device=dev), self.mechanism(0.0))
+
+        with Recorder(plan) as rec:
+            outputs = model(x)  # (B, classes)
+            losses = loss_fn(outputs, y)  # (B,)
+        twopass = self.mode == "twopass"
+        rec.backprops(losses.sum(), retain_graph=twopass)
+
+        layers = list(rec.layers())  # (path, module, rule, a, g): a, g (B, T, ...) over all calls
+        stashes = [None if twopass else {} for _ in layers]  # bk: per-example grads kept for the clipped sums
+        norms_sq = losses.new_zeros(len(y)).detach()
+        for (_, module, rule, a, g), stash in zip(layers, stashes):
+            norms_sq = norms_sq + rule.norm_sq(module, a, g, self.how, stash)
+        norms = norms_sq.clamp_min(0).sqrt()  # (B,)
+        nu = clip_factors(norms, self.clip)  # (B,)
+
+        if twopass:
+            self.second_backward(params, (nu * losses).sum())
+        else:
+            self.book_keeping(params, layers, stashes, nu)
+        if not plan.matches(model):
+            raise DprunError("the model's trainable parameters changed during the step; every trainable "
+                             "parameter must be covered by a norm rule")
+        return StepOutput(losses.detach(), outputs.detach(), norms, self.mechanism(0.0))
+
+    @staticmethod
+    def second_backward(params, weighted_loss):
+        """The paper's second pass: p.grad = d(sum_i nu_i loss_i)/dp = sum_i nu_i grad_i."""
+        grads = torch.autograd.grad(weighted_loss, params, allow_unused=True) if params else []
+        for p, g in zip(params, grads):
+            p.grad = torch.zeros_like(p) if g is None else g
+
+    @staticmethod
+    def book_keeping(params, layers, stashes, nu):
+        """Each layer's clipped sum from its recorded inputs and output-gradients; no second backward."""
+        sums = {}
+        for (_, module, rule, a, g), stash in zip(layers, stashes):
+            for name, s in rule.clipped_sums(module, a, g, nu, stash).items():
+                sums[id(getattr(module, name))] = s
+        for p in params:  # a covered module that was not called this step contributes zero
+            p.grad = sums.pop(id(p), None)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if sums:
+            raise RuntimeError("reweight: a rule returned a gradient for a parameter that is not trainable")
+
+
+METHODS.register("reweight", ReweightGP)

@@ -1,0 +1,82 @@
+"""The norm-rule interface and the registry keyed by module type.
+
+A rule knows, for one layer family, how to turn what the hooks recorded (the layer's inputs and the gradients
+of the summed loss w.r.t. its outputs) into (a) per-example squared gradient norms and (b) the clip-weighted
+sum of per-example gradients (book-keeping mode):
+
+    @register(nn.Linear)
+    class LinearRule(NormRule):
+        params = ("weight", "bias")
+        def sequence(self, layer, inp, grad_out): ...          # one call -> (a, g), per-position, (B, T, ...)
+        def norm_sq(self, layer, a, g, how, stash=None): ...   # -> (B,) squared norm over the layer's params
+        def clipped_sums(self, layer, a, g, nu, stash=None):  # -> {"weight": sum_i nu_i grad_i W, ...}
+
+    rule_for(module)      # the rule registered for type(module) exactly, or None
+
+Lookup is by EXACT type: a subclass may override forward(), so it never silently inherits a rule (register it
+explicitly when its forward is the parent's). A module called several times in one forward pass has its calls
+concatenated along dim 1 (the position axis T) of `sequence`'s outputs before `norm_sq`: the per-example
+gradient is the sum over calls, then the norm.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+from torch import nn
+
+from runner.errors import DprunError
+
+HOW = ("auto", "direct", "ghost")  # method.norm: pick the cheaper, materialise per-example grads, or ghost norm
+
+RULES: Dict[type, "NormRule"] = {}
+
+
+class NormRule:
+    params: tuple[str, ...] = ()  # the module's own parameter names this rule covers
+
+    def check(self, layer: nn.Module, path: str) -> None:
+        """Raise DprunError (naming `path`) for a configuration of the layer the rule cannot handle exactly."""
+
+    def sequence(self, layer: nn.Module, inp: torch.Tensor, grad_out: torch.Tensor):
+        """One call's input and output-gradient -> (a, g) indexed (B, T, ...); calls concatenate along dim 1."""
+        raise NotImplementedError
+
+    def norm_sq(self, layer: nn.Module, a: torch.Tensor, g: torch.Tensor, how: str,
+                stash: dict | None = None) -> torch.Tensor:
+        """(B,) per-example squared gradient norm over the layer's trainable parameters. `stash` (book-keeping
+        mode only) may keep intermediate results, e.g. materialised per-example gradients, for clipped_sums."""
+        raise NotImplementedError
+
+    def clipped_sums(self, layer: nn.Module, a: torch.Tensor, g: torch.Tensor, nu: torch.Tensor,
+                     stash: dict | None = None) -> dict[str, torch.Tensor]:
+        """{param name: sum_i nu_i * per-example gradient} for the layer's trainable parameters; nu (B,)."""
+        raise NotImplementedError
+
+
+def register(*types: type) -> Callable[[type], type]:
+    """Class decorator: instantiate the rule and register it for each module type (exact type match)."""
+
+    def add(cls: type) -> type:
+        for t in types:
+            if t in RULES:
+                raise ValueError(f"norm rule for {t.__name__} registered twice")
+            RULES[t] = cls()
+        return cls
+
+    return add
+
+
+def rule_for(module: nn.Module) -> NormRule | None:
+    return RULES.get(type(module))
+
+
+def trains(p: torch.Tensor | None) -> bool:
+    """A parameter the rule must cover (present and trainable)."""
+    return p is not None and p.requires_grad
+
+
+def check_how(how: str) -> str:
+    if how not in HOW:
+        raise DprunError(f"unknown method.norm {how!r}; valid: {', '.join(HOW)}")
+    return how

@@ -1,0 +1,88 @@
+"""nn.Conv1d / nn.Conv2d (L&K 5.2): im2col (a strided view of the padded input), then per group the outer-product
+rule over positions.
+
+The unfolded input (B, L, G, kh*kw*C_in/G) is the layer input seen as a sequence of L output positions, so
+grad_i W[group] = sum_l g_il a_il^T and the direct/ghost choice of runner/norms/outer.py applies with T = L.
+Stride, dilation, zero or string ('same'/'valid') padding, non-zero padding modes and groups are handled;
+Conv1d is Conv2d with height 1.
+
+    a, g = ConvRule().sequence(conv, x, grad_out)   # (B, L, G, kh*kw*C_in/G), (B, L, G, C_out/G)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.norms import outer
+from runner.norms.base import NormRule, register, trains
+
+
+def unfold(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """(B, C_in, *spatial) -> (B, L, G, kh*kw*C_in/G): the patches the layer convolved, per group.
+
+    Patch features are in (kh, kw, c) order, channels innermost (the weight's is (c, kh, kw); clipped_sums
+    permutes back). A strided view of the channels-last input and one copy: F.unfold's CPU kernel loops
+    over the batch and is ~100x slower, and channels-innermost copies run over contiguous memory."""
+    pads = layer._reversed_padding_repeated_twice  # explicit padding, also for 'same' and padding modes
+    if any(pads):
+        mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+        x = F.pad(x, pads, mode=mode)
+    if x.dim() == 3:  # Conv1d: (B, C, L) as (B, C, 1, L)
+        x = x.unsqueeze(2)
+        (kh, kw), (dh, dw), (sh, sw) = (1, *layer.kernel_size), (1, *layer.dilation), (1, *layer.stride)
+    else:
+        (kh, kw), (dh, dw), (sh, sw) = layer.kernel_size, layer.dilation, layer.stride
+    B, C, H, W = x.shape
+    G = layer.groups
+    x = x.permute(0, 2, 3, 1).contiguous()  # (B, H, W, C)
+    oh, ow = (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+    sB, sH, sW, _ = x.stride()
+    view = x.as_strided((B, oh, ow, G, kh, kw, C // G), (sB, sH * sh, sW * sw, C // G, sH * dh, sW * dw, 1))
+    return view.reshape(B, oh * ow, G, kh * kw * (C // G))  # (B, L, G, k_g)
+
+
+def weight_order(layer: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """(G, o_g, kh*kw*c_g) in unfold's (kh, kw, c) order -> the layer's weight shape (C_out, c_g, *kernel)."""
+    c_g = layer.in_channels // layer.groups
+    w = w.reshape(layer.out_channels, *layer.kernel_size, c_g)  # (C_out, *kernel, c_g)
+    return w.movedim(-1, 1).contiguous()  # (C_out, c_g, *kernel)
+
+
+@register(nn.Conv1d, nn.Conv2d)
+class ConvRule(NormRule):
+    params = ("weight", "bias")
+
+    def sequence(self, layer, inp, grad_out):
+        B, G = inp.shape[0], layer.groups
+        a = unfold(layer, inp)  # (B, L, G, k_g)
+        g = grad_out.reshape(B, G, -1, a.shape[1]).permute(0, 3, 1, 2)  # (B, L, G, o_g), a view
+        return a, g
+
+    def norm_sq(self, layer, a, g, how, stash=None):
+        B, L, G, k = a.shape
+        total = a.new_zeros(B)
+        if trains(layer.weight):  # groups folded into the batch: (B*G, L, k_g), (B*G, L, o_g); views when G = 1
+            total = total + outer.norm_sq(fold(a), fold(g), how, stash).view(B, G).sum(1)
+        if trains(layer.bias):
+            total = total + g.sum(1).pow(2).sum((1, 2))  # per-example bias grad (B, G, o_g)
+        return total
+
+    def clipped_sums(self, layer, a, g, nu, stash=None):
+        sums: dict[str, torch.Tensor] = {}
+        B, L, G, k = a.shape
+        if trains(layer.weight) and stash is not None and "weight" in stash:  # per-example (B*G, o_g, k_g) kept
+            per_example = stash.pop("weight").view(B, G, -1, k)
+            sums["weight"] = weight_order(layer, torch.einsum("b,bgok->gok", nu, per_example))
+        elif trains(layer.weight):
+            weighted = g * nu.view(-1, 1, 1, 1)  # (B, L, G, o_g)
+            sums["weight"] = weight_order(layer, torch.einsum("blgo,blgk->gok", weighted, a))
+        if trains(layer.bias):
+            sums["bias"] = torch.einsum("b,blgo->go", nu, g).reshape(-1)  # (C_out,)
+        return sums
+
+
+def fold(t: torch.Tensor) -> torch.Tensor:
+    """(B, L, G, c) -> (B*G, L, c): each (example, group) pair as one example of the outer-product rule."""
+    B, L, G, c = t.shape
+    return t.permute(0, 2, 1, 3).reshape(B * G, L, c)

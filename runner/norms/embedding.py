@@ -1,0 +1,63 @@
+"""nn.Embedding: grad_i W[v] = sum of the output-gradients at the positions of example i whose token is v.
+
+A token repeated in one example contributes ONE row (the sum over its positions), and padding_idx rows get
+no gradient, exactly as autograd. Both norm forms are exact:
+
+    direct:  segment-sum g over the distinct (example, token) pairs, then squared row norms   cost ~ B*T*d + sort
+    ghost:   sum_{t,s: x_t = x_s != pad} g_t . g_s                                           cost ~ B*T^2*d
+
+    a, g = EmbeddingRule().sequence(emb, ids, grad_out)     # (B, T) int64, (B, T, d)
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runner.errors import DprunError
+from runner.norms.base import NormRule, register, trains
+
+
+def keep_mask(layer: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) True where the token gets a gradient (not padding_idx)."""
+    if layer.padding_idx is None:
+        return torch.ones_like(ids, dtype=torch.bool)
+    return ids != layer.padding_idx
+
+
+@register(nn.Embedding)
+class EmbeddingRule(NormRule):
+    params = ("weight",)
+
+    def check(self, layer, path):
+        if layer.scale_grad_by_freq:
+            raise DprunError(f"{path} (Embedding) has scale_grad_by_freq=True: its gradient depends on the whole "
+                             f"batch's token counts, so per-example clipping is not exact; set it to False")
+        if layer.sparse:
+            raise DprunError(f"{path} (Embedding) has sparse=True: private methods need dense gradients (noise "
+                             f"goes on every row); set sparse=False")
+
+    def sequence(self, layer, inp, grad_out):
+        B = inp.shape[0]
+        return inp.reshape(B, -1), grad_out.reshape(B, -1, layer.embedding_dim)
+
+    def norm_sq(self, layer, a, g, how, stash=None):
+        if not trains(layer.weight):
+            return g.new_zeros(a.shape[0])
+        g = g * keep_mask(layer, a).unsqueeze(-1).to(g.dtype)  # (B, T, d): padding positions give nothing
+        if how == "ghost":
+            same = (a.unsqueeze(2) == a.unsqueeze(1)).to(g.dtype)  # (B, T, T) same token
+            return (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+        B, V = a.shape[0], layer.num_embeddings
+        keys = (torch.arange(B, device=a.device).unsqueeze(1) * V + a).reshape(-1)  # (B*T,) one key per (i, v)
+        uniq, inverse = torch.unique(keys, return_inverse=True)  # (U,), (B*T,)
+        rows = g.new_zeros(len(uniq), g.shape[-1]).index_add_(0, inverse, g.reshape(-1, g.shape[-1]))  # (U, d)
+        return g.new_zeros(B).index_add_(0, uniq // V, rows.pow(2).sum(1))  # (B,)
+
+    def clipped_sums(self, layer, a, g, nu, stash=None):
+        if not trains(layer.weight):
+            return {}
+        weighted = g * nu.view(-1, 1, 1)  # (B, T, d)
+        w = g.new_zeros(layer.weight.shape).index_add_(0, a.reshape(-1), weighted.reshape(-1, g.shape[-1]))
+        if layer.padding_idx is not None:
+            w[layer.padding_idx] = 0
+        return {"weight": w}

@@ -1,0 +1,78 @@
+"""Record every call of the covered modules in one forward pass, then their output-gradients in one backward.
+
+    with Recorder(plan) as rec:
+        losses = loss_fn(model(x), y)                       # forward hooks keep each call's input and output
+    rec.backprops(losses.sum(), retain_graph=False)         # d(sum_i loss_i)/d(output) of every call, in call order
+    for path, module, rule, a, g in rec.layers():           # calls concatenated along T: (B, T, ...)
+        ...
+
+The gradients are taken w.r.t. the recorded output tensors with torch.autograd.grad, so (1) no parameter
+gradient is computed in this backward, (2) each call's gradient lands at its own index, whatever order the
+backward visits the calls in (reverse call order for a recurrent cell), and (3) because the loss is a sum of
+per-example losses, row i of every output-gradient belongs to example i alone. A call whose input or output
+was later modified in place (e.g. nn.ReLU(inplace=True) on a Linear's output) would give a wrong gradient:
+that raises DprunError instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runner.errors import DprunError
+from runner.norms.coverage import Plan
+
+
+@dataclass
+class Call:
+    inp: torch.Tensor  # detached input (shares the version counter with the original)
+    out: torch.Tensor  # the output, still in the graph
+    versions: tuple[int, int]
+    grad: torch.Tensor | None = None
+
+
+class Recorder:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.calls: dict[int, list[Call]] = {id(m): [] for _, m, _ in plan.layers}
+        self.handles: list = []
+
+    def __enter__(self) -> "Recorder":
+        for _, module, _ in self.plan.layers:
+            self.handles.append(module.register_forward_hook(self._hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _hook(self, module, args, kwargs, out):
+        inp = args[0] if args else next(iter(kwargs.values()))
+        self.calls[id(module)].append(Call(inp.detach(), out, (inp._version, out._version)))
+
+    def backprops(self, loss: torch.Tensor, retain_graph: bool) -> None:
+        calls = [c for cs in self.calls.values() for c in cs if c.out.requires_grad]
+        if not calls:  # no covered layer reached the loss: every output-gradient is zero
+            return
+        grads = torch.autograd.grad(loss, [c.out for c in calls], allow_unused=True, retain_graph=retain_graph)
+        for c, g in zip(calls, grads):
+            c.grad = g
+
+    def layers(self):
+        """(path, module, rule, a, g) per covered module that was called; a, g concatenated over calls (dim 1)."""
+        for path, module, rule in self.plan.layers:
+            calls = self.calls[id(module)]
+            if not calls:
+                continue
+            parts = []
+            for c in calls:
+                if (c.inp._version, c.out._version) != c.versions:
+                    raise DprunError(f"{path} ({type(module).__name__}): its input or output was modified in place "
+                                     f"after the call, so its recorded gradient is wrong; use inplace=False "
+                                     f"(e.g. nn.ReLU(inplace=False)) after this layer")
+                grad = c.grad if c.grad is not None else torch.zeros_like(c.out)
+                parts.append(rule.sequence(module, c.inp, grad))
+            a = torch.cat([p[0] for p in parts], 1) if len(parts) > 1 else parts[0][0]
+            g = torch.cat([p[1] for p in parts], 1) if len(parts) > 1 else parts[0][1]
+            yield path, module, rule, a, g

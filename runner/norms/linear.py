@@ -1,0 +1,40 @@
+"""nn.Linear (L&K 5.1, 5.3, 5.4, 5.6): inputs (B, in) or sequences (B, ..., in); grad_i W = sum_t g_it a_it^T.
+
+Recurrent cells (runner/models/recurrent.py: h_proj called once per time step) and attention projections
+(runner/models/attention.py) are plain Linears: the hooks stack a module's calls along T, so the same rule
+gives the per-example gradient summed over time steps, then its norm.
+
+    a, g = LinearRule().sequence(lin, x, grad_out)     # (B, T, in), (B, T, out); T = 1 for 2D inputs
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runner.norms import outer
+from runner.norms.base import NormRule, register, trains
+
+
+@register(nn.Linear)
+class LinearRule(NormRule):
+    params = ("weight", "bias")
+
+    def sequence(self, layer, inp, grad_out):
+        B = inp.shape[0]
+        return inp.reshape(B, -1, layer.in_features), grad_out.reshape(B, -1, layer.out_features)
+
+    def norm_sq(self, layer, a, g, how, stash=None):
+        total = a.new_zeros(a.shape[0])
+        if trains(layer.weight):
+            total = total + outer.norm_sq(a, g, how, stash)
+        if trains(layer.bias):
+            total = total + outer.bias_norm_sq(g)
+        return total
+
+    def clipped_sums(self, layer, a, g, nu, stash=None):
+        sums: dict[str, torch.Tensor] = {}
+        if trains(layer.weight):
+            sums["weight"] = outer.clipped_sum(a, g, nu, stash)  # (out, in)
+        if trains(layer.bias):
+            sums["bias"] = outer.bias_clipped_sum(g, nu)  # (out,)
+        return sums
