@@ -1,0 +1,198 @@
+"""`make bench-clip`: the exact per-example clipping methods side by side, as ratios to non-private and to Opacus.
+
+    python -m runner.bench.clip                       # all workloads, this machine's best device
+    python -m runner.bench.clip --device cpu --repeats 5 --workloads cnn_mnist,fig6_b128
+    python -m runner.bench.clip --quick               # every code path, small batches, 2 repeats (a smoke run)
+
+One process, one model per workload (a fresh copy per method, same seed), the same warm-up for every method,
+interleaved repeats; a step is Method.step (privatize + noise + optimizer step). Columns: median step time,
+ratio to non-private, ratio to Opacus's fastest mode on the same workload, peak step memory and its ratio to
+non-private (runner/bench/common.py defines the memory measure on CPU and CUDA). Inputs are synthetic tensors
+of the datasets' shapes (speed does not depend on pixel values). Methods or models not registered yet, or that
+reject a model (a one-line DprunError), are rows with a note. Saves outputs/bench/clip_<device>.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from runner.bench.common import interleaved_times, median, step_memory_bytes
+from runner.data.base import DataInfo
+from runner.errors import DprunError, NotImplementedYet
+from runner.methods import METHODS
+from runner.metrics import device_name, write_csv
+from runner.models import MODELS
+
+# label -> (method name, method options); the Opacus rows are the JL paper's DP-SGD-Outer
+METHOD_VARIANTS = {
+    "nonprivate": ("nonprivate", {}),
+    "nxbp": ("nxbp", {}),
+    "multiloss": ("multiloss", {}),
+    "reweight-twopass": ("reweight", {"mode": "twopass"}),
+    "reweight-bk": ("reweight", {"mode": "bk"}),
+    "opacus-hooks": ("opacus", {"grad_sample_mode": "hooks"}),
+    "opacus-ghost": ("opacus", {"grad_sample_mode": "ghost"}),
+    "opacus-functorch": ("opacus", {"grad_sample_mode": "functorch"}),
+}
+ALL = list(METHOD_VARIANTS)
+FIG6 = ["nonprivate", "nxbp", "reweight-twopass", "reweight-bk"]  # L&K figure 6: nxBP vs ReweightGP over B
+MNIST = DataInfo("mnist", (1, 28, 28), 10, "image", None, 60000, 10000)
+IMDB = DataInfo("imdb", (150,), 2, "text", 8185, 25000, 25000)
+COLUMNS = ["workload", "model", "batch", "method", "step_ms", "x_nonprivate", "x_opacus_best", "step_mem_mb",
+           "mem_x_nonprivate", "steps_timed", "note"]
+
+
+@dataclass
+class Workload:
+    name: str
+    model: str
+    info: DataInfo
+    batch: int
+    methods: list[str] = field(default_factory=lambda: list(ALL))
+    model_kwargs: dict = field(default_factory=dict)
+
+
+def workloads(quick: bool = False) -> list[Workload]:
+    """JL paper figure 3 (MNIST CNN, B=256), L&K's LSTM on MNIST rows (B=128), L&K's Transformer on IMDB (B=32),
+    L&K figure 6 (their CNN on MNIST, B = 16..128). --quick: the same code paths at B/8 (at least 2)."""
+    scale = (lambda b: max(2, b // 8)) if quick else (lambda b: b)
+    out = [Workload("cnn_mnist", "bu_cnn", MNIST, scale(256)),
+           Workload("lstm_mnist", "lstm", MNIST, scale(128)),
+           Workload("transformer_imdb", "transformer", IMDB, scale(32), model_kwargs={"dropout": 0.0})]
+    out += [Workload(f"fig6_b{b}", "cnn", MNIST, scale(b), FIG6) for b in (16, 32, 64, 128)]
+    return out
+
+
+def loss_fn(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs, y, reduction="none")  # (B,)
+
+
+def synthetic_batch(info: DataInfo, batch: int, device: torch.device, seed: int = 0):
+    """Inputs of the dataset's shape: standard-normal images, or token ids with zero padding after a random length."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, info.num_classes, (batch,), generator=g)
+    if info.kind == "text":
+        T = info.input_shape[0]
+        x = torch.randint(1, info.vocab_size, (batch, T), generator=g)  # (B, T)
+        lengths = torch.randint(T // 3, T + 1, (batch, 1), generator=g)
+        x = x.masked_fill(torch.arange(T) >= lengths, 0)
+    else:
+        x = torch.randn(batch, *info.input_shape, generator=g)
+    return x.to(device), y.to(device)
+
+
+class Contender(NamedTuple):
+    step: Callable[[], object]  # one Method.step on the method's own copy of the model
+    zero_grad: Callable[[], object]  # frees the last step's gradients (the memory measurement's baseline)
+
+
+def contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n: int):
+    """One method's Contender on its own copy of the model, or None and a note why there is none."""
+    name, options = METHOD_VARIANTS[label]
+    if name not in METHODS:
+        return None, f"skipped: method={name} not registered yet"
+    try:
+        method = METHODS.build(name, cfg=options, clip=1.0, sigma=1.0)
+        own = copy.deepcopy(base)
+        model = method.prepare(own) or own
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        gen = torch.Generator(device=x.device).manual_seed(0)
+        step = lambda: method.step(model, loss_fn, x, y, opt, sample_rate=expected_batch / n,  # noqa: E731
+                                   expected_batch_size=expected_batch, generator=gen)
+        step()  # fails here, not in the timing loop, if the method rejects the model
+        return Contender(step, lambda: opt.zero_grad(set_to_none=True)), ""
+    except NotImplementedYet as e:
+        return None, f"skipped: {e}"
+    except DprunError as e:
+        return None, f"n/a: {e}"
+    except Exception as e:  # a bug in a method being written: a row that says so, the other rows still run
+        return None, f"error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int, budget_s: float) -> list[dict]:
+    rows = [dict(workload=w.name, model=w.model, batch=w.batch, method=label) for label in w.methods]
+    if w.model not in MODELS:
+        print(f"[bench-clip] {w.name}: skipped, model={w.model} not registered yet")
+        return [dict(r, note=f"skipped: model={w.model} not registered yet") for r in rows]
+    torch.manual_seed(0)
+    base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
+    x, y = synthetic_batch(w.info, w.batch, device)
+    contenders, notes = {}, {}
+    for label in w.methods:
+        contenders[label], notes[label] = contender(label, base, x, y, float(w.batch), w.info.train_size)
+        if notes[label]:
+            print(f"[bench-clip] {w.name} {label}: {notes[label]}")
+    contenders = {k: c for k, c in contenders.items() if c is not None}
+    times = interleaved_times({k: c.step for k, c in contenders.items()}, device, repeats, warmup, budget_s)
+    memory = {label: step_memory_bytes(c.step, device, before=c.zero_grad) for label, c in contenders.items()}
+    t = {label: median(ts) for label, ts in times.items()}
+    opacus = [t[k] for k in t if k.startswith("opacus")]
+    for r in rows:
+        label = r["method"]
+        if label not in contenders:
+            r.update(note=notes[label])
+            continue
+        fewer = len(times[label]) < repeats
+        r.update(step_ms=1e3 * t[label], steps_timed=len(times[label]),
+                 x_nonprivate=t[label] / t["nonprivate"] if "nonprivate" in t else math.nan,
+                 x_opacus_best=t[label] / min(opacus) if opacus else math.nan,
+                 step_mem_mb=memory[label] / 2**20,
+                 mem_x_nonprivate=memory[label] / memory["nonprivate"] if memory.get("nonprivate") else math.nan,
+                 note=f"estimated from {len(times[label])} of {repeats} steps (slow)" if fewer else "")
+    return rows
+
+
+def table(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame(rows).reindex(columns=COLUMNS)
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    ap = argparse.ArgumentParser(prog="python -m runner.bench.clip", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    ap.add_argument("--repeats", type=int, default=10, help="timed steps per method (median reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
+    ap.add_argument("--quick", action="store_true", help="batches / 8 and 2 repeats: a smoke run of every code path")
+    ap.add_argument("--workloads", default="", help="comma-separated subset of: " +
+                    ", ".join(w.name for w in workloads()))
+    ap.add_argument("--budget", type=float, default=60.0,
+                    help="seconds of timed steps per method; slower methods (nxbp) are timed on fewer steps")
+    ap.add_argument("--out", default="outputs/bench", help="folder for clip_<device>.csv")
+    args = ap.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    repeats = 2 if args.quick else args.repeats
+    chosen = workloads(args.quick)
+    if args.workloads:
+        wanted = args.workloads.split(",")
+        unknown = [n for n in wanted if n not in {w.name for w in chosen}]
+        if unknown:
+            raise SystemExit(f"bench-clip: unknown workload {unknown[0]!r}; valid: {', '.join(w.name for w in chosen)}")
+        chosen = [w for w in chosen if w.name in wanted]
+    print(f"[bench-clip] {device_name(device)}, torch {torch.__version__}, {repeats} repeats, median step time")
+    rows: list[dict] = []
+    for w in chosen:
+        print(f"[bench-clip] {w.name}: model={w.model} B={w.batch} ...", flush=True)
+        rows += bench_workload(w, device, repeats, args.warmup, args.budget)
+    df = table(rows)
+    path = Path(args.out) / f"clip_{device.type}{'_quick' if args.quick else ''}.csv"
+    write_csv(path, df.to_dict("records"))
+    with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_colwidth", 60,
+                           "display.float_format", "{:.2f}".format):
+        print(df.to_string(index=False))
+    print(f"[bench-clip] memory = peak tensor bytes allocated during one step above those live at its start "
+          f"({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'torch.profiler CPU allocation records'})")
+    print(f"[bench-clip] saved {path}")
+    return df
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""multiLoss (Lee & Kifer section 3): every per-example gradient at once, materialised, then clipped and summed.
+
+The "ask autodiff for the gradient of the vector of losses" baseline, written with torch.func:
+`vmap(grad(loss of one example))` over the batch gives, for every trainable parameter p, a tensor
+(B, *p.shape) of per-example gradients in one call. Norms, clip factors and the weighted sum follow.
+Works on any model vmap can trace (a Linear called T times by a recurrent cell is just part of the function,
+so its per-example gradient is already the sum over calls). Honest about memory: B full copies of the model's
+gradient are alive at once; `method.chunk=K` bounds that to K copies (K examples per vmap call).
+
+    dprun method=multiloss dataset=mnist model=cnn
+    dprun method=multiloss method.chunk=64           # very large B: 64 examples per vmap call
+
+Randomness (dropout) under vmap uses randomness="different": each example draws its own mask, as it would in
+nxBP's one-example-at-a-time forward passes (the masks are not the same draws as nxBP's, so compare in eval
+mode or with dropout 0).
+"""
+from __future__ import annotations
+
+import torch
+from torch.func import functional_call, grad, vmap
+
+from runner.errors import DprunError
+from runner.methods.base import METHODS, Method, StepOutput, clip_factors
+
+
+class MultiLoss(Method):
+    name = "multiloss"
+    summary = "all per-example gradients at once with torch.func vmap(grad) (exact; memory ~ B x model)"
+
+    def privatize(self, model, loss_fn, x, y) -> StepOutput:
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        params = dict(model.named_parameters())
+        trainable = {n: params[n].detach() for n in names}
+        # frozen parameters and buffers enter functional_call unchanged
+        fixed = {n: p.detach() for n, p in params.items() if n not in trainable}
+        fixed.update(dict(model.named_buffers()))
+
+        def loss_one(theta, xi, yi):  # one example: xi (*input_shape), yi ()
+            out = functional_call(model, (theta, fixed), (xi.unsqueeze(0),))  # (1, classes)
+            loss = loss_fn(out, yi.unsqueeze(0)).sum()
+            return loss, (loss.detach(), out.detach().squeeze(0))
+
+        per_example = vmap(grad(loss_one, has_aux=True), in_dims=(None, 0, 0), randomness="different")
+        sums = {n: torch.zeros_like(t) for n, t in trainable.items()}
+        norms, losses, outputs = [], [], []
+        chunk = int(self.option("chunk", 0)) or max(1, len(y))
+        if chunk < 0:
+            raise DprunError(f"method.chunk={chunk} must be >= 0 (0 = the whole batch in one vmap call)")
+        for start in range(0, len(y), chunk):
+            xs, ys = x[start:start + chunk], y[start:start + chunk]
+            try:
+                grads, (loss, out) = per_example(trainable, xs, ys)  # grads[n]: (b, *p.shape)
+            except RuntimeError as e:
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise DprunError(f"method=multiloss: torch.func.vmap cannot trace {type(model).__name__}: {msg}; "
+                                 f"try method=nxbp") from e
+            norm = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads.values()))  # (b,)
+            factor = clip_factors(norm, self.clip)  # (b,)
+            for n, g in grads.items():
+                sums[n].add_(torch.tensordot(factor.to(g.dtype), g, dims=1))  # sum_i f_i g_i: p.shape
+            del grads
+            norms.append(norm)
+            losses.append(loss)
+            outputs.append(out)
+        for n in names:
+            params[n].grad = sums[n]
+        dev = x.device
+        return StepOutput(
+            losses=torch.cat(losses) if losses else torch.zeros(0, device=dev),
+            outputs=torch.cat(outputs) if outputs else None,
+            norms=torch.cat(norms) if norms else torch.zeros(0, device=dev),
+            mechanism=self.mechanism(0.0),
+        )
+
+
+METHODS.register("multiloss", MultiLoss)

@@ -1,0 +1,144 @@
+"""Opacus as a peer (the JL paper's "DP-SGD-Outer"): Opacus 1.6 computes the per-example gradients or norms.
+
+Opacus supplies only what it is being compared on, the per-example gradient machinery; clipping (factor
+min(1, C/(norm+1e-6)), Opacus's own formula), noise (runner/methods/noise.py) and the optimizer step are the
+same code every other method uses, so timings and results compare apples to apples.
+
+    dprun method=opacus                                  # method.grad_sample_mode=hooks (the default)
+    dprun method=opacus method.grad_sample_mode=ghost    # ghost clipping: norms only, then a second backward
+    dprun method=opacus method.grad_sample_mode=functorch
+
+Modes (opacus.grad_sample.prepare_module):
+  hooks      GradSampleModule's per-layer grad samplers (functorch for layers without one): p.grad_sample (B, *p.shape)
+  functorch  the same, with torch.func for every layer
+  ghost      GradSampleModuleFastGradientClipping: per-layer norms (ghost norm where Opacus has a rule), then the
+             clipped sum by a second backward of sum_i factor_i * loss_i (Opacus's DPTensorFastGradientClipping).
+             Opacus rejects a layer called twice in one forward (recurrent cells) in this mode.
+
+prepare() attaches Opacus's hooks to the model itself (prepare_module(..., wrap_model=False), the hook classes that
+GradSampleModule is built on), so the returned module is the original: same forward, parameters and state_dict keys.
+Needs the optional extra: pip install -e '.[peers]'.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+from runner.errors import DprunError
+from runner.methods.base import METHODS, Method, StepOutput, clip_factors
+
+MODES = ("hooks", "ghost", "functorch")
+log = logging.getLogger("dprun")
+
+
+def import_opacus():
+    """opacus.grad_sample.prepare_module, or a one-line DprunError naming the extra."""
+    try:
+        from opacus.grad_sample import prepare_module
+    except ImportError as e:
+        raise DprunError("method=opacus needs Opacus: pip install -e '.[peers]'") from e
+    return prepare_module
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class OpacusPeer(Method):
+    name = "opacus"
+    summary = "Opacus 1.6 per-sample gradients (hooks | functorch) or ghost norms; our clip and noise (DP-SGD-Outer)"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mode = str(self.option("grad_sample_mode", "hooks"))
+        if self.mode not in MODES:
+            raise DprunError(f"unknown method.grad_sample_mode {self.mode!r}; valid: {', '.join(MODES)}")
+        self.hooks = None  # Opacus's hooks object, attached to the model by prepare()
+
+    def prepare(self, model: torch.nn.Module, data=None) -> torch.nn.Module:
+        prepare_module = import_opacus()
+        if self.hooks is not None:
+            self.hooks.cleanup()  # one model per method instance: detach from the previous one
+        kwargs = {"max_grad_norm": self.clip, "use_ghost_clipping": True} if self.mode == "ghost" else {}
+        # Opacus's own hooks on a model whose input needs no gradient, and its float64 autocast: expected, harmless
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                                "respect to module outputs since no inputs require gradients")
+        warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+        for path, m in model.named_modules():
+            if getattr(m, "padding_idx", None) is not None or getattr(m, "padding_mode", "zeros") != "zeros":
+                log.warning("method=opacus: %s (%s): Opacus 1.6's grad sampler ignores padding_idx / padding_mode, so "
+                            "its per-example gradients differ from nxbp's here (still clipped: privacy holds)",
+                            path, type(m).__name__)
+        try:
+            self.hooks = prepare_module(model, self.mode, False, batch_first=True, loss_reduction="sum",
+                                        strict=True, **kwargs)
+        except (NotImplementedError, ValueError) as e:
+            raise DprunError(f"method=opacus grad_sample_mode={self.mode}: Opacus rejects "
+                             f"{type(model).__name__}: {first_line(e)}") from e
+        return model
+
+    def privatize(self, model, loss_fn, x, y) -> StepOutput:
+        if self.hooks is None or self.hooks._module is not model:
+            raise DprunError("method=opacus: call method.prepare(model) before privatize (it attaches Opacus's hooks)")
+        if not model.training:
+            raise DprunError("method=opacus: Opacus captures activations only in train mode; call model.train() first")
+        params = [p for p in model.parameters() if p.requires_grad]
+        if len(y) == 0:  # empty Poisson batch: Opacus has nothing to do; the clipped sum is zero
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            z = torch.zeros(0, device=x.device)
+            return StepOutput(z, None, z.clone(), self.mechanism(0.0))
+        self.hooks.set_grad_sample_to_none()
+        for p in params:
+            p.__dict__.pop("_norm_sample", None)  # no stale norms from the previous step
+        try:
+            if self.mode == "ghost":
+                outputs, losses, norms = self.ghost(model, params, loss_fn, x, y)
+            else:
+                outputs, losses, norms = self.grad_samples(model, params, loss_fn, x, y)
+        except (NotImplementedError, ValueError, AttributeError) as e:
+            for m in model.modules():  # drop activations Opacus captured before failing
+                m.__dict__.pop("activations", None)
+            raise DprunError(f"method=opacus grad_sample_mode={self.mode} fails on {type(model).__name__}: "
+                             f"{first_line(e)}") from e
+        return StepOutput(losses.detach(), outputs.detach(), norms.detach(), self.mechanism(0.0))
+
+    def grad_samples(self, model, params, loss_fn, x, y):
+        """hooks / functorch: p.grad_sample (B, *p.shape) -> norms -> clipped sum (Opacus's clip_and_accumulate)."""
+        outputs = model(x)
+        losses = loss_fn(outputs, y)  # (B,)
+        losses.sum().backward()  # Opacus's hooks fill p.grad_sample; p.grad gets the unclipped sum (overwritten)
+        samples = []
+        for p in params:
+            if not torch.is_tensor(p.grad_sample):  # None: unused parameter; list: an un-cleared earlier backward
+                raise AttributeError(f"Opacus computed no grad_sample for a parameter of shape {tuple(p.shape)}")
+            samples.append(p.grad_sample)  # (B, *p.shape)
+        norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in samples]).norm(2, dim=0)  # (B,)
+        factor = clip_factors(norms, self.clip)  # (B,)
+        for p, g in zip(params, samples):
+            p.grad = torch.einsum("i,i...", factor.to(g.dtype), g)  # sum_i f_i g_i
+        self.hooks.set_grad_sample_to_none()
+        return outputs, losses, norms
+
+    def ghost(self, model, params, loss_fn, x, y):
+        """ghost: backward 1 with Opacus's norm hooks -> norms; backward 2 of sum_i f_i loss_i, hooks off."""
+        self.hooks.enable_hooks()
+        outputs = model(x)
+        losses = loss_fn(outputs, y)  # (B,)
+        losses.sum().backward(retain_graph=True)
+        norms = self.hooks.get_norm_sample()  # (B,) from each parameter's p._norm_sample
+        factor = clip_factors(norms, self.clip)  # (B,)
+        for p in params:
+            p.grad = None
+        self.hooks.disable_hooks()
+        try:
+            (factor.detach().to(losses.dtype) * losses).sum().backward()
+        finally:
+            self.hooks.enable_hooks()
+        return outputs, losses, norms
+
+
+METHODS.register("opacus", OpacusPeer)

@@ -1,0 +1,74 @@
+"""A smoke run of runner/bench (make bench-clip): the table's rows, columns and notes, not its timings."""
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from runner.bench import clip
+from runner.bench.common import interleaved_times, step_memory_bytes
+from runner.data.base import DataInfo
+
+TINY = DataInfo("tiny", (1, 4, 4), 3, "image", None, 100, 10)
+CPU = torch.device("cpu")
+
+
+def test_workload_rows_ratios_and_notes(monkeypatch):
+    monkeypatch.setitem(clip.METHOD_VARIANTS, "future", ("no_such_method", {}))
+    labels = ["nonprivate", "nxbp", "multiloss", "opacus-hooks", "opacus-ghost", "future"]
+    w = clip.Workload("tiny", "mlp", TINY, 4, labels, {"widths": (5, 6)})
+    df = clip.table(clip.bench_workload(w, CPU, repeats=2, warmup=1, budget_s=60.0))
+    assert list(df.columns) == clip.COLUMNS
+    assert list(df.method) == labels and set(df.workload) == {"tiny"} and set(df.batch) == {4}
+    ran = df[df.method != "future"].set_index("method")
+    assert ran.x_nonprivate["nonprivate"] == pytest.approx(1.0)
+    assert ran.mem_x_nonprivate["nonprivate"] == pytest.approx(1.0)
+    assert (ran.step_ms > 0).all() and (ran.step_mem_mb > 0).all() and (ran.steps_timed == 2).all()
+    opacus_best = ran.loc[["opacus-hooks", "opacus-ghost"], "x_opacus_best"]
+    assert opacus_best.min() == pytest.approx(1.0) and opacus_best.max() >= 1.0
+    future = df.set_index("method").loc["future"]
+    assert future.note == "skipped: method=no_such_method not registered yet" and math.isnan(future.step_ms)
+
+
+def test_rejected_model_and_unregistered_model_are_rows_with_notes():
+    text = DataInfo("text", (5,), 2, "text", 7, 100, 10)
+    w = clip.Workload("rec", "rnn", text, 2, ["nonprivate", "opacus-ghost"], {"hidden": 3, "embed_dim": 2})
+    df = clip.table(clip.bench_workload(w, CPU, repeats=1, warmup=1, budget_s=60.0)).set_index("method")
+    assert df.note["opacus-ghost"].startswith("n/a: method=opacus grad_sample_mode=ghost fails")
+    assert math.isnan(df.x_opacus_best["nonprivate"])  # no Opacus mode ran
+    w = clip.Workload("gone", "no_such_model", TINY, 2, ["nonprivate"])
+    (row,) = clip.bench_workload(w, CPU, 1, 1, 60.0)
+    assert row["note"] == "skipped: model=no_such_model not registered yet"
+
+
+def test_cli_quick_subset_writes_the_csv(tmp_path, capsys):
+    df = clip.main(["--quick", "--device", "cpu", "--workloads", "fig6_b16", "--out", str(tmp_path)])
+    assert list(df.method) == clip.FIG6 and list(df.batch) == [2] * 4
+    saved = pd.read_csv(tmp_path / "clip_cpu_quick.csv")
+    assert list(saved.columns) == clip.COLUMNS and len(saved) == 4
+    out = capsys.readouterr().out
+    assert "x_nonprivate" in out and "saved" in out
+
+
+def test_unknown_workload_names_the_valid_ones():
+    with pytest.raises(SystemExit, match="unknown workload 'cnn'.*cnn_mnist"):
+        clip.main(["--workloads", "cnn", "--device", "cpu"])
+
+
+def test_slow_contenders_are_timed_on_fewer_steps():
+    import time
+
+    times = interleaved_times({"fast": lambda: None, "slow": lambda: time.sleep(0.02)}, CPU, repeats=5, warmup=1,
+                              budget_s=0.05)
+    assert len(times["fast"]) == 5 and 1 <= len(times["slow"]) < 5
+
+
+def test_cpu_step_memory_counts_the_peak_not_the_end():
+    def step():
+        a = torch.empty(1_000_000, dtype=torch.uint8)  # 1 MB live ...
+        b = torch.empty(3_000_000, dtype=torch.uint8)  # ... + 3 MB: the peak
+        del a, b
+        return torch.empty(500_000, dtype=torch.uint8)  # 0.5 MB survives the step
+
+    peak = step_memory_bytes(step, CPU)
+    assert 4_000_000 <= peak < 4_200_000

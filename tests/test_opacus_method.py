@@ -1,0 +1,150 @@
+"""method=opacus: Opacus 1.6 (hooks | functorch | ghost) computes per-example gradients or norms; our clip and sum
+must then equal nxBP's. Without Opacus installed, a one-line error names the extra."""
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.data.base import DataInfo
+from runner.errors import DprunError
+from runner.methods import METHODS
+from runner.models import MODELS
+
+MODES = ["hooks", "functorch", "ghost"]
+IMDB = DataInfo("imdb", (6,), 2, kind="text", vocab_size=12)
+SMALL = {  # models Opacus handles in every mode (no layer called twice, no padding_idx)
+    "mlp": (DataInfo("mnist", (1, 4, 4), 10), dict(widths=(6, 5))),
+    "bu_cnn": (DataInfo("mnist", (1, 16, 16), 10), dict(widths=(3, 4), hidden=5)),
+    "transformer": (DataInfo("mnist", (1, 5, 4), 10), dict(d_model=8, heads=2, ff=6, dropout=0.0)),
+}
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def inputs(info, B, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, info.num_classes, (B,), generator=g)
+    if info.kind == "text":
+        return torch.randint(1, info.vocab_size, (B, *info.input_shape), generator=g), y
+    return torch.randn(B, *info.input_shape, generator=g, dtype=torch.float64), y
+
+
+def clipped(method, model, x, y):
+    for p in model.parameters():
+        p.grad = None
+    out = method.privatize(model, loss_fn, x, y)
+    return out, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(SMALL))
+def test_clipped_sum_equals_nxbp_float64(name, mode):
+    pytest.importorskip("opacus")
+    info, kw = SMALL[name]
+    torch.manual_seed(0)
+    model = MODELS.build(name, info, **kw).double()
+    x, y = inputs(info, 5)
+    want, want_g = clipped(METHODS.build("nxbp", clip=0.3), model, x, y)
+    method = METHODS.build("opacus", cfg={"grad_sample_mode": mode}, clip=0.3)
+    assert method.prepare(model) is model
+    for _ in range(2):  # the second step must not see the first step's grad samples / norms
+        got, got_g = clipped(method, model, x, y)
+        torch.testing.assert_close(got.norms, want.norms, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(got.losses, want.losses)
+        for a, b in zip(got_g, want_g):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert (want.norms > 0.3).any()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+def test_recurrent_and_text_models_in_hooks_modes(mode):
+    """A Linear called once per time step: Opacus sums its grad samples over the calls before the norm."""
+    pytest.importorskip("opacus")
+    model = MODELS.build("lstm", IMDB, hidden=4, embed_dim=3).double()
+    x, y = inputs(IMDB, 4)
+    want, want_g = clipped(METHODS.build("nxbp", clip=0.5), model, x, y)
+    method = METHODS.build("opacus", cfg={"grad_sample_mode": mode}, clip=0.5)
+    got, got_g = clipped(method, method.prepare(model), x, y)
+    torch.testing.assert_close(got.norms, want.norms)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b)
+
+
+def test_float32_within_float_tolerance():
+    pytest.importorskip("opacus")
+    info, kw = SMALL["bu_cnn"]
+    model = MODELS.build("bu_cnn", info, **kw)
+    x, y = inputs(info, 6)
+    x = x.float()
+    want, want_g = clipped(METHODS.build("nxbp", clip=0.3), model, x, y)
+    method = METHODS.build("opacus", cfg={"grad_sample_mode": "ghost"}, clip=0.3)
+    got, got_g = clipped(method, method.prepare(model), x, y)
+    torch.testing.assert_close(got.norms, want.norms, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_ghost_rejects_a_layer_called_twice_in_one_line():
+    pytest.importorskip("opacus")
+    model = MODELS.build("rnn", IMDB, hidden=4, embed_dim=3).double()
+    method = METHODS.build("opacus", cfg={"grad_sample_mode": "ghost"})
+    with pytest.raises(DprunError, match=r"^method=opacus grad_sample_mode=ghost fails on RecurrentClassifier: "
+                                         r"Parameter tying is not supported with Ghost Clipping$"):
+        clipped(method, method.prepare(model), *inputs(IMDB, 2))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prepare_keeps_the_model_and_its_state_dict(mode):
+    pytest.importorskip("opacus")
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    keys = list(model.state_dict())
+    method = METHODS.build("opacus", cfg={"grad_sample_mode": mode})
+    assert method.prepare(model) is model and list(model.state_dict()) == keys
+    method.hooks.cleanup()
+    assert not any(hasattr(p, "grad_sample") for p in model.parameters())
+
+
+def test_empty_batch_and_train_step():
+    pytest.importorskip("opacus")
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    method = METHODS.build("opacus", clip=1.0, sigma=0.0)
+    method.prepare(model)
+    out, grads = clipped(method, model, torch.zeros(0, 3, dtype=torch.float64), torch.zeros(0, dtype=torch.long))
+    assert out.norms.shape == (0,) and all(not g.any() for g in grads)
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    before = [p.detach().clone() for p in model.parameters()]
+    _, want_g = clipped(METHODS.build("nxbp", clip=1.0), model, x, y)
+    method.step(model, loss_fn, x, y, torch.optim.SGD(model.parameters(), lr=1.0), sample_rate=0.5,
+                expected_batch_size=8.0)
+    for p0, g, p in zip(before, want_g, model.parameters()):
+        torch.testing.assert_close(p.detach(), p0 - g / 8.0)
+
+
+def test_eval_mode_and_unprepared_models_are_one_line_errors():
+    pytest.importorskip("opacus")
+    model = nn.Linear(3, 2)
+    method = METHODS.build("opacus")
+    with pytest.raises(DprunError, match="call method.prepare"):
+        clipped(method, model, torch.randn(2, 3), torch.tensor([0, 1]))
+    method.prepare(model)
+    model.eval()
+    with pytest.raises(DprunError, match="train mode"):
+        clipped(method, model, torch.randn(2, 3), torch.tensor([0, 1]))
+
+
+def test_unknown_mode_names_the_valid_ones():
+    with pytest.raises(DprunError, match=r"^unknown method.grad_sample_mode 'ew'; valid: hooks, ghost, functorch$"):
+        METHODS.build("opacus", cfg={"grad_sample_mode": "ew"})
+
+
+def test_without_opacus_the_error_names_the_extra(monkeypatch):
+    for mod in [m for m in sys.modules if m == "opacus" or m.startswith("opacus.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "opacus", None)  # `import opacus` now raises ImportError
+    with pytest.raises(DprunError) as e:
+        METHODS.build("opacus").prepare(nn.Linear(3, 2))
+    assert str(e.value) == "method=opacus needs Opacus: pip install -e '.[peers]'"
