@@ -63,7 +63,7 @@ def test_two_runs_in_the_same_second_never_share_a_folder(tmp_path):
 
 
 def test_synthetic_cifar_run_starts(tmp_path):
-    proc = dprun("dataset=synthetic", "dataset.like=cifar10", "dataset.train_size=512", "epochs=1",
+    proc = dprun("dataset=synthetic", "dataset.like=cifar10", "dataset.train_size=512", "dataset.test_size=64", "epochs=1",
                  "max_steps_per_epoch=2", "batch_size=32", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "papernot_cnn" in (list((tmp_path / "outputs").rglob("summary.json"))[0]).read_text()
