@@ -1,6 +1,11 @@
 """Clipping methods, one file each, behind runner.methods.base.Method (registered in METHODS by name)."""
 from __future__ import annotations
 
+from runner.methods import nxbp  # noqa: F401  (each method file registers in METHODS; one import per file)
+from runner.methods import multiloss  # noqa: F401
+from runner.methods import opacus_peer  # noqa: F401  (method=opacus; not opacus.py, which would shadow the package)
+from runner.methods import reweight  # noqa: F401
+from runner.methods import sbcd  # noqa: F401  (method=sbcd)
 from runner.methods.base import METHODS, Method, StepOutput, clip_factors  # noqa: F401
 from runner.errors import NotImplementedYet
 
