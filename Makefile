@@ -25,6 +25,10 @@ BENCH_ARGS ?=
 bench-clip: ## exact clipping methods vs non-private and Opacus, side by side (BENCH_ARGS="--device cuda --quick")
 	$(PY) -m runner.bench.clip $(BENCH_ARGS)
 
+.PHONY: bench-jl
+bench-jl: ## DP-SGD-JL step time vs r (forward-mode vs double-vjp) vs non-private and ReweightGP (BENCH_ARGS="--quick")
+	$(PY) -m runner.bench.jl $(BENCH_ARGS)
+
 # --- figures and tables ---
 # make figures SCALE=smoke (default; CPU minutes) | SCALE=paper (the papers' hyperparameters, for a GPU).
 # Each fig-<name>: the preset's Hydra sweeps (runner/figures/sweep.py), dprun-report, then the plot (docs/figures.md).

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from runner.methods import nxbp  # noqa: F401  (each method file registers in METHODS; one import per file)
 from runner.methods import multiloss  # noqa: F401
+from runner.methods import jl  # noqa: F401  (method=jl: DP-SGD-JL / DP-Adam-JL)
 from runner.methods import opacus_peer  # noqa: F401  (method=opacus; not opacus.py, which would shadow the package)
 from runner.methods import reweight  # noqa: F401
 from runner.methods import sbcd  # noqa: F401  (method=sbcd)

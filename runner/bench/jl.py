@@ -1,0 +1,185 @@
+"""`make bench-jl`: DP-SGD-JL / DP-Adam-JL step time vs r, as ratios to non-private and to ReweightGP, side by side.
+
+    python -m runner.bench.jl                          # all workloads, r in 1, 4, 10, 30, this machine's best device
+    python -m runner.bench.jl --device cpu --repeats 5 --workloads bilstm_imdb --r 1,4
+    python -m runner.bench.jl --quick                  # every code path: B/8, r in 1, 4, 2 repeats (a smoke run)
+
+Workloads (JL paper section 3): the MNIST CNN `bu_cnn` (B=256, SGD), the Papernot CIFAR-10 CNN `papernot_cnn`
+(B=256, SGD; Table 2) and the IMDB `bilstm` (B=256, Adam; Table 3), on synthetic tensors of the datasets' shapes.
+Contenders: non-private, ReweightGP (exact, its default mode), and jl with jvp=forward and jvp=double_vjp (the
+paper's PyTorch route) for every r. A step is Method.step (privatize + noise + optimizer step); one process, one
+model copy per contender (same seed), the same warm-up, interleaved repeats, median (runner/bench/common.py).
+`--chunk K` bounds the directions per vmap call (memory of the tangents ~ K forwards). After the table, one line
+per workload and jvp mode fits step time = a + b r: the marginal cost of a direction in non-private steps.
+Saves outputs/bench/jl_<device>.csv (jl_<device>_quick.csv with --quick).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from runner.bench.clip import loss_fn, synthetic_batch
+from runner.bench.common import interleaved_times, median, step_memory_bytes
+from runner.data.base import DataInfo
+from runner.errors import DprunError, NotImplementedYet
+from runner.methods import METHODS
+from runner.metrics import device_name, write_csv
+from runner.models import MODELS
+
+MNIST = DataInfo("mnist", (1, 28, 28), 10, "image", None, 60000, 10000)
+CIFAR10 = DataInfo("cifar10", (3, 32, 32), 10, "image", None, 50000, 10000)
+IMDB = DataInfo("imdb", (150,), 2, "text", 8185, 25000, 25000)
+MODES = ("forward", "double_vjp")
+COLUMNS = ["workload", "model", "batch", "optimizer", "method", "jvp", "r", "step_ms", "x_nonprivate", "x_reweight",
+           "step_mem_mb", "steps_timed", "note"]
+
+
+@dataclass
+class Workload:
+    name: str
+    model: str
+    info: DataInfo
+    batch: int
+    optimizer: str  # sgd | adam
+    lr: float
+
+
+def workloads(quick: bool = False) -> list[Workload]:
+    b = 32 if quick else 256
+    return [Workload("cnn_mnist", "bu_cnn", MNIST, b, "sgd", 0.25),
+            Workload("papernot_cifar10", "papernot_cnn", CIFAR10, b, "sgd", 0.1),
+            Workload("bilstm_imdb", "bilstm", IMDB, b, "adam", 0.001)]
+
+
+def variants(rs: list[int], chunk: int) -> dict[str, tuple[str, dict, int, str]]:
+    """label -> (method, options, r, jvp)."""
+    out = {"nonprivate": ("nonprivate", {}, 1, ""), "reweight": ("reweight", {}, 1, "")}
+    for mode in MODES:
+        out.update({f"jl{r}-{mode}": ("jl", {"jvp": mode, "chunk": chunk}, r, mode) for r in rs})
+    return out
+
+
+def contender(method_name: str, options: dict, r: int, base, w: Workload, x, y):
+    """(step, zero_grad) on the method's own model copy, or None and the reason."""
+    if method_name not in METHODS:
+        return None, f"skipped: method={method_name} not registered yet"
+    try:
+        method = METHODS.build(method_name, cfg=options, clip=1.0, sigma=1.0, r=r)
+        own = copy.deepcopy(base)
+        model = method.prepare(own) or own
+        opt_cls = torch.optim.Adam if w.optimizer == "adam" else torch.optim.SGD
+        opt = opt_cls(model.parameters(), lr=w.lr)
+        gen = torch.Generator(device=x.device).manual_seed(0)
+        step = lambda: method.step(model, loss_fn, x, y, opt, sample_rate=w.batch / w.info.train_size,  # noqa: E731
+                                   expected_batch_size=float(w.batch), generator=gen)
+        step()  # a method that rejects the model fails here, not in the timing loop
+        return (step, lambda: opt.zero_grad(set_to_none=True)), ""
+    except NotImplementedYet as e:
+        return None, f"skipped: {e}"
+    except DprunError as e:
+        return None, f"n/a: {e}"
+
+
+def bench_workload(w: Workload, rs: list[int], chunk: int, device, repeats: int, warmup: int, budget_s: float,
+                   memory: bool) -> list[dict]:
+    labels = variants(rs, chunk)
+    rows = [dict(workload=w.name, model=w.model, batch=w.batch, optimizer=w.optimizer, method=m if m != "jl"
+                 else f"jl({r})", jvp=mode, r=r if m == "jl" else None, label=label)
+            for label, (m, _, r, mode) in labels.items()]
+    if w.model not in MODELS:
+        return [dict(row, note=f"skipped: model={w.model} not registered yet") for row in rows]
+    torch.manual_seed(0)
+    base = MODELS.build(w.model, w.info).to(device)
+    x, y = synthetic_batch(w.info, w.batch, device)
+    contenders, notes = {}, {}
+    for label, (m, options, r, _) in labels.items():
+        contenders[label], notes[label] = contender(m, options, r, base, w, x, y)
+        if notes[label]:
+            print(f"[bench-jl] {w.name} {label}: {notes[label]}")
+    live = {k: c for k, c in contenders.items() if c is not None}
+    times = interleaved_times({k: c[0] for k, c in live.items()}, device, repeats, warmup, budget_s)
+    t = {k: median(ts) for k, ts in times.items()}
+    mem = {k: step_memory_bytes(c[0], device, before=c[1]) for k, c in live.items()} if memory else {}
+    for row in rows:
+        label = row.pop("label")
+        if label not in live:
+            row.update(note=notes[label])
+            continue
+        fewer = len(times[label]) < repeats
+        row.update(step_ms=1e3 * t[label], steps_timed=len(times[label]),
+                   x_nonprivate=t[label] / t["nonprivate"] if "nonprivate" in t else math.nan,
+                   x_reweight=t[label] / t["reweight"] if "reweight" in t else math.nan,
+                   step_mem_mb=mem[label] / 2**20 if label in mem else math.nan,
+                   note=f"estimated from {len(times[label])} of {repeats} steps (slow)" if fewer else "")
+    return rows
+
+
+def linear_fits(df: pd.DataFrame) -> list[str]:
+    """Per workload and jvp mode: step time = a + b r (least squares); b and a in non-private steps, and R^2."""
+    lines = []
+    jl = df[df["r"].notna() & df["x_nonprivate"].notna()]
+    for (wl, mode), g in jl.groupby(["workload", "jvp"], sort=False):
+        if len(g) < 2:
+            continue
+        r, ratio = g["r"].to_numpy(float), g["x_nonprivate"].to_numpy(float)
+        b, a = np.polyfit(r, ratio, 1)
+        fit = a + b * r
+        r2 = 1 - ((ratio - fit) ** 2).sum() / max(((ratio - ratio.mean()) ** 2).sum(), 1e-12)
+        lines.append(f"[bench-jl] {wl} jvp={mode}: step ~ {a:.2f} + {b:.2f} r non-private steps (R^2 {r2:.3f})")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    ap = argparse.ArgumentParser(prog="python -m runner.bench.jl", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per contender (median reported)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per contender first")
+    ap.add_argument("--quick", action="store_true", help="B=32, r in 1,4, 2 repeats: a smoke run of every code path")
+    ap.add_argument("--r", default="1,4,10,30", help="comma-separated JL dimensions")
+    ap.add_argument("--chunk", type=int, default=10, help="directions per vmap call (method.chunk; 0 = all r)")
+    ap.add_argument("--workloads", default="", help="comma-separated subset of: " +
+                    ", ".join(w.name for w in workloads()))
+    ap.add_argument("--budget", type=float, default=30.0, help="seconds of timed steps per contender; slower "
+                    "contenders are timed on fewer steps")
+    ap.add_argument("--memory", action="store_true", help="also measure each contender's peak step memory")
+    ap.add_argument("--out", default="outputs/bench", help="folder for jl_<device>.csv")
+    args = ap.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    repeats = 2 if args.quick else args.repeats
+    rs = [1, 4] if args.quick else [int(v) for v in args.r.split(",")]
+    chosen = workloads(args.quick)
+    if args.workloads:
+        wanted = args.workloads.split(",")
+        unknown = [n for n in wanted if n not in {w.name for w in chosen}]
+        if unknown:
+            raise SystemExit(f"bench-jl: unknown workload {unknown[0]!r}; valid: {', '.join(w.name for w in chosen)}")
+        chosen = [w for w in chosen if w.name in wanted]
+    print(f"[bench-jl] {device_name(device)}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{repeats} repeats, median step time; r = {rs}, chunk = {args.chunk}")
+    rows: list[dict] = []
+    for w in chosen:
+        print(f"[bench-jl] {w.name}: model={w.model} B={w.batch} optimizer={w.optimizer} ...", flush=True)
+        rows += bench_workload(w, rs, args.chunk, device, repeats, args.warmup, args.budget, args.memory)
+    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    df["r"] = df["r"].astype("Int64")
+    path = Path(args.out) / f"jl_{device.type}{'_quick' if args.quick else ''}.csv"
+    write_csv(path, df.astype(object).where(df.notna(), "").to_dict("records"))  # blanks, not NaN
+    with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_colwidth", 70,
+                           "display.float_format", "{:.2f}".format):
+        print(df.to_string(index=False))
+    print("\n".join(linear_fits(df)))
+    print(f"[bench-jl] saved {path}")
+    return df
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""DP-SGD-JL / DP-Adam-JL (JL paper, Algorithms 1 and 3): per-example gradient norms estimated from r projections.
+
+Each step draws v_1..v_r ~ N(0, I_d) over ALL trainable parameters (torch's RNG, seeded by the run), computes
+P_ij = <grad loss_i, v_j> for the whole batch with one Jacobian-vector product per direction, estimates
+M_i = sqrt(mean_j P_ij^2) (M_i^2 / ||g_i||^2 ~ chi^2_r / r), clips with nu_i = min(1, C / (M_i + 1e-6)) and
+leaves sum_i nu_i g_i in .grad; base.step adds the noise and the optimizer step (optimizer=adam: DP-Adam-JL).
+The model is a black box: no norm rules, any architecture torch.func can differentiate (stock nn.LSTM included).
+
+    method.jvp=forward     forward-mode AD on the model's own autograd graph: ONE forward yields the losses
+                           (primal, with the graph for the backward of sum_i nu_i loss_i) and the projections
+                           (tangents): torch's dual tensors for one direction, vmap of torch.func.jvp over
+                           several (the primal computed once); no second forward before the backward
+    method.jvp=double_vjp  the paper's PyTorch route: g(u) = grad <u, losses>, then P_j = d/du <g(u), v_j>;
+                           shares the forward, but a double backward per chunk of directions
+    method.jvp=auto        forward; if an operator has no forward-mode formula (CPU nn.LSTM's mkldnn kernel),
+                           log it once and use double_vjp from then on
+    method.chunk=K         directions per pass (0 = all r at once); K=1: one dual-tensor pass per direction
+
+    dprun method=jl r=4 dataset=synthetic dataset.like=cifar10 epochs=1 max_steps_per_epoch=20
+    dprun method=jl r=1 dataset=synthetic dataset.like=imdb optimizer=adam lr=0.001     # DP-Adam-JL
+
+Dropout: with jvp=forward the mask is drawn once (vmap randomness="same") and shared by the primal, every
+tangent and the backward (one pass); further chunks of directions replay the RNG state, so they draw the same mask.
+The step's mechanism is SubsampledJL(q, sigma, r): only the JL accountant (Theorem 4.1) accepts it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+from torch.func import functional_call, jvp, vmap
+
+from runner.accountants.mechanisms import Mechanism, SubsampledJL
+from runner.errors import DprunError
+from runner.methods.base import METHODS, Method, StepOutput, clip_factors
+from runner.norms.coverage import REASONS
+
+log = logging.getLogger("dprun")
+
+MODES = ("auto", "forward", "double_vjp")
+
+Directions = dict[str, torch.Tensor]  # parameter name -> (r, *p.shape)
+
+
+def trainable_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def draw_directions(params: dict[str, torch.Tensor], r: int) -> Directions:
+    """v_1..v_r ~ N(0, I_d) over all the given parameters, from torch's global RNG: name -> (r, *p.shape)."""
+    return {n: torch.randn((r, *p.shape), device=p.device, dtype=p.dtype) for n, p in params.items()}
+
+
+def _chunks(r: int, chunk: int) -> list[slice]:
+    step = chunk if chunk > 0 else max(r, 1)
+    return [slice(s, min(s + step, r)) for s in range(0, r, step)]
+
+
+def forward_projections(model, loss_fn, x, y, directions: Directions, chunk: int = 0):
+    """Forward-mode AD on the model's own autograd graph. Returns losses (B,), outputs (B, classes), P (B, r) and
+    backward(nu) -> {name: sum_i nu_i g_i}. The first chunk of directions shares its forward with the backward."""
+    named = trainable_params(model)
+    r = next(iter(directions.values())).shape[0]
+    slices = _chunks(r, chunk)
+    before = rng_state(x.device)  # replayed for every chunk after the first: the same dropout masks
+    losses, outputs, tangents = _project(model, loss_fn, x, y, named, _rows(directions, slices[0]))
+    rows = [tangents.detach()]  # each (k, B)
+    if len(slices) > 1:
+        after = rng_state(x.device)
+        detached = {n: p.detach() for n, p in named.items()}
+        with torch.no_grad():
+            for s in slices[1:]:
+                set_rng_state(before, x.device)
+                rows.append(_project(model, loss_fn, x, y, detached, _rows(directions, s))[2])
+        set_rng_state(after, x.device)
+    P = torch.cat(rows).T  # (B, r)
+    return losses.detach(), outputs.detach(), P, _backward_on(losses, named)
+
+
+def _rows(directions: Directions, s: slice) -> Directions:
+    return {n: t[s] for n, t in directions.items()}  # name -> (k, *p.shape)
+
+
+def _project(model, loss_fn, x, y, theta: dict[str, torch.Tensor], v: Directions):
+    """losses (B,) and outputs (B, classes), with autograd history if theta has it, and tangents (k, B).
+
+    One direction: torch's dual tensors (torch.autograd.forward_ad), the cheapest per operator. Several: vmap of
+    torch.func.jvp over the directions; the primal is not batched, so it is computed once (and dropout draws
+    one mask, randomness="same")."""
+    k = next(iter(v.values())).shape[0]
+    if k == 1:
+        with fwAD.dual_level():
+            duals = {n: fwAD.make_dual(p, v[n][0]) for n, p in theta.items()}
+            out = functional_call(model, duals, (x,))  # frozen params and buffers: the module's own
+            losses, tangent = fwAD.unpack_dual(loss_fn(out, y))
+            return losses, fwAD.unpack_dual(out).primal, tangent.unsqueeze(0)
+
+    def f(th):  # th -> (losses (B,), outputs (B, classes))
+        out = functional_call(model, th, (x,))
+        return loss_fn(out, y), out
+
+    one = lambda u: jvp(f, (theta,), (u,), has_aux=True)  # noqa: E731
+    losses, tangents, out = vmap(one, out_dims=(None, 0, None), randomness="same")(v)
+    return losses, out, tangents  # (B,), (B, classes), (k, B)
+
+
+def _backward_on(losses: torch.Tensor, named: dict[str, torch.Tensor]):
+    """backward(nu) -> {name: sum_i nu_i grad loss_i}: one vjp on the graph that produced `losses`."""
+
+    def backward(nu: torch.Tensor) -> dict[str, torch.Tensor]:
+        grads = torch.autograd.grad(losses, list(named.values()), grad_outputs=nu.to(losses.dtype),
+                                    allow_unused=True)
+        return {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(named.items(), grads)}
+
+    return backward
+
+
+def double_vjp_projections(model, loss_fn, x, y, directions: Directions, chunk: int = 0):
+    """The double-vjp trick on the model's own autograd graph: g(u) = sum_i u_i grad loss_i is linear in u, so
+    d/du <g(u), v_j> = (<grad loss_i, v_j>)_i = P_:j. Same return values as forward_projections."""
+    named = trainable_params(model)
+    names, params = list(named), list(named.values())
+    out = model(x)  # (B, classes), one forward with the graph
+    losses = loss_fn(out, y)  # (B,)
+    u = torch.ones_like(losses, requires_grad=True)  # (B,)
+    g = torch.autograd.grad(losses, params, grad_outputs=u, create_graph=True, allow_unused=True)
+    used = [i for i, gi in enumerate(g) if gi is not None and gi.requires_grad]
+    r = next(iter(directions.values())).shape[0]
+    rows = []
+    for s in _chunks(r, chunk):
+        k = s.stop - s.start
+        if not used:
+            rows.append(losses.new_zeros(k, len(losses)))
+            continue
+        gs = [g[i] for i in used]
+        vs = [directions[names[i]][s] for i in used]  # each (k, *p.shape)
+        if k == 1:
+            (pj,) = torch.autograd.grad(gs, u, grad_outputs=[v[0] for v in vs], retain_graph=True)
+            rows.append(pj.unsqueeze(0))
+        else:
+            (pj,) = torch.autograd.grad(gs, u, grad_outputs=vs, retain_graph=True, is_grads_batched=True)
+            rows.append(pj)  # (k, B)
+    P = torch.cat(rows).T.detach()  # (B, r)
+
+    return losses.detach(), out.detach(), P, _backward_on(losses, named)
+
+
+PROJECTORS = {"forward": forward_projections, "double_vjp": double_vjp_projections}
+
+
+def rng_state(device: torch.device):
+    """torch's CPU RNG state (and the device's, on CUDA): replayed so every chunk of directions sees one mask."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def set_rng_state(state, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)
+
+
+class JL(Method):
+    name = "jl"
+    exact = False
+    default_accountant = "jl"
+    summary = "DP-SGD-JL / DP-Adam-JL: norms estimated from r jvp projections (black box; any model)"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.r < 1:
+            raise DprunError(f"r={self.r} must be >= 1 for method=jl (the JL dimension: number of projections)")
+        self.mode = str(self.option("jvp", "auto"))
+        if self.mode not in MODES:
+            raise DprunError(f"unknown method.jvp {self.mode!r} for method=jl; valid: {', '.join(MODES)}")
+        self.chunk = int(self.option("chunk", 0))
+        if self.chunk < 0:
+            raise DprunError(f"method.chunk={self.chunk} must be >= 0 (0 = all r directions in one vmap call)")
+        self.active = "double_vjp" if self.mode == "double_vjp" else "forward"  # auto may switch, once
+
+    def prepare(self, model, data=None):
+        for path, module in model.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                why = REASONS[nn.modules.batchnorm._BatchNorm]
+                raise DprunError(f"{path or '<model>'} ({type(module).__name__}): {why}")
+        if not trainable_params(model):
+            raise DprunError("method=jl: the model has no trainable parameters")
+        return model
+
+    def mechanism(self, sample_rate: float) -> Mechanism:
+        return SubsampledJL(sample_rate=float(sample_rate), noise_multiplier=self.sigma, r=self.r)
+
+    def projections(self, model, loss_fn, x, y, directions: Directions):
+        """losses, outputs, P (B, r), backward(nu); under jvp=auto the first unsupported operator switches to
+        double_vjp for good (logged once)."""
+        if self.mode == "auto" and self.active == "forward":
+            try:
+                return forward_projections(model, loss_fn, x, y, directions, self.chunk)
+            except (NotImplementedError, RuntimeError) as e:
+                first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                log.warning("method=jl: forward-mode AD failed (%s); using method.jvp=double_vjp from now on",
+                            first_line[:200])
+                self.active = "double_vjp"
+        return PROJECTORS[self.active](model, loss_fn, x, y, directions, self.chunk)
+
+    def privatize(self, model, loss_fn, x, y) -> StepOutput:
+        params = trainable_params(model)
+        dev = next(iter(params.values())).device
+        if len(y) == 0:  # an empty Poisson batch: the clipped sum is zero
+            for p in params.values():
+                p.grad = torch.zeros_like(p)
+            return StepOutput(torch.zeros(0, device=dev), None, torch.zeros(0, device=dev), self.mechanism(0.0))
+        directions = draw_directions(params, self.r)  # name -> (r, *p.shape)
+        losses, outputs, P, backward = self.projections(model, loss_fn, x, y, directions)
+        norms = P.pow(2).mean(1).sqrt()  # (B,) M_i, the norm estimates
+        grads = backward(clip_factors(norms, self.clip))  # sum_i nu_i g_i, one backward
+        for n, p in params.items():
+            g = grads[n].detach()
+            p.grad = g if p.grad is None else p.grad + g
+        return StepOutput(losses, outputs, norms, self.mechanism(0.0))
+
+
+METHODS.register("jl", JL)

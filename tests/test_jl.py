@@ -1,0 +1,264 @@
+"""method=jl (DP-SGD-JL / DP-Adam-JL): projections, norm-estimate distribution, clipped sum, mechanism, fallback.
+
+The oracle is nxBP's one-backward-per-example gradient (per_example_grads below; its norms are checked against
+NxBP.privatize's), in float64.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from scipy import stats
+from torch import nn
+
+from runner import accountants, models
+from runner.accountants import ACCOUNTANTS, SubsampledGaussian, SubsampledJL, UnsupportedMechanism
+from runner.data.base import DataInfo
+from runner.errors import DprunError
+from runner.methods import METHODS, clip_factors
+from runner.methods.jl import JL, double_vjp_projections, draw_directions, forward_projections, trainable_params
+from runner.methods.nxbp import NxBP
+
+PROJECTORS = {"forward": forward_projections, "double_vjp": double_vjp_projections}
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out, y, reduction="none")  # (B,)
+
+
+class TorchLSTM(nn.Module):
+    """A stock (fused) torch.nn.LSTM classifier: no norm rule covers it, JL must not care."""
+
+    def __init__(self, vocab=20, embed=6, hidden=5, classes=3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.lstm = nn.LSTM(embed, hidden, batch_first=True, bidirectional=True)
+        self.fc = nn.Linear(2 * hidden, classes)
+
+    def forward(self, x):  # (B, T) ids
+        _, (h, _) = self.lstm(self.embed(x))  # h (2, B, hidden)
+        return self.fc(torch.cat([h[0], h[1]], -1))  # (B, classes)
+
+
+IMAGE = DataInfo("img", (1, 8, 8), 3, "image", None, 100, 10)
+CIFAR = DataInfo("cifar", (3, 32, 32), 3, "image", None, 100, 10)
+TEXT = DataInfo("txt", (7,), 3, "text", 20, 100, 10)
+MODELS = {
+    "mlp": lambda: models.build("mlp", IMAGE, widths=(6, 5)),
+    "cnn": lambda: models.build("bu_cnn", DataInfo("mn", (1, 28, 28), 3, "image", None, 100, 10), widths=(2, 3),
+                                hidden=4),
+    "papernot_cnn": lambda: models.build("papernot_cnn", CIFAR, last_width=8),
+    "gru": lambda: models.build("gru", IMAGE, hidden=4),
+    "bilstm": lambda: models.build("bilstm", TEXT, hidden=4, embed_dim=5, dense=4),
+    "transformer": lambda: models.build("transformer", TEXT, d_model=8, heads=2, ff=8, dropout=0.0),
+    "torch_lstm": TorchLSTM,
+}
+
+
+def batch(info_or_model: str, B: int = 4):
+    g = torch.Generator().manual_seed(1)
+    if info_or_model in ("bilstm", "transformer", "torch_lstm"):
+        x = torch.randint(0, 20, (B, 7), generator=g)
+    elif info_or_model == "cnn":
+        x = torch.randn(B, 1, 28, 28, generator=g, dtype=torch.float64)
+    elif info_or_model == "papernot_cnn":
+        x = torch.randn(B, 3, 32, 32, generator=g, dtype=torch.float64)
+    else:
+        x = torch.randn(B, 1, 8, 8, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 3, (B,), generator=g)
+
+
+def build(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name]().double()
+
+
+def per_example_grads(model, x, y) -> dict[str, torch.Tensor]:
+    """nxBP's per-example gradients, name -> (B, *p.shape), one backward per example."""
+    params = trainable_params(model)
+    rows = []
+    for i in range(len(y)):
+        loss = loss_fn(model(x[i:i + 1]), y[i:i + 1]).sum()
+        rows.append(torch.autograd.grad(loss, list(params.values()), allow_unused=True))
+    return {n: torch.stack([torch.zeros_like(p) if r[k] is None else r[k] for r in rows])
+            for k, (n, p) in enumerate(params.items())}
+
+
+def flat(grads: dict[str, torch.Tensor], B: int) -> torch.Tensor:
+    return torch.cat([g.reshape(B, -1) for g in grads.values()], 1)  # (B, d)
+
+
+@pytest.mark.parametrize("mode", ["forward", "double_vjp"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "papernot_cnn" else n
+                                  for n in MODELS])
+def test_projections_equal_inner_products_with_per_example_grads(name, mode):
+    model = build(name)
+    x, y = batch(name)
+    torch.manual_seed(3)
+    V = draw_directions(trainable_params(model), 3)  # name -> (3, *p.shape)
+    losses, _, P, _ = PROJECTORS[mode](model, loss_fn, x, y, V, chunk=2)  # chunks of 2 and 1 directions
+    G = flat(per_example_grads(model, x, y), len(y))  # (B, d)
+    Vf = torch.cat([v.reshape(3, -1) for v in V.values()], 1)  # (3, d)
+    assert P.shape == (len(y), 3)
+    torch.testing.assert_close(P, G @ Vf.T, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(losses, loss_fn(model(x), y))
+
+
+def test_per_example_oracle_matches_nxbp_norms():
+    model = build("bilstm")
+    x, y = batch("bilstm")
+    norms = flat(per_example_grads(model, x, y), len(y)).norm(dim=1)
+    torch.testing.assert_close(norms, NxBP(clip=1.0).privatize(model, loss_fn, x, y).norms)
+
+
+@pytest.mark.parametrize("mode", ["forward", "double_vjp"])
+@pytest.mark.parametrize("name", ["cnn", "bilstm", "torch_lstm"])
+def test_grad_is_clipped_sum_with_the_estimated_factors(name, mode):
+    model = build(name)
+    x, y = batch(name)
+    G = per_example_grads(model, x, y)
+    clip = 0.5 * float(flat(G, len(y)).norm(dim=1).median())  # some examples clipped, some not
+    method = METHODS.build("jl", cfg={"jvp": mode}, clip=clip, sigma=1.0, r=4)
+    out = method.privatize(model, loss_fn, x, y)
+    nu = clip_factors(out.norms, clip)  # (B,)
+    assert (nu < 1).any()
+    for n, p in trainable_params(model).items():
+        torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", nu, G[n]), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("r", [1, 4])
+def test_norm_estimate_follows_scaled_chi_square(r):
+    """M_i^2 / ||g_i||^2 ~ chi^2_r / r: 8 examples x 300 independent draws, from one vmap call over 2400 r
+    directions (example i uses only the i-th block of 300 groups of r, so all 2400 ratios are independent)."""
+    model = build("mlp")
+    x, y = batch("mlp", B=8)
+    exact = flat(per_example_grads(model, x, y), 8).norm(dim=1)  # (B,)
+    torch.manual_seed(123)
+    V = draw_directions(trainable_params(model), 8 * 300 * r)
+    _, _, P, _ = forward_projections(model, loss_fn, x, y, V)  # (B, 2400 r)
+    M = P.reshape(8, 8, 300, r).pow(2).mean(3).sqrt()  # (B, block, 300): JL's estimate per group of r
+    M = M[torch.arange(8), torch.arange(8)]  # (B, 300): example i, block i
+    ratios = (M / exact[:, None]).pow(2).flatten().numpy()
+    assert stats.kstest(ratios, stats.chi2(df=r, scale=1 / r).cdf).pvalue > 1e-3
+    wrong = stats.chi2(df=2 * r, scale=1 / (2 * r))  # the test has power: twice the dimension is rejected
+    assert stats.kstest(ratios, wrong.cdf).pvalue < 1e-6
+
+
+def test_large_r_approaches_exact_clipping():
+    model = build("mlp")
+    x, y = batch("mlp", B=8)
+    exact = flat(per_example_grads(model, x, y), 8).norm(dim=1)
+    clip = float(exact.median())
+    torch.manual_seed(0)
+    est = {r: JL(cfg={}, clip=clip, r=r).privatize(model, loss_fn, x, y).norms for r in (1, 3000)}
+    err = {r: (clip_factors(m, clip) - clip_factors(exact, clip)).abs().max().item() for r, m in est.items()}
+    assert err[3000] < 0.06  # sd of sqrt(chi^2_r / r) ~ 1/sqrt(2r) = 0.013
+    assert err[3000] < err[1]
+
+
+def test_dropout_mask_shared_by_projections_chunks_and_backward():
+    """In train mode with dropout, the coordinate directions give P = the per-example gradients under the step's
+    mask; the .grad left by the backward must be their nu-weighted sum (same mask), chunked or not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Dropout(0.5), nn.Tanh(), nn.Linear(4, 3)).double().train()
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+    params = trainable_params(model)
+    d = sum(p.numel() for p in params.values())
+    eye, start, V = torch.eye(d, dtype=torch.float64), 0, {}
+    for n, p in params.items():  # coordinate directions: v_j = e_j
+        V[n] = eye[:, start:start + p.numel()].reshape(d, *p.shape)
+        start += p.numel()
+    results = []
+    for chunk in (0, 1, 7, 38):  # d = 39: one vmap; 39 dual passes; 6 vmaps; a vmap then a dual pass
+        torch.manual_seed(42)
+        losses, _, P, backward = forward_projections(model, loss_fn, x, y, V, chunk=chunk)  # P (B, d): grads
+        nu = clip_factors(P.norm(dim=1), 0.3)
+        got = torch.cat([g.reshape(-1) for g in backward(nu).values()])
+        torch.testing.assert_close(got, nu @ P)
+        results.append(P)
+    for P in results[1:]:
+        torch.testing.assert_close(P, results[0])
+
+
+class NoForwardAD(torch.autograd.Function):
+    """tanh with a backward but no forward-mode formula (like CPU nn.LSTM's mkldnn kernel in float32)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.tanh(x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * (1 - out * out)
+
+
+class NoJvpNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(NoForwardAD.apply(self.a(x)))
+
+
+def test_auto_falls_back_to_double_vjp_once(caplog):
+    torch.manual_seed(0)
+    model = NoJvpNet().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        JL(cfg={"jvp": "forward"}, r=2).privatize(model, loss_fn, x, y)
+    method = JL(cfg={"jvp": "auto"}, clip=1e6, r=2)
+    with caplog.at_level(logging.WARNING, logger="dprun"):
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = None
+            method.privatize(model, loss_fn, x, y)
+    assert method.active == "double_vjp"
+    assert sum("double_vjp" in rec.getMessage() for rec in caplog.records) == 1
+    G = per_example_grads(model, x, y)
+    for n, p in trainable_params(model).items():  # clip 1e6: nothing clipped, .grad = sum of gradients
+        torch.testing.assert_close(p.grad, G[n].sum(0))
+
+
+def test_stock_lstm_float32_runs_under_auto():
+    torch.manual_seed(0)
+    model = TorchLSTM()
+    x, y = batch("torch_lstm")
+    out = JL(cfg={}, clip=1.0, r=2).privatize(model, loss_fn, x, y)
+    assert out.norms.shape == (4,) and torch.isfinite(out.norms).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_step_reports_jl_mechanism_and_only_jl_accountants_accept_it():
+    model = build("mlp")
+    x, y = batch("mlp")
+    method = METHODS.build("jl", cfg={}, clip=1.0, sigma=0.7, r=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = method.step(model, loss_fn, x, y, opt, sample_rate=0.01, expected_batch_size=4.0)
+    assert out.mechanism == SubsampledJL(sample_rate=0.01, noise_multiplier=0.7, r=4)
+    assert method.default_accountant == "jl" and not method.exact
+    assert accountants.resolve_name("auto", method) == "jl"
+    gaussian_only = [n for n, cls in ACCOUNTANTS.items() if tuple(cls.supported) == (SubsampledGaussian,)]
+    for name in gaussian_only:
+        with pytest.raises(UnsupportedMechanism):
+            ACCOUNTANTS.build(name).step(out.mechanism)
+    if "jl" in ACCOUNTANTS:
+        ACCOUNTANTS.build("jl").step(out.mechanism)  # accepted
+
+
+def test_empty_batch_and_bad_options():
+    model = build("mlp")
+    x, y = batch("mlp")
+    out = JL(cfg={}, r=2).privatize(model, loss_fn, x[:0], y[:0])
+    assert out.norms.numel() == 0 and all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+    with pytest.raises(DprunError, match="r=0"):
+        JL(cfg={}, r=0)
+    with pytest.raises(DprunError, match="did you mean|valid: auto, forward, double_vjp"):
+        JL(cfg={"jvp": "reverse"}, r=1)
+    with pytest.raises(DprunError, match="BatchNorm"):
+        JL(cfg={}, r=1).prepare(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
