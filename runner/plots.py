@@ -44,15 +44,21 @@ def select_runs(runs: pd.DataFrame, experiment: str, scale: str) -> pd.DataFrame
 def render(name: str, runs: pd.DataFrame, epochs: pd.DataFrame, scale: str, out_dir: Path, tables_dir: Path,
            formats: tuple[str, ...] = ("png", "pdf")):
     """Draw one figure (as PNG and PDF); return the PNG path, or a string saying why it was skipped."""
-    import matplotlib.pyplot as plt
-
     fig = FIGURES.get(name)
     reason = fig.needs()
     if reason:
         return f"skip {name}: {reason}"
     if fig.gpu_only and not _cuda() and (runs.empty or "experiment" not in runs
                                          or not (runs["experiment"] == fig.experiment).any()):
-        return f"skip {name}: GPU only (largest batch before out-of-memory); no CUDA here and no runs to draw"
+        # not run here: the PNG and CSV still exist and say so (with the paper's numbers), so a CPU `make figures`
+        # lists every target; nothing of ours is drawn
+        print(f"plots: {name}: GPU only (largest batch before out-of-memory) and no CUDA here: not run; "
+              f"its PNG/CSV say so and show the paper's numbers only", flush=True)
+        runs = runs.iloc[0:0]
+        caption = (f"{fig.paper}: NOT RUN: GPU only, and CUDA is not available on this machine "
+                   f"(make fig-{name} SCALE=paper on a GPU) | paper numbers only | scale={scale}")
+        return _save(name, fig, fig.table(runs, epochs.iloc[0:0], scale), caption, scale, out_dir, tables_dir,
+                     formats)
     if fig.experiment:
         runs = select_runs(runs, fig.experiment, scale)
         if runs.empty:
@@ -62,7 +68,13 @@ def render(name: str, runs: pd.DataFrame, epochs: pd.DataFrame, scale: str, out_
         caption = f"{fig.paper}: " + caption_for(runs, scale)
     else:
         caption = f"{fig.paper}: " + caption_for(runs, scale, COMPUTED_WITH.get(name, "runner.sbcd_curves"))
-    data = fig.table(runs, epochs, scale)
+    return _save(name, fig, fig.table(runs, epochs, scale), caption, scale, out_dir, tables_dir, formats)
+
+
+def _save(name, fig, data: pd.DataFrame, caption: str, scale: str, out_dir: Path, tables_dir: Path,
+          formats: tuple[str, ...]) -> Path:
+    import matplotlib.pyplot as plt
+
     tables_dir.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     data.to_csv(tables_dir / f"{name}.csv", index=False)

@@ -9,8 +9,9 @@ Workloads (JL paper section 3): the MNIST CNN `bu_cnn` (B=256, SGD), the Paperno
 Contenders: non-private, ReweightGP (exact, its default mode), and jl with jvp=forward and jvp=double_vjp (the
 paper's PyTorch route) for every r. A step is Method.step (privatize + noise + optimizer step); one process, one
 model copy per contender (same seed), the same warm-up, interleaved repeats, median (runner/bench/common.py).
-`--chunk K` bounds the directions per vmap call (memory of the tangents ~ K forwards). After the table, one line
-per workload and jvp mode fits step time = a + b r: the marginal cost of a direction in non-private steps.
+`--chunk K` bounds the directions per vmap call (memory of the tangents ~ K forwards). Wall time (`step_ms`, the
+paper's measure) and process CPU time (`cpu_ms`: robust on a shared machine; use `--threads 1` there) per step.
+After the table, one line per workload and jvp mode fits CPU time = a + b r: the marginal cost of a direction.
 Saves outputs/bench/jl_<device>.csv (jl_<device>_quick.csv with --quick).
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +40,7 @@ CIFAR10 = DataInfo("cifar10", (3, 32, 32), 10, "image", None, 50000, 10000)
 IMDB = DataInfo("imdb", (150,), 2, "text", 8185, 25000, 25000)
 MODES = ("forward", "double_vjp")
 COLUMNS = ["workload", "model", "batch", "optimizer", "method", "jvp", "r", "step_ms", "x_nonprivate", "x_reweight",
-           "step_mem_mb", "steps_timed", "note"]
+           "cpu_ms", "cpu_x_nonprivate", "cpu_x_reweight", "step_mem_mb", "steps_timed", "note"]
 
 
 @dataclass
@@ -104,8 +106,18 @@ def bench_workload(w: Workload, rs: list[int], chunk: int, device, repeats: int,
         if notes[label]:
             print(f"[bench-jl] {w.name} {label}: {notes[label]}")
     live = {k: c for k, c in contenders.items() if c is not None}
-    times = interleaved_times({k: c[0] for k, c in live.items()}, device, repeats, warmup, budget_s)
+    cpu: dict[str, list[float]] = {k: [] for k in live}  # process CPU seconds of every step, warm-up included
+
+    def with_cpu(label, step):
+        def run():
+            start = time.process_time()
+            step()
+            cpu[label].append(time.process_time() - start)
+        return run
+
+    times = interleaved_times({k: with_cpu(k, c[0]) for k, c in live.items()}, device, repeats, warmup, budget_s)
     t = {k: median(ts) for k, ts in times.items()}
+    ct = {k: median(cpu[k][-len(ts):]) for k, ts in times.items()}  # the timed steps' CPU seconds
     mem = {k: step_memory_bytes(c[0], device, before=c[1]) for k, c in live.items()} if memory else {}
     for row in rows:
         label = row.pop("label")
@@ -116,23 +128,27 @@ def bench_workload(w: Workload, rs: list[int], chunk: int, device, repeats: int,
         row.update(step_ms=1e3 * t[label], steps_timed=len(times[label]),
                    x_nonprivate=t[label] / t["nonprivate"] if "nonprivate" in t else math.nan,
                    x_reweight=t[label] / t["reweight"] if "reweight" in t else math.nan,
+                   cpu_ms=1e3 * ct[label],
+                   cpu_x_nonprivate=ct[label] / ct["nonprivate"] if "nonprivate" in ct else math.nan,
+                   cpu_x_reweight=ct[label] / ct["reweight"] if "reweight" in ct else math.nan,
                    step_mem_mb=mem[label] / 2**20 if label in mem else math.nan,
                    note=f"estimated from {len(times[label])} of {repeats} steps (slow)" if fewer else "")
     return rows
 
 
 def linear_fits(df: pd.DataFrame) -> list[str]:
-    """Per workload and jvp mode: step time = a + b r (least squares); b and a in non-private steps, and R^2."""
+    """Per workload and jvp mode: step CPU time = a + b r (least squares); a, b in non-private steps, and R^2."""
     lines = []
-    jl = df[df["r"].notna() & df["x_nonprivate"].notna()]
+    jl = df[df["r"].notna() & df["cpu_x_nonprivate"].notna()]
     for (wl, mode), g in jl.groupby(["workload", "jvp"], sort=False):
         if len(g) < 2:
             continue
-        r, ratio = g["r"].to_numpy(float), g["x_nonprivate"].to_numpy(float)
+        r, ratio = g["r"].to_numpy(float), g["cpu_x_nonprivate"].to_numpy(float)
         b, a = np.polyfit(r, ratio, 1)
         fit = a + b * r
         r2 = 1 - ((ratio - fit) ** 2).sum() / max(((ratio - ratio.mean()) ** 2).sum(), 1e-12)
-        lines.append(f"[bench-jl] {wl} jvp={mode}: step ~ {a:.2f} + {b:.2f} r non-private steps (R^2 {r2:.3f})")
+        lines.append(f"[bench-jl] {wl} jvp={mode}: step CPU time ~ {a:.2f} + {b:.2f} r non-private steps "
+                     f"(R^2 {r2:.3f})")
     return lines
 
 
@@ -149,11 +165,15 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--budget", type=float, default=30.0, help="seconds of timed steps per contender; slower "
                     "contenders are timed on fewer steps")
     ap.add_argument("--memory", action="store_true", help="also measure each contender's peak step memory")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default); 1 on a "
+                    "shared CPU, where idle spinning threads make wall times of multi-threaded steps meaningless")
     ap.add_argument("--out", default="outputs/bench", help="folder for jl_<device>.csv")
     args = ap.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else args.repeats
     rs = [1, 4] if args.quick else [int(v) for v in args.r.split(",")]
     chosen = workloads(args.quick)
@@ -165,19 +185,24 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         chosen = [w for w in chosen if w.name in wanted]
     print(f"[bench-jl] {device_name(device)}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{repeats} repeats, median step time; r = {rs}, chunk = {args.chunk}")
+    path = Path(args.out) / f"jl_{device.type}{'_quick' if args.quick else ''}.csv"
     rows: list[dict] = []
-    for w in chosen:
+    for w in chosen:  # the CSV is rewritten after every workload, so a long run keeps what it has measured
         print(f"[bench-jl] {w.name}: model={w.model} B={w.batch} optimizer={w.optimizer} ...", flush=True)
         rows += bench_workload(w, rs, args.chunk, device, repeats, args.warmup, args.budget, args.memory)
-    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
-    df["r"] = df["r"].astype("Int64")
-    path = Path(args.out) / f"jl_{device.type}{'_quick' if args.quick else ''}.csv"
-    write_csv(path, df.astype(object).where(df.notna(), "").to_dict("records"))  # blanks, not NaN
+        df = table(rows)
+        write_csv(path, df.astype(object).where(df.notna(), "").to_dict("records"))  # blanks, not NaN
     with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_colwidth", 70,
                            "display.float_format", "{:.2f}".format):
         print(df.to_string(index=False))
     print("\n".join(linear_fits(df)))
     print(f"[bench-jl] saved {path}")
+    return df
+
+
+def table(rows: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    df["r"] = df["r"].astype("Int64")
     return df
 
 

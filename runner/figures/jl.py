@@ -105,36 +105,100 @@ def at_accuracy(traj: pd.DataFrame, target: float) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+INF_NOTE = r"$\epsilon=\infty$: no finite guarantee (full tail of $Z_r$, docs/privacy.md)"
+
+
+def finite_max(values) -> float:
+    v = pd.to_numeric(pd.Series(values), errors="coerce")
+    v = v[np.isfinite(v)]
+    return float(v.max()) if len(v) else float("nan")
+
+
+def eps_panel(ax, points, eps_axis: str = "y"):
+    """Methods on a panel with epsilon on one axis, from (position on the other axis, epsilon, label): finite at
+    their value; epsilon = inf (no finite guarantee) as red triangles on an "inf" band at the top (or right) of the
+    epsilon axis; non-private (no epsilon) as a dashed grey line at its position."""
+    finite = [e for _, e, _ in points if pd.notna(e) and np.isfinite(e)]
+    top = max(finite) * 1.3 if finite else 1.0
+    inf_at = top * 0.93
+    for pos, eps, label in points:
+        if pd.isna(eps):
+            (ax.axvline if eps_axis == "y" else ax.axhline)(pos, color="0.5", ls="--", lw=1)
+            xy = (pos, top * 0.02) if eps_axis == "y" else (0.0, pos)
+            ax.annotate(f"{label} (no privacy)", xy, fontsize=7, color="0.4", xytext=(2, 2),
+                        textcoords="offset points", rotation=90 if eps_axis == "y" else 0)
+            continue
+        inf = np.isinf(eps)
+        value = inf_at if inf else eps
+        xy = (pos, value) if eps_axis == "y" else (value, pos)
+        if inf:
+            ax.scatter(*xy, marker="^", color="tab:red", s=36, zorder=3)
+            ax.annotate(label + r" ($\epsilon=\infty$)", xy, fontsize=7, color="tab:red", xytext=(3, -9),
+                        textcoords="offset points")
+        else:
+            ax.scatter(*xy, zorder=3)
+            ax.annotate(label, xy, fontsize=7, xytext=(3, 3), textcoords="offset points")
+    if any(pd.notna(e) and np.isinf(e) for _, e, _ in points):
+        (ax.axhspan if eps_axis == "y" else ax.axvspan)(top * 0.88, top, color="tab:red", alpha=0.08)
+    (ax.set_ylim if eps_axis == "y" else ax.set_xlim)(0, top)
+
+
 def draw_tradeoff(data, caption, scale, title, paper_acc):
+    import matplotlib.lines as mlines
+    from matplotlib import colors
+
     fig, (left, right) = panels(1, 2, title, 5.2, 4)
-    eps = pd.to_numeric(data["epsilon"], errors="coerce")
-    vmax = np.nanmax(eps) if eps.notna().any() else 1.0
+    vmax = finite_max(data["epsilon"])
+    norm = colors.Normalize(vmin=0, vmax=vmax if np.isfinite(vmax) and vmax > 0 else 1.0)
+    cmap = plt_cmap("viridis")
+    handles = {}
     for label in sorted(data["label"].unique(), key=label_order):
         sub = data[data["label"] == label]
         left.plot(sub["time_s"], sub["test_acc"], "-", color="0.7", lw=0.8, zorder=1)
         e = pd.to_numeric(sub["epsilon"], errors="coerce")
-        sc = left.scatter(sub["time_s"], sub["test_acc"], c=e.fillna(0), cmap="viridis", vmin=0, vmax=vmax,
-                          marker="o" if e.notna().any() else "x", s=18, zorder=2)
+        finite = np.isfinite(e)
+        if finite.any():
+            left.scatter(sub["time_s"][finite], sub["test_acc"][finite], c=e[finite], cmap=cmap, norm=norm, s=18,
+                         zorder=2)
+        if np.isinf(e).any():
+            left.scatter(sub["time_s"][np.isinf(e)], sub["test_acc"][np.isinf(e)], marker="^", color="tab:red",
+                         s=18, zorder=2)
+            handles["inf"] = mlines.Line2D([], [], color="tab:red", marker="^", ls="", label=INF_NOTE)
+        if e.isna().all():
+            left.scatter(sub["time_s"], sub["test_acc"], marker="x", color="k", s=18, zorder=2)
+            handles["nan"] = mlines.Line2D([], [], color="k", marker="x", ls="", label="non-private (no epsilon)")
         left.annotate(label, (sub["time_s"].iloc[-1], sub["test_acc"].iloc[-1]), fontsize=7)
     left.set_xscale("log")
     left.set_xlabel("training time (s)")
     left.set_ylabel("test accuracy")
     left.set_title("accuracy vs training time (colour: epsilon)", fontsize=10)
-    fig.colorbar(sc, ax=left, label=r"$\epsilon$ ($\delta=10^{-5}$)")
+    if handles:
+        left.legend(handles=list(handles.values()), fontsize=6, loc="lower right")
+    from matplotlib.cm import ScalarMappable
+
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=left, label=r"$\epsilon$ ($\delta=10^{-5}$)")
     target, text = threshold(paper_acc, data.groupby("label")["test_acc"].max(), scale)
     hits = at_accuracy(data, target)
-    for _, row in hits.iterrows():
-        if row["reached"] and pd.notna(row["epsilon"]):
-            right.scatter(row["time_s"], row["epsilon"])
-            right.annotate(row["label"], (row["time_s"], row["epsilon"]), fontsize=7)
+    reached = hits[hits["reached"]]
+    eps_panel(right, list(zip(reached["time_s"], pd.to_numeric(reached["epsilon"], errors="coerce"),
+                              reached["label"])))
     missed = [r for r, ok in zip(hits["label"], hits["reached"]) if not ok]
     if missed:
         right.text(0.02, 0.02, "not reached: " + ", ".join(missed), transform=right.transAxes, fontsize=6)
+    if not np.isfinite(finite_max(reached["epsilon"])):
+        right.text(0.5, 0.5, "no method with a finite epsilon reached it", transform=right.transAxes, fontsize=7,
+                   ha="center", color="0.4")
     right.set_xlabel("training time to reach it (s)")
     right.set_ylabel(r"$\epsilon$")
     right.set_title(f"fixing accuracy at {text}", fontsize=9)
     right.grid(alpha=0.3)
     return finish(fig, caption)
+
+
+def plt_cmap(name: str):
+    import matplotlib
+
+    return matplotlib.colormaps[name]
 
 
 def make_tradeoff(name, title, experiment, paper_acc):
@@ -177,23 +241,33 @@ def draw_fig6(data, caption, scale):
     data = data.assign(epsilon=pd.to_numeric(data["epsilon"], errors="coerce"))
     acc, acc_text = threshold(0.70, data.groupby("label")["test_acc"].max(), scale)
     hits = at_accuracy(data, acc)
-    for _, row in hits[hits["reached"]].iterrows():
-        axes[0].scatter(row["time_s"], row["epsilon"])
-        axes[0].annotate(row["label"], (row["time_s"], row["epsilon"]), fontsize=7)
+    reached = hits[hits["reached"]]
+    eps_panel(axes[0], list(zip(reached["time_s"], pd.to_numeric(reached["epsilon"], errors="coerce"),
+                                reached["label"])))
+    missed = [r for r, ok in zip(hits["label"], hits["reached"]) if not ok]
+    if missed:
+        axes[0].text(0.02, 0.02, "not reached: " + ", ".join(missed), transform=axes[0].transAxes, fontsize=6)
     axes[0].set(xlabel="training time (s)", ylabel=r"$\epsilon$", title=f"fixing accuracy at {acc_text}")
     t, t_text = threshold(720.0, data.groupby("label")["time_s"].max(), scale)
-    eps_cap, e_text = threshold(8.0, data.groupby("label")["epsilon"].max(), scale)
-    for label, sub in data.groupby("label"):
+    finite_eps = data["epsilon"].where(np.isfinite(data["epsilon"]))
+    eps_cap, e_text = threshold(8.0, finite_eps.groupby(data["label"]).max(), scale)
+    left_out, at_time = [], []
+    for label, sub in sorted(data.groupby("label"), key=lambda kv: label_order(kv[0])):
         within = sub[sub["time_s"] <= t]
         if len(within):
             last = within.iloc[-1]
-            axes[1].scatter(last["epsilon"] if pd.notna(last["epsilon"]) else 0, last["test_acc"])
-            axes[1].annotate(label, (last["epsilon"] if pd.notna(last["epsilon"]) else 0, last["test_acc"]), fontsize=7)
+            at_time.append((last["test_acc"], last["epsilon"], label))
         private = sub[sub["epsilon"] <= eps_cap]
         if len(private):
             last = private.iloc[-1]
             axes[2].scatter(last["time_s"], last["test_acc"])
             axes[2].annotate(label, (last["time_s"], last["test_acc"]), fontsize=7)
+        else:
+            left_out.append(label + (" (no privacy)" if sub["epsilon"].isna().all() else ""))
+    eps_panel(axes[1], at_time, eps_axis="x")
+    if left_out:
+        axes[2].text(0.02, 0.02, "epsilon never within it: " + ", ".join(left_out), transform=axes[2].transAxes,
+                     fontsize=6, wrap=True)
     axes[1].set(xlabel=r"$\epsilon$", ylabel="test accuracy", title=f"fixing training time at {t_text} s")
     axes[2].set(xlabel="training time (s)", ylabel="test accuracy", title=f"fixing epsilon at {e_text}")
     for ax in axes:

@@ -87,6 +87,12 @@ def draw_fig9(data, caption, scale):
 
 
 def memory_table(runs, epochs, scale) -> pd.DataFrame:
+    if runs.empty:  # not run (GPU only, no CUDA): the paper's numbers, ours marked as not run
+        return pd.DataFrame([{"label": label, "largest batch trained": None, "first batch that failed": None,
+                              "largest batch tried": None, "peak memory GiB at largest": None,
+                              "paper (11 GB GPU): first failed at": PAPER_MEMORY.get(label),
+                              "status": "NOT RUN (GPU only; no CUDA on this machine)"}
+                             for label in LK_ORDER if label in PAPER_MEMORY])
     t = timing_table(runs, epochs, scale)
     rows = []
     for label, sub in t.groupby("label"):
@@ -103,11 +109,16 @@ def memory_table(runs, epochs, scale) -> pd.DataFrame:
 def draw_memory(data, caption, scale):
     fig, (ax,) = panels(1, 1, "Lee & Kifer section 6.7: largest batch before out-of-memory (ResNet-101, 256x256)", 6)
     data = data.set_index("label").reindex([l for l in LK_ORDER if l in set(data["label"])])
-    ax.bar(range(len(data)), data["largest batch trained"], label="ours")
-    ax.scatter(range(len(data)), data["paper (11 GB GPU): first failed at"], color="k", marker="_", s=400,
+    ax.bar(range(len(data)), pd.to_numeric(data["largest batch trained"], errors="coerce"), label="ours")
+    ax.scatter(range(len(data)), pd.to_numeric(data["paper (11 GB GPU): first failed at"], errors="coerce"), color="k", marker="_", s=400,
                label="paper: first failed at (GTX 1080 Ti, 11 GB)", zorder=3)
     ax.set_xticks(range(len(data)), list(data.index))
     ax.set_ylabel("largest batch size trained")
+    if pd.to_numeric(data["largest batch trained"], errors="coerce").isna().all():
+        note = data["status"].dropna().iloc[0] if "status" in data and data["status"].notna().any() else "no runs"
+        ax.text(0.5, 0.6, f"ours: {note}", transform=ax.transAxes, ha="center", va="center",
+                fontsize=11, color="tab:red", bbox=dict(facecolor="white", edgecolor="tab:red"))
+        ax.set_ylim(0, 64)
     ax.legend(fontsize=7)
     return finish(fig, caption)
 
