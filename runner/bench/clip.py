@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from runner.bench.common import interleaved_times, median, step_memory_bytes
+from runner.bench.common import interleaved_times, median, step_memory_bytes, select_workloads
 from runner.data.base import DataInfo
 from runner.errors import DprunError, NotImplementedYet
 from runner.methods import METHODS
@@ -170,13 +170,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
     repeats = 2 if args.quick else args.repeats
-    chosen = workloads(args.quick)
-    if args.workloads:
-        wanted = args.workloads.split(",")
-        unknown = [n for n in wanted if n not in {w.name for w in chosen}]
-        if unknown:
-            raise SystemExit(f"bench-clip: unknown workload {unknown[0]!r}; valid: {', '.join(w.name for w in chosen)}")
-        chosen = [w for w in chosen if w.name in wanted]
+    chosen = select_workloads(workloads(args.quick), args.workloads, "bench-clip")
     print(f"[bench-clip] {device_name(device)}, torch {torch.__version__}, {repeats} repeats, median step time")
     rows: list[dict] = []
     for w in chosen:

@@ -81,3 +81,15 @@ def step_memory_bytes(step: Callable[[], object], device: torch.device,
         live += e.nbytes()
         peak = max(peak, live)
     return int(peak)
+
+
+def select_workloads(available: list, wanted_csv: str | None, tool: str) -> list:
+    """The workloads named in `--workloads a,b` (all when empty); an unknown name exits with one line."""
+    if not wanted_csv:
+        return available
+    wanted = wanted_csv.split(",")
+    names = [w.name for w in available]
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        raise SystemExit(f"{tool}: unknown workload {unknown[0]!r}; valid: {', '.join(names)}")
+    return [w for w in available if w.name in wanted]

@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from runner.bench.clip import loss_fn, synthetic_batch
-from runner.bench.common import interleaved_times, median, step_memory_bytes
+from runner.bench.common import interleaved_times, median, step_memory_bytes, select_workloads
 from runner.data.base import DataInfo
 from runner.errors import DprunError, NotImplementedYet
 from runner.methods import METHODS
@@ -176,13 +176,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else args.repeats
     rs = [1, 4] if args.quick else [int(v) for v in args.r.split(",")]
-    chosen = workloads(args.quick)
-    if args.workloads:
-        wanted = args.workloads.split(",")
-        unknown = [n for n in wanted if n not in {w.name for w in chosen}]
-        if unknown:
-            raise SystemExit(f"bench-jl: unknown workload {unknown[0]!r}; valid: {', '.join(w.name for w in chosen)}")
-        chosen = [w for w in chosen if w.name in wanted]
+    chosen = select_workloads(workloads(args.quick), args.workloads, "bench-jl")
     print(f"[bench-jl] {device_name(device)}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{repeats} repeats, median step time; r = {rs}, chunk = {args.chunk}")
     path = Path(args.out) / f"jl_{device.type}{'_quick' if args.quick else ''}.csv"
