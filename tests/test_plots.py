@@ -75,3 +75,27 @@ def test_cli_draws_from_the_report_tables(tmp_path, capsys):
     assert (tmp_path / "f" / "jl_table3.png").exists() and (tmp_path / "f" / "jl_table3.pdf").exists()
     assert (tmp_path / "tables" / "jl_table3.csv").exists()
     assert "jl_table3 ->" in capsys.readouterr().out
+
+
+def test_gpu_only_figure_without_cuda_writes_a_not_run_png_and_csv(tmp_path, monkeypatch):
+    monkeypatch.setattr("runner.plots._cuda", lambda: False)
+    result = render("lk_memory", RUNS[RUNS["experiment"] != "lk_memory"], EPOCHS, "smoke", tmp_path / "figures",
+                    tmp_path / "tables", formats=("png",))
+    assert isinstance(result, Path) and result.stat().st_size > 5000
+    data = pd.read_csv(tmp_path / "tables" / "lk_memory.csv")
+    assert data["status"].str.contains("NOT RUN").all()
+    assert data["largest batch trained"].isna().all()  # nothing of ours is made up
+    assert set(data["paper (11 GB GPU): first failed at"]) == {48, 36, 18}
+
+
+@pytest.mark.parametrize("name", ["jl_fig3", "jl_fig5", "jl_fig6"])
+def test_tradeoff_figures_draw_infinite_epsilon(name, tmp_path):
+    """DP-SGD-JL with small r has epsilon = inf (docs/privacy.md): drawn as such, not dropped, no warnings."""
+    import warnings
+
+    epochs = EPOCHS.copy()
+    epochs.loc[(epochs["method"] == "jl") & (epochs["r"] <= 4), "epsilon"] = float("inf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        result = render(name, RUNS, epochs, "smoke", tmp_path / "figures", tmp_path / "tables", formats=("png",))
+    assert isinstance(result, Path), result

@@ -67,8 +67,11 @@ def draw_fig7(data, caption, scale):
 
 def draw_fig8(data, caption, scale):
     sizes = sorted(int(s) for s in set(data["image_size"].dropna()))
-    fig, axes = panels(1, max(1, len(sizes)), "Lee & Kifer Figure 8: ResNet and VGG networks on LSUN-shaped images "
-                                              "(B=20); a missing bar: the run failed (out of memory)", 5.5)
+    title = ("Lee & Kifer Figure 8: ResNet and VGG networks on LSUN-shaped images (B=20); a missing bar: the run "
+             "failed (out of memory)")
+    if scale == "smoke":
+        title += "\nsmoke scale: VGG-11 at 64 px only (conf/experiment/lk_fig8.yaml)"
+    fig, axes = panels(1, max(1, len(sizes)), title, 5.5)
     for ax, size in zip(axes, sizes):
         bar_panel(ax, data[data["image_size"] == size], "model", "s_per_epoch", "label", f"{size}x{size}",
                   order=LK_ORDER)
@@ -110,7 +113,8 @@ def draw_memory(data, caption, scale):
     fig, (ax,) = panels(1, 1, "Lee & Kifer section 6.7: largest batch before out-of-memory (ResNet-101, 256x256)", 6)
     data = data.set_index("label").reindex([l for l in LK_ORDER if l in set(data["label"])])
     ax.bar(range(len(data)), pd.to_numeric(data["largest batch trained"], errors="coerce"), label="ours")
-    ax.scatter(range(len(data)), pd.to_numeric(data["paper (11 GB GPU): first failed at"], errors="coerce"), color="k", marker="_", s=400,
+    paper = pd.to_numeric(data["paper (11 GB GPU): first failed at"], errors="coerce")
+    ax.scatter(range(len(data)), paper, color="k", marker="_", s=400,
                label="paper: first failed at (GTX 1080 Ti, 11 GB)", zorder=3)
     ax.set_xticks(range(len(data)), list(data.index))
     ax.set_ylabel("largest batch size trained")
