@@ -20,7 +20,7 @@ import pandas as pd
 
 from runner.figures import FIGURES
 from runner.figures.style import caption_for
-from runner.report import latest
+from runner.report import RUN_KEY, latest
 
 COMPUTED_WITH = {"jl_table1": "the method registry", "jl_fig2": "scipy.stats.chi",
                  "jl_epsilon_r": "dprun's jl and pld accountants"}
@@ -35,10 +35,21 @@ def read_table(path: Path) -> pd.DataFrame:
         return pd.DataFrame()
 
 
-def select_runs(runs: pd.DataFrame, experiment: str, scale: str) -> pd.DataFrame:
+def select_runs(runs: pd.DataFrame, experiment: str, scale: str, keep_failed: bool = False) -> pd.DataFrame:
+    """The preset's runs at this scale: the newest finished run of each configuration, plus (keep_failed) the newest
+    unfinished one of each configuration that never finished (out of memory, killed)."""
     if runs.empty or "experiment" not in runs:
         return runs
-    return latest(runs[(runs["experiment"] == experiment) & (runs["scale"] == scale)])
+    mine = runs[(runs["experiment"] == experiment) & (runs["scale"] == scale)]
+    done = latest(mine)
+    if not keep_failed or mine.empty:
+        return done
+    keys = [k for k in RUN_KEY if k in mine]
+    unfinished = mine[mine["status"] != "finished"].sort_values("finished_at")
+    unfinished = unfinished.groupby(keys, dropna=False, sort=False).tail(1)
+    finished_keys = set(map(tuple, done[keys].astype(str).values)) if len(done) else set()
+    unfinished = unfinished[[tuple(k) not in finished_keys for k in unfinished[keys].astype(str).values]]
+    return pd.concat([done, unfinished], ignore_index=True)
 
 
 def render(name: str, runs: pd.DataFrame, epochs: pd.DataFrame, scale: str, out_dir: Path, tables_dir: Path,
@@ -60,7 +71,7 @@ def render(name: str, runs: pd.DataFrame, epochs: pd.DataFrame, scale: str, out_
         return _save(name, fig, fig.table(runs, epochs.iloc[0:0], scale), caption, scale, out_dir, tables_dir,
                      formats)
     if fig.experiment:
-        runs = select_runs(runs, fig.experiment, scale)
+        runs = select_runs(runs, fig.experiment, scale, fig.keep_failed)
         if runs.empty:
             return (f"skip {name}: no finished runs of experiment={fig.experiment} at scale={scale} "
                     f"(make fig-{name} SCALE={scale})")

@@ -99,3 +99,29 @@ def test_tradeoff_figures_draw_infinite_epsilon(name, tmp_path):
         warnings.simplefilter("error", RuntimeWarning)
         result = render(name, RUNS, epochs, "smoke", tmp_path / "figures", tmp_path / "tables", formats=("png",))
     assert isinstance(result, Path), result
+
+
+def test_memory_study_reads_the_runs_that_did_not_finish():
+    from runner.plots import select_runs
+
+    runs = select_runs(RUNS, "lk_memory", "smoke", keep_failed=True)
+    table = FIGURES.get("lk_memory").table(runs, EPOCHS, "smoke").set_index("label")
+    assert table.loc["multiLoss", "largest batch trained"] == 4
+    assert table.loc["multiLoss", "first batch that failed"] == 8
+    assert table.loc["ReweightGP", "first batch that failed"] == 16
+
+
+def test_a_rerun_with_other_settings_does_not_draw_a_point_twice():
+    """Runs of an older preset version (another max_steps_per_epoch) stay in runs.csv; each bar or line point, and
+    each table row, is drawn from the newest run only."""
+    runs = fixture_runs("lk_fig9")
+    older = runs.assign(max_steps_per_epoch=runs["max_steps_per_epoch"].fillna(0) + 5,
+                        finished_at=runs["finished_at"] - 1000, epoch_time_est_s=runs["epoch_time_est_s"] * 7)
+    table = FIGURES.get("lk_fig9").table(pd.concat([runs, older], ignore_index=True), EPOCHS, "smoke")
+    assert len(table) == len(runs)
+    assert sorted(table["s_per_epoch"]) == sorted(FIGURES.get("lk_fig9").table(runs, EPOCHS, "smoke")["s_per_epoch"])
+    jl = fixture_runs("jl_table2")
+    older = jl.assign(max_steps_per_epoch=7, finished_at=jl["finished_at"] - 1000,
+                      epoch_time_est_s=jl["epoch_time_est_s"] * 7, mean_epoch_time_s=jl["mean_epoch_time_s"] * 7)
+    t2 = FIGURES.get("jl_table2").table(pd.concat([older, jl], ignore_index=True), EPOCHS, "smoke")
+    pd.testing.assert_frame_equal(t2, FIGURES.get("jl_table2").table(jl, EPOCHS, "smoke"))

@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from runner.figures.spec import Figure, add, seconds_per_epoch, threshold
-from runner.figures.style import finish, jl_label, panels, table_figure
+from runner.figures.spec import Figure, add, newest_per, seconds_per_epoch, threshold
+from runner.figures.style import finish, jl_label, panels, plain_log_axis, table_figure
 
 # The paper's seconds per epoch (Tesla P100), placed next to ours in Tables 2 and 3.
 PAPER_TABLE2 = {"Non-DP SGD": (12, 2.5), "DP-SGD-Vanilla": (None, 434), "DP-SGD-Outer": (17, None),
@@ -29,6 +29,11 @@ def labelled(runs: pd.DataFrame) -> pd.DataFrame:
     out = runs.copy()
     out["label"] = [jl_label(m, r, o) for m, r, o in zip(out["method"], out["r"], out["optimizer"])]
     return out
+
+
+def one_run_per_label(runs: pd.DataFrame) -> pd.DataFrame:
+    """The newest run of each method label (a rerun with other settings must not draw a second line)."""
+    return newest_per(labelled(runs), ["label"]) if len(runs) else runs
 
 
 def label_order(label: str) -> tuple:
@@ -88,6 +93,7 @@ def trajectories(runs, epochs, scale) -> pd.DataFrame:
     """One row per run and epoch: label, cumulative training time, test accuracy, epsilon."""
     if epochs.empty:
         return pd.DataFrame(columns=["label", "epoch", "time_s", "test_acc", "epsilon"])
+    runs = one_run_per_label(runs)
     ep = epochs[epochs["run_dir"].isin(set(runs["run_dir"]))].sort_values(["run_dir", "epoch"]).copy()
     ep["time_s"] = ep.groupby("run_dir")["epoch_time_s"].cumsum()
     ep = labelled(ep)
@@ -133,7 +139,8 @@ def eps_panel(ax, points, eps_axis: str = "y"):
         xy = (pos, value) if eps_axis == "y" else (value, pos)
         if inf:
             ax.scatter(*xy, marker="^", color="tab:red", s=36, zorder=3)
-            ax.annotate(label + r" ($\epsilon=\infty$)", xy, fontsize=7, color="tab:red", xytext=(3, -9),
+            ax.annotate(label + r" ($\epsilon=\infty$)", xy, fontsize=7, color="tab:red",
+                        xytext=(3, -9) if eps_axis == "y" else (-4, 3), ha="left" if eps_axis == "y" else "right",
                         textcoords="offset points")
         else:
             ax.scatter(*xy, zorder=3)
@@ -169,11 +176,12 @@ def draw_tradeoff(data, caption, scale, title, paper_acc):
             handles["nan"] = mlines.Line2D([], [], color="k", marker="x", ls="", label="non-private (no epsilon)")
         left.annotate(label, (sub["time_s"].iloc[-1], sub["test_acc"].iloc[-1]), fontsize=7)
     left.set_xscale("log")
+    plain_log_axis(left.xaxis)
     left.set_xlabel("training time (s)")
     left.set_ylabel("test accuracy")
     left.set_title("accuracy vs training time (colour: epsilon)", fontsize=10)
     if handles:
-        left.legend(handles=list(handles.values()), fontsize=6, loc="lower right")
+        left.legend(handles=list(handles.values()), fontsize=6, loc="best")
     from matplotlib.cm import ScalarMappable
 
     fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=left, label=r"$\epsilon$ ($\delta=10^{-5}$)")
@@ -209,7 +217,7 @@ def make_tradeoff(name, title, experiment, paper_acc):
 
 # -- seconds-per-epoch tables (2, 3) -------------------------------------------------------------------------
 def seconds_table(runs, paper: dict, two_columns: bool) -> pd.DataFrame:
-    runs = labelled(runs)
+    runs = one_run_per_label(runs)
     runs["s_per_epoch"] = seconds_per_epoch(runs)
     base = runs.loc[runs["method"] == "nonprivate", "s_per_epoch"]
     base = float(base.iloc[0]) if len(base) else float("nan")
@@ -266,10 +274,12 @@ def draw_fig6(data, caption, scale):
             left_out.append(label + (" (no privacy)" if sub["epsilon"].isna().all() else ""))
     eps_panel(axes[1], at_time, eps_axis="x")
     if left_out:
-        axes[2].text(0.02, 0.02, "epsilon never within it: " + ", ".join(left_out), transform=axes[2].transAxes,
-                     fontsize=6, wrap=True)
+        import textwrap
+
+        never = "\n".join(textwrap.wrap("epsilon never within it: " + ", ".join(left_out), 60))
     axes[1].set(xlabel=r"$\epsilon$", ylabel="test accuracy", title=f"fixing training time at {t_text} s")
-    axes[2].set(xlabel="training time (s)", ylabel="test accuracy", title=f"fixing epsilon at {e_text}")
+    axes[2].set(ylabel="test accuracy", title=f"fixing epsilon at {e_text}")
+    axes[2].set_xlabel("training time (s)" + (f"\n{never}" if left_out else ""), fontsize=10 if not left_out else 7)
     for ax in axes:
         ax.title.set_fontsize(8)
         ax.grid(alpha=0.3)

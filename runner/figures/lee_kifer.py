@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from runner.figures.spec import Figure, add, seconds_per_epoch
+from runner.figures.spec import Figure, add, newest_per, seconds_per_epoch
 from runner.figures.style import LK_ORDER, bar_panel, finish, line_panel, lk_label, panels
 
 DATA_TITLES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR10", "imdb": "IMDB", "lsun": "LSUN"}
@@ -19,6 +19,7 @@ PAPER_MEMORY = {"Non-private": 48, "ReweightGP": 36, "multiLoss": 18}
 
 def timing_table(runs, epochs, scale) -> pd.DataFrame:
     """One row per run: what it stands for (data, model, depth, batch, image size), method label, s/epoch."""
+    runs = newest_per(runs, ["dataset", "like", "model", "depth", "batch_size", "image_size", "method", "r"])
     out = pd.DataFrame({
         "data": [l if d == "synthetic" and isinstance(l, str) else d for d, l in zip(runs["dataset"], runs["like"])],
         "model": runs["model"], "depth": runs["depth"], "batch_size": runs["batch_size"],
@@ -50,6 +51,9 @@ def draw_fig6(data, caption, scale):
         line_panel(ax, data[data["model"] == m], "batch_size", "s_per_epoch", "label", MODEL_TITLES[m],
                    order=LK_ORDER, xlabel="batch size")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(set(data.loc[data["model"] == m, "batch_size"].dropna())))
+        ax.xaxis.set_major_formatter("{x:g}")
+        ax.xaxis.set_minor_formatter("")
     axes[0].legend(fontsize=7)
     return finish(fig, caption)
 
@@ -133,4 +137,4 @@ add(Figure("lk_fig7", "L&K", "Seconds per epoch by MLP depth", "figure", "lk_fig
 add(Figure("lk_fig8", "L&K", "ResNet and VGG on LSUN-shaped images", "figure", "lk_fig8", timing_table, draw_fig8))
 add(Figure("lk_fig9", "L&K", "Processing time by image resolution", "figure", "lk_fig9", timing_table, draw_fig9))
 add(Figure("lk_memory", "L&K", "Largest batch before out-of-memory", "figure", "lk_memory", memory_table,
-           draw_memory, gpu_only=True))
+           draw_memory, gpu_only=True, keep_failed=True))

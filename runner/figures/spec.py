@@ -36,11 +36,23 @@ class Figure:
     draw: DrawFn
     needs: Callable[[], Optional[str]] = lambda: None
     gpu_only: bool = False
+    keep_failed: bool = False  # the figure reads failed runs too (the memory study: the first batch that failed)
 
 
 def add(fig: Figure) -> Figure:
     FIGURES.register(fig.name, fig)
     return fig
+
+
+def newest_per(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """One run per point of the figure (keys): the newest finished one. The report's latest() keeps one run per
+    full configuration, so runs of an older preset version (other max_steps_per_epoch, warm-up) or a rerun with an
+    extra override would otherwise stand for the same bar or line point twice."""
+    if runs.empty:
+        return runs
+    keys = [k for k in keys if k in runs]
+    order = runs.sort_values("finished_at", kind="stable") if "finished_at" in runs else runs
+    return order.groupby(keys, dropna=False, sort=False).tail(1).sort_index()
 
 
 def seconds_per_epoch(runs: pd.DataFrame) -> pd.Series:

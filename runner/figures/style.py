@@ -44,6 +44,24 @@ def caption_for(runs: pd.DataFrame, scale: str, computed: str | None = None) -> 
             f" | torch {uniq('torch_version')} | {len(runs)} runs")
 
 
+def series_color(name: str, order=None):
+    """One colour per series across all panels of a figure (its position in `order`), so a panel that leaves a
+    series out (the speed-up over nxBP, a missing bar) does not shift the colours of the others."""
+    return f"C{list(order).index(name)}" if order and name in order else None
+
+
+def plain_log_axis(axis):
+    """Log-axis tick labels as plain numbers (0.3, 2, 10) rather than 3x10^-1 on crowded minor ticks."""
+    from matplotlib import ticker
+
+    class Plain(ticker.LogFormatter):
+        def _num_to_string(self, x, vmin, vmax):
+            return f"{x:g}"
+
+    axis.set_major_formatter(Plain(labelOnlyBase=False, minor_thresholds=(1.5, 0.6)))
+    axis.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(1.5, 0.6)))
+
+
 def panels(rows: int, cols: int, title: str, width: float = 4.2, height: float = 3.4):
     fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.8), squeeze=False)
     fig.suptitle(title, fontsize=11)
@@ -67,7 +85,7 @@ def bar_panel(ax, data: pd.DataFrame, x: str, y: str, series: str, title: str, o
         sub = data[data[series] == name].set_index(x)[y]
         vals = [sub.get(v, float("nan")) for v in xs]
         pos = [j + (i - (len(names) - 1) / 2) * width for j in range(len(xs))]
-        ax.bar(pos, vals, width, label=name)
+        ax.bar(pos, vals, width, label=name, color=series_color(name, order))
         for p, v in zip(pos, vals):
             if pd.isna(v):
                 ax.text(p, 0.02, "n/a", rotation=90, fontsize=6, ha="center", va="bottom", transform=ax.get_xaxis_transform())
@@ -76,6 +94,7 @@ def bar_panel(ax, data: pd.DataFrame, x: str, y: str, series: str, title: str, o
     ax.set_ylabel(ylabel)
     if log:
         ax.set_yscale("log")
+        plain_log_axis(ax.yaxis)
     ax.grid(axis="y", alpha=0.3)
 
 
@@ -84,12 +103,13 @@ def line_panel(ax, data: pd.DataFrame, x: str, y: str, series: str, title: str, 
     names = [n for n in (order or list(dict.fromkeys(data[series]))) if n in set(data[series])]
     for name in names:
         sub = data[data[series] == name].sort_values(x)
-        ax.plot(sub[x], sub[y], marker="o", label=name)
+        ax.plot(sub[x], sub[y], marker="o", label=name, color=series_color(name, order))
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel or x)
     ax.set_ylabel(ylabel)
     if log:
         ax.set_yscale("log")
+        plain_log_axis(ax.yaxis)
     ax.grid(alpha=0.3)
 
 
