@@ -36,7 +36,8 @@ CONFIG_COLUMNS = [
 METRIC_COLUMNS = ["test_acc", "test_loss", "train_loss", "train_acc", "epsilon", "epoch_time_s", "step_time_s",
                   "peak_mem_bytes"]
 SUMMARY_VIEW = ["experiment", "scale", "dataset", "model", "method", "r", "batch_size", "sigma", "epochs",
-                "status", "test_acc", "epsilon", "epoch_time_est_s", "device"]
+                "sampling", "status", "test_acc", "epsilon", "epsilon_gdp_approx", "epsilon_hsa_assumed",
+                "epsilon_poisson_assumed", "epoch_time_est_s", "device"]
 # the columns that identify "the same run" when a preset was run twice (latest() keeps the newest)
 RUN_KEY = ["experiment", "scale", "dataset", "like", "image_size", "model", "depth", "method", "r", "batch_size",
            "sigma", "clip", "lr", "optimizer", "epochs", "seed", "max_steps_per_epoch", "device"]
@@ -73,6 +74,7 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
         "steps_per_epoch": summary.get("steps_per_epoch"),
         "num_parameters": summary.get("num_parameters"),
         "accountant": summary.get("accountant"),
+        "accountant_certified": summary.get("accountant_certified"),
         "noise_sigma": summary.get("sigma"),
         "device": summary.get("device"),
         "device_name": summary.get("device_name"),
@@ -83,8 +85,8 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
     })
     metrics_path = run_dir / "metrics.csv"
     epochs = pd.read_csv(metrics_path) if metrics_path.exists() and metrics_path.stat().st_size else pd.DataFrame()
-    if "epsilon" in epochs:
-        epochs["epsilon"] = pd.to_numeric(epochs["epsilon"], errors="coerce")
+    for col in [c for c in epochs.columns if str(c).startswith("epsilon")]:
+        epochs[col] = pd.to_numeric(epochs[col], errors="coerce")
     last = epochs.iloc[-1] if len(epochs) else {}
     for col in METRIC_COLUMNS:
         row[col] = last.get(col, math.nan) if len(epochs) else math.nan
@@ -133,8 +135,9 @@ def latest(runs: pd.DataFrame) -> pd.DataFrame:
 def summary_view(runs: pd.DataFrame) -> str:
     cols = [c for c in SUMMARY_VIEW if c in runs]
     view = runs[cols].copy()
-    if "epsilon" in view:
-        view["epsilon"] = view["epsilon"].map(lambda v: "" if pd.isna(v) else f"{v:.3g}")
+    view = view.drop(columns=[c for c in cols if c.startswith("epsilon_") and view[c].isna().all()])
+    for col in [c for c in view.columns if c.startswith("epsilon")]:
+        view[col] = view[col].map(lambda v: "" if pd.isna(v) else f"{v:.3g}")
     return view.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="")
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from runner import accountants, methods, models
+from runner.accountants.published import epsilon_columns, privacy_notes
 from runner.data import load_dataset
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
@@ -92,14 +93,19 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
 
     # privacy: accountant and (optionally) sigma calibrated to a target epsilon
     accountant_name = accountants.resolve_name(str(cfg.accountant.name), method)
+    accountant = accountants.build(accountant_name) if method.private else None
     total_steps = steps_per_epoch * int(cfg.epochs)
     if cfg.target_epsilon is not None:
         if not method.private:
             raise DprunError("target_epsilon is set but method=nonprivate has no privacy to calibrate")
-        method.sigma = accountants.calibrate_sigma(accountant_name, method.mechanism, sampler.sample_rate,
+        if accountant is not None and sampler.kind != accountant.assumes_sampling:
+            raise DprunError(f"target_epsilon needs sampling={accountant.assumes_sampling}: no accountant here "
+                             f"analyses sampling={sampler.kind}, so no epsilon could be certified")
+        calibrator = accountants.calibration_accountant(accountant_name, cfg.get("calibration_accountant"))
+        method.sigma = accountants.calibrate_sigma(calibrator, method.mechanism, sampler.sample_rate,
                                                    total_steps, float(cfg.target_epsilon), float(cfg.delta))
-        log.info("calibrated sigma=%.4f for epsilon=%s at delta=%s", method.sigma, cfg.target_epsilon, cfg.delta)
-    accountant = accountants.build(accountant_name) if method.private else None
+        log.info("calibrated sigma=%.4f for epsilon=%s at delta=%s (accountant=%s)", method.sigma,
+                 cfg.target_epsilon, cfg.delta, calibrator)
     if accountant is not None and not accountant.supports(method.mechanism(sampler.sample_rate)):
         raise DprunError(f"accountant={accountant_name} does not support method={method.name}'s mechanism "
                          f"{method.mechanism(sampler.sample_rate).kind}; try accountant={method.default_accountant}")
@@ -114,6 +120,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         "sigma": method.sigma if method.private else None,
         "accountant": accountant_name if method.private else None,
         "accountant_approximate": bool(accountant is not None and accountant.approximate),
+        "accountant_certified": bool(accountant is not None and accountant.certified),
+        "privacy_notes": privacy_notes(accountant, sampler.kind) + list(getattr(data, "privacy_notes", [])),
         "data_source": data.source,
         "sampling": sampler.kind,
         "sample_rate": sampler.sample_rate,
@@ -153,7 +161,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                 pass
             epoch_time = time.perf_counter() - epoch_start
             test_loss, test_acc = evaluate(model, data.test_x, data.test_y, int(cfg.eval_batch_size))
-            eps = accountant.epsilon(float(cfg.delta)) if accountant is not None else None
+            eps = epsilon_columns(accountant, float(cfg.delta), sampler.kind) if accountant is not None else {}
             rows.append({
                 "epoch": epoch,
                 "steps": steps_per_epoch,
@@ -164,11 +172,12 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                 "epoch_time_s": epoch_time,
                 "step_time_s": statistics.median(step_times) if step_times else float("nan"),
                 "peak_mem_bytes": peak_memory_bytes(device),
-                "epsilon": "" if eps is None else eps,
-                **(accountant.extra_metrics(float(cfg.delta)) if accountant is not None else {}),
+                "epsilon": "",  # only a certified epsilon, under the sampling used (runner/accountants/published.py)
+                **eps,
             })
             write_csv(out_dir / "metrics.csv", rows)
-            log.info("epoch %d: test_acc=%.4f epoch_time=%.2fs epsilon=%s", epoch, test_acc, epoch_time, eps)
+            log.info("epoch %d: test_acc=%.4f epoch_time=%.2fs %s", epoch, test_acc, epoch_time,
+                     " ".join(f"{k}={v}" for k, v in eps.items()) or "epsilon=none (non-private)")
         summary["status"] = "finished"
     except KeyboardInterrupt:
         summary["status"] = "interrupted"

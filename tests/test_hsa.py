@@ -114,4 +114,4 @@ def test_accountant_contract_and_refusals():
     assert not acc.supports(replace(step, normalisation="radial"))
     acc.step(step)
     assert 0 < acc.epsilon(1e-5) < float("inf")
-    assert set(acc.extra_metrics(1e-5)) == {"epsilon_composition"}
+    assert not acc.certified and acc.certified_epsilon(1e-5) == acc.epsilon_composition(1e-5)

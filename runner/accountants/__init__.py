@@ -28,5 +28,14 @@ def resolve_name(name: str, method) -> str:
     return name
 
 
+def calibration_accountant(run_accountant: str, requested: str | None = None) -> str:
+    """The accountant that picks sigma for target_epsilon: the run's own if it is certified, else pld (gdp's CLT can
+    underestimate, so calibrating with it would publish a target it does not meet). `requested` (the
+    calibration_accountant knob) overrides this explicitly."""
+    if requested not in (None, "", "auto"):
+        return resolve_name(str(requested), None)
+    return run_accountant if ACCOUNTANTS.get(run_accountant).certified else "pld"
+
+
 def build(name: str) -> Accountant | None:
     return None if name == "none" else ACCOUNTANTS.build(name)

@@ -29,6 +29,13 @@ class Accountant:
     name: ClassVar[str] = "base"
     supported: ClassVar[tuple[type, ...]] = ()
     approximate: ClassVar[bool] = False  # True: may underestimate (logged as such)
+    # certified: epsilon() upper-bounds the privacy loss of the mechanism as implemented, so a run may publish it as
+    # its `epsilon`. A non-certified accountant (gdp: a CLT approximation; hsa: a bound under assumptions the
+    # implemented step does not meet) names a certified fallback in certified_epsilon(), and its own number is
+    # published only in the labelled column epsilon_<label> (runner/accountants/published.py).
+    certified: ClassVar[bool] = True
+    label: ClassVar[str] = ""  # column suffix for a non-certified accountant's own number, e.g. "gdp_approx"
+    assumes_sampling: ClassVar[str] = "poisson"  # the batch sampling its analysis assumes (runner/data/sampler.py)
 
     def __init__(self):
         # mechanism -> number of steps; insertion-ordered so composition order is kept where it matters
@@ -62,6 +69,9 @@ class Accountant:
     def _epsilon(self, delta: float) -> float:
         raise NotImplementedError
 
-    def extra_metrics(self, delta: float) -> dict[str, float]:
-        """Extra per-epoch columns for metrics.csv (hsa: the composition baseline's epsilon)."""
-        return {}
+    def certified_epsilon(self, delta: float) -> float:
+        """An epsilon that holds for the implemented mechanism: epsilon() itself if this accountant is certified;
+        a non-certified accountant overrides this with a certified computation over the same steps."""
+        if not self.certified:
+            raise NotImplementedError(f"accountant {self.name!r} is not certified and names no certified fallback")
+        return self.epsilon(delta)

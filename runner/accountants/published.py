@@ -1,0 +1,50 @@
+"""What a run publishes as its epsilon: only a certified upper bound, under the sampling it really used.
+
+    cols = epsilon_columns(accountant, delta=1e-5, sampling="poisson")   # {"epsilon": 0.86}
+    epsilon_columns(gdp_acc, 1e-5, "poisson")      # {"epsilon": <PLD>, "epsilon_gdp_approx": <CLT>}
+    epsilon_columns(hsa_acc, 1e-5, "fixed")        # {"epsilon": <composition>, "epsilon_hsa_assumed": <bound>}
+    epsilon_columns(pld_acc, 1e-5, "shuffle")      # {"epsilon": "", "epsilon_poisson_assumed": <PLD>}
+
+The column `epsilon` (metrics.csv, summary.json, the report and the figures) is always a guarantee or empty:
+  - a non-certified accountant (gdp, hsa) contributes its own number only in `epsilon_<label>`, next to the
+    certified epsilon of the same steps;
+  - a run whose sampling differs from what the accountant's analysis assumes (sampling=shuffle|fixed with the
+    Poisson-subsampled accountants) has an empty `epsilon`; the number that would hold under the assumed sampling
+    goes to `epsilon_<assumed>_assumed`, since no accountant here analyses that sampling.
+"""
+from __future__ import annotations
+
+from runner.accountants.base import Accountant
+
+
+def epsilon_columns(accountant: Accountant, delta: float, sampling: str) -> dict[str, float | str]:
+    certified = accountant.certified_epsilon(delta)
+    cols: dict[str, float | str] = {}
+    if sampling == accountant.assumes_sampling:
+        cols["epsilon"] = certified
+    else:
+        cols["epsilon"] = ""
+        cols[f"epsilon_{accountant.assumes_sampling}_assumed"] = certified
+    if not accountant.certified:
+        cols[f"epsilon_{accountant.label}"] = accountant.epsilon(delta)
+    return cols
+
+
+def privacy_notes(accountant: Accountant | None, sampling: str) -> list[str]:
+    """Plain-language statements for summary.json: what the published epsilon covers and what it does not."""
+    if accountant is None:
+        return ["non-private run: no epsilon"]
+    notes = ["train_loss and train_acc are computed on the private training data without noise: they are outside "
+             "the privacy accounting; publish test metrics only"]
+    if sampling != accountant.assumes_sampling:
+        notes.append(f"sampling={sampling}: no accountant here analyses it, so `epsilon` is empty; "
+                     f"epsilon_{accountant.assumes_sampling}_assumed holds only under {accountant.assumes_sampling} "
+                     f"sampling (docs/privacy.md)")
+    if accountant.name == "gdp":
+        notes.append("epsilon_gdp_approx is the Gaussian-DP central-limit approximation and can underestimate; "
+                     "`epsilon` is the PLD epsilon of the same steps (certified)")
+    if accountant.name == "hsa":
+        notes.append("epsilon_hsa_assumed is the hidden-state bound under assumptions the implemented DP-SBCD step "
+                     "does not satisfy (the theta-step map is not Lipschitz: docs/sbcd.md); it is NOT a guarantee. "
+                     "`epsilon` is the composition epsilon (every intermediate model released), which holds")
+    return notes
