@@ -11,6 +11,9 @@ single runs under outputs/runs/**, sweeps under outputs/multirun/**. Columns: th
 method, r, batch_size, sigma, clip, lr, epochs, seed, sampling, data source, device, torch version, experiment,
 scale), then the final epoch's metrics and `epoch_time_est_s`: the seconds a full (uncapped) epoch takes, from the
 median step time times the expected steps per epoch, so capped smoke runs give comparable seconds per epoch.
+A folder holding only Hydra's .hydra/ is a run that stopped before its first summary.json: a row with status
+`failed-to-start` and the configuration Hydra recorded. A run whose files cannot be read is skipped with one line
+on stderr; the runs that did not finish are listed after the table.
 """
 from __future__ import annotations
 
