@@ -79,6 +79,8 @@ def read_metrics(run_dir: Path) -> pd.DataFrame:
     if not path.exists():
         return pd.DataFrame()  # a run that ended (or is still) before its first epoch
     epochs = pd.read_csv(path, encoding="utf-8")  # EmptyDataError, ParserError, UnicodeDecodeError: ValueErrors
+    if epochs.empty:
+        return epochs  # a header and no rows
     for col in ("epoch", "epoch_time_s", "step_time_s"):
         if col not in epochs or not pd.api.types.is_numeric_dtype(epochs[col]):
             raise ValueError(f"metrics.csv has no numeric {col!r} column")
@@ -137,16 +139,21 @@ def unstarted_row(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def read_folder(folder: Path, hydra_cfg: dict[str, Any] | None) -> tuple[dict[str, Any], pd.DataFrame]:
+    """read_run, or for a folder holding only .hydra/ (hydra_cfg: the config Hydra recorded) a row, no epochs."""
+    if hydra_cfg is None:
+        return read_run(folder)
+    return unstarted_row(folder, hydra_cfg), pd.DataFrame()
+
+
 def collect(root: str | Path = "outputs", experiment: str | None = None, scale: str | None = None,
             per_epoch: bool = False) -> pd.DataFrame:
     """All runs under root as one table: one row per run, or (per_epoch) one row per run and epoch."""
     frames, rows = [], []
-    found = [(run_dir, read_run) for run_dir in find_runs(root)]
-    for folder, cfg in unstarted_runs(root):  # .hydra/ only: a row from Hydra's config record, no epochs
-        found.append((folder, lambda f, cfg=cfg: (unstarted_row(f, cfg), pd.DataFrame())))
-    for run_dir, read in sorted(found, key=lambda f: str(f[0])):
+    found = [(run_dir, None) for run_dir in find_runs(root)] + unstarted_runs(root)
+    for run_dir, hydra_cfg in sorted(found, key=lambda f: str(f[0])):
         try:
-            row, epochs = read(run_dir)
+            row, epochs = read_folder(run_dir, hydra_cfg)
         except Exception as e:  # noqa: BLE001  one damaged folder must not hide every other run
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
             print(f"dprun-report: skipping unreadable run {run_dir}: {reason}", file=sys.stderr)
