@@ -19,7 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.data.base import default_data_dir
 from runner.errors import DprunError
+from runner.interrupt import interrupted_exit, sigterm_as_interrupt
 from runner.registry import unknown_name_message
+from runner.run_dir import check_reused_dirs
 
 PAPER_MODEL = {"mnist": "bu_cnn", "fmnist": "bu_cnn", "cifar10": "papernot_cnn", "imdb": "bilstm",
                "digits": "mlp", "lsun": "resnet18"}
@@ -40,10 +42,15 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 def run(cfg: DictConfig) -> dict:
     from runner.train import train
 
-    out_dir = cfg.out_dir or HydraConfig.get().runtime.output_dir
-    summary = train(cfg, out_dir)
+    out_dir = output_dir(cfg)
+    with sigterm_as_interrupt():  # SIGTERM (timeout, Slurm) ends the run like Ctrl-C: status `interrupted`
+        summary = train(cfg, out_dir)
     print_result(summary, out_dir)
     return summary
+
+
+def output_dir(cfg: DictConfig) -> str:
+    return cfg.out_dir or HydraConfig.get().runtime.output_dir
 
 
 def print_result(summary: dict, out_dir) -> None:
@@ -66,6 +73,10 @@ def _hydra_main(cfg: DictConfig) -> None:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # a sweep goes on with its other jobs; Hydra reports the failed one at the end
         sys.exit(2)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the complete epochs are on disk; one line, no traceback
+        line, code = interrupted_exit(e, output_dir(cfg))
+        print(line, file=sys.stderr)
+        sys.exit(code)
 
 
 CONFIG_GROUPS = ("dataset", "model", "method", "accountant", "optimizer", "experiment", "launcher")
@@ -88,6 +99,7 @@ def check_group_choices(argv: list[str]) -> None:
 def main() -> None:
     try:
         check_group_choices(sys.argv[1:])
+        check_reused_dirs(sys.argv[1:])
     except DprunError as e:
         print(f"dprun: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,13 +1,16 @@
 """Timers (CUDA-synchronised), peak memory, and crash-safe CSV/JSON writers.
 
 Writers replace the whole file through a temporary file + os.replace, so an interrupted run leaves the previous
-complete version (only complete rows), never a half-written line.
+complete version (only complete rows), never a half-written line, and no temporary file. JSON is standard JSON:
+an infinite or NaN float is written as null (see json_safe).
 """
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
+import math
 import os
 import resource
 import sys
@@ -56,11 +59,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # full disk, SIGTERM, Ctrl-C: never leave a half-written temp file behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_csv(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> None:
@@ -75,8 +82,38 @@ def write_csv(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
+def json_safe(obj: Any) -> Any:
+    """obj with every infinite or NaN float replaced by None: JSON has no Infinity/NaN (json.dumps would write
+    them as bare tokens that strict parsers reject). An infinite epsilon keeps its meaning through the
+    `epsilon_lower_bound` field the accountant writes next to it."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any) -> str:
+    return json.dumps(json_safe(obj), indent=2, sort_keys=False, default=str, allow_nan=False) + "\n"
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    atomic_write_text(path, json_text(obj))
+
+
+def write_json_last_resort(path: str | os.PathLike, obj: Any) -> None:
+    """write_json, or, when the disk is full, overwrite the file in place: truncating it frees its blocks, so
+    the new version usually fits where a temporary copy beside it does not. Used for the final summary.json,
+    whose status must not stay `running` after the run has ended; a non-atomic write is the lesser evil there."""
+    try:
+        write_json(path, obj)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        with open(path, "w") as f:
+            f.write(json_text(obj))
 
 
 def package_versions() -> dict[str, str]:

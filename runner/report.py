@@ -11,6 +11,9 @@ single runs under outputs/runs/**, sweeps under outputs/multirun/**. Columns: th
 method, r, batch_size, sigma, clip, lr, epochs, seed, sampling, data source, device, torch version, experiment,
 scale), then the final epoch's metrics and `epoch_time_est_s`: the seconds a full (uncapped) epoch takes, from the
 median step time times the expected steps per epoch, so capped smoke runs give comparable seconds per epoch.
+A folder holding only Hydra's .hydra/ is a run that stopped before its first summary.json: a row with status
+`failed-to-start` and the configuration Hydra recorded. A run whose files cannot be read is skipped with one line
+on stderr; the runs that did not finish are listed after the table.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Any
 import pandas as pd
 
 from runner.errors import DprunError
+from runner.run_dir import unstarted_runs
 
 # (column, path into summary.json's resolved config)
 CONFIG_COLUMNS = [
@@ -33,11 +37,15 @@ CONFIG_COLUMNS = [
     ("lr", "lr"), ("optimizer", "optimizer.name"), ("epochs", "epochs"), ("seed", "seed"),
     ("max_steps_per_epoch", "max_steps_per_epoch"), ("delta", "delta"),
 ]
-METRIC_COLUMNS = ["test_acc", "test_loss", "train_loss", "train_acc", "epsilon", "epoch_time_s", "step_time_s",
-                  "peak_mem_bytes"]
+# epsilon: certified, or empty; the labelled epsilon_*_approx/_assumed columns are NOT guarantees
+# (runner/accountants/published.py); epsilon_lower_bound: certified lower bound where epsilon is inf
+METRIC_COLUMNS = ["test_acc", "test_loss", "train_loss", "train_acc", "epsilon", "epsilon_lower_bound",
+                  "epsilon_gdp_approx", "epsilon_hsa_assumed", "epsilon_poisson_assumed", "epoch_time_s",
+                  "step_time_s", "peak_mem_bytes"]
 SUMMARY_VIEW = ["experiment", "scale", "dataset", "model", "method", "r", "batch_size", "sigma", "epochs",
                 "sampling", "status", "test_acc", "epsilon", "epsilon_gdp_approx", "epsilon_hsa_assumed",
                 "epsilon_poisson_assumed", "epoch_time_est_s", "device"]
+FAILED_TO_START = "failed-to-start"  # status of a folder holding only Hydra's .hydra/ record
 # the columns that identify "the same run" when a preset was run twice (latest() keeps the newest)
 RUN_KEY = ["experiment", "scale", "dataset", "like", "image_size", "model", "depth", "method", "r", "batch_size",
            "sigma", "clip", "lr", "optimizer", "epochs", "seed", "max_steps_per_epoch", "device"]
@@ -59,12 +67,38 @@ def find_runs(root: str | Path) -> list[Path]:
     return sorted(p.parent for p in root.rglob("summary.json"))
 
 
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """summary.json as a dict; ValueError (naming what is wrong) for anything else: [], null, binary, bad JSON.
+    Old summaries with a bare Infinity still load (Python's json accepts it)."""
+    summary = json.loads((run_dir / "summary.json").read_bytes().decode("utf-8"))
+    if not isinstance(summary, dict):
+        kind = "null" if summary is None else f"a {type(summary).__name__}"
+        raise ValueError(f"summary.json holds {kind}, not a JSON object")
+    return summary
+
+
+def read_metrics(run_dir: Path) -> pd.DataFrame:
+    """metrics.csv (empty table if the run has none yet); ValueError if it is empty, binary or not numeric."""
+    path = run_dir / "metrics.csv"
+    if not path.exists():
+        return pd.DataFrame()  # a run that ended (or is still) before its first epoch
+    epochs = pd.read_csv(path, encoding="utf-8")  # EmptyDataError, ParserError, UnicodeDecodeError: ValueErrors
+    if epochs.empty:
+        return epochs  # a header and no rows
+    for col in ("epoch", "epoch_time_s", "step_time_s"):
+        if col not in epochs or not pd.api.types.is_numeric_dtype(epochs[col]):
+            raise ValueError(f"metrics.csv has no numeric {col!r} column")
+    for col in [c for c in epochs.columns if str(c).startswith("epsilon")]:  # epsilon, its bound, labelled ones
+        epochs[col] = pd.to_numeric(epochs[col], errors="coerce")
+    return epochs
+
+
 def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
     """(one summary row, the per-epoch metrics table) of one run folder."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    cfg = summary.get("config", {})
+    summary = read_summary(run_dir)
+    cfg = summary.get("config") if isinstance(summary.get("config"), dict) else {}
     row: dict[str, Any] = {name: dig(cfg, path) for name, path in CONFIG_COLUMNS}
-    versions = summary.get("versions", {})
+    versions = summary.get("versions") if isinstance(summary.get("versions"), dict) else {}
     row.update({
         "status": summary.get("status"),
         "epochs_completed": summary.get("epochs_completed", 0),
@@ -80,13 +114,11 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
         "device_name": summary.get("device_name"),
         "torch_version": versions.get("torch"),
         "dprun_version": versions.get("dprun"),
+        "error": summary.get("error"),
         "run_dir": str(run_dir),
         "finished_at": (run_dir / "summary.json").stat().st_mtime,
     })
-    metrics_path = run_dir / "metrics.csv"
-    epochs = pd.read_csv(metrics_path) if metrics_path.exists() and metrics_path.stat().st_size else pd.DataFrame()
-    for col in [c for c in epochs.columns if str(c).startswith("epsilon")]:
-        epochs[col] = pd.to_numeric(epochs[col], errors="coerce")
+    epochs = read_metrics(run_dir)
     last = epochs.iloc[-1] if len(epochs) else {}
     for col in METRIC_COLUMNS:
         row[col] = last.get(col, math.nan) if len(epochs) else math.nan
@@ -100,15 +132,35 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
     return row, epochs
 
 
+def unstarted_row(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One row for a folder holding only Hydra's .hydra/ record: its configuration, status `failed-to-start`."""
+    row: dict[str, Any] = {name: dig(cfg, path) for name, path in CONFIG_COLUMNS}
+    row.update({col: math.nan for col in METRIC_COLUMNS})
+    row.update({"status": FAILED_TO_START, "epochs_completed": 0, "run_dir": str(folder),
+                "error": "no summary.json: stopped before training (bad input, missing data, out of memory), "
+                         "or still loading data",
+                "finished_at": (folder / ".hydra").stat().st_mtime})
+    return row
+
+
+def read_folder(folder: Path, hydra_cfg: dict[str, Any] | None) -> tuple[dict[str, Any], pd.DataFrame]:
+    """read_run, or for a folder holding only .hydra/ (hydra_cfg: the config Hydra recorded) a row, no epochs."""
+    if hydra_cfg is None:
+        return read_run(folder)
+    return unstarted_row(folder, hydra_cfg), pd.DataFrame()
+
+
 def collect(root: str | Path = "outputs", experiment: str | None = None, scale: str | None = None,
             per_epoch: bool = False) -> pd.DataFrame:
     """All runs under root as one table: one row per run, or (per_epoch) one row per run and epoch."""
     frames, rows = [], []
-    for run_dir in find_runs(root):
+    found = [(run_dir, None) for run_dir in find_runs(root)] + unstarted_runs(root)
+    for run_dir, hydra_cfg in sorted(found, key=lambda f: str(f[0])):
         try:
-            row, epochs = read_run(run_dir)
-        except (json.JSONDecodeError, pd.errors.ParserError, OSError) as e:
-            print(f"dprun-report: skipping unreadable run {run_dir}: {e}", file=sys.stderr)
+            row, epochs = read_folder(run_dir, hydra_cfg)
+        except Exception as e:  # noqa: BLE001  one damaged folder must not hide every other run
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            print(f"dprun-report: skipping unreadable run {run_dir}: {reason}", file=sys.stderr)
             continue
         if experiment is not None and row["experiment"] != experiment:
             continue
@@ -136,9 +188,32 @@ def summary_view(runs: pd.DataFrame) -> str:
     cols = [c for c in SUMMARY_VIEW if c in runs]
     view = runs[cols].copy()
     view = view.drop(columns=[c for c in cols if c.startswith("epsilon_") and view[c].isna().all()])
-    for col in [c for c in view.columns if c.startswith("epsilon")]:
+    for col in [c for c in view.columns if c.startswith("epsilon_")]:  # labelled, not guarantees
         view[col] = view[col].map(lambda v: "" if pd.isna(v) else f"{v:.3g}")
+    if "epsilon" in view:
+        bound = runs["epsilon_lower_bound"] if "epsilon_lower_bound" in runs else pd.Series(math.nan, runs.index)
+        view["epsilon"] = [epsilon_text(e, b) for e, b in zip(view["epsilon"], bound)]
     return view.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="")
+
+
+def epsilon_text(eps: float, lower_bound: float) -> str:
+    """"0.93"; an infinite epsilon with its certified lower bound as dprun-eps prints it: "inf (> 3.03e+09)"."""
+    if pd.isna(eps):
+        return ""
+    if math.isinf(eps) and not pd.isna(lower_bound):
+        return f"inf (> {lower_bound:.3g})"
+    return f"{eps:.3g}"
+
+
+def unfinished_view(runs: pd.DataFrame) -> str:
+    """One line per run that did not finish: status, folder, the error recorded (empty if none)."""
+    bad = runs[runs["status"] != "finished"]
+    if bad.empty:
+        return ""
+    errors = bad["error"] if "error" in bad else pd.Series("", bad.index)
+    lines = [f"  {status}  {run_dir}  {'' if pd.isna(err) else err}".rstrip()
+             for status, run_dir, err in zip(bad["status"].fillna("unknown"), bad["run_dir"], errors)]
+    return "\n".join([f"runs that did not finish ({len(bad)}):", *lines])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,10 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dprun-report: no runs under {args.root}" + (f" with experiment={args.experiment}" if args.experiment
                                                           else "") + f"; wrote an empty {out}")
         return 0
+    unfinished = "" if args.epochs else unfinished_view(table)
     if not args.quiet:
         print(table.to_string(index=False, max_colwidth=24) if args.epochs else summary_view(table))
+        if unfinished:
+            print(unfinished)
     n = table["run_dir"].nunique()
-    print(f"dprun-report: {n} runs, {len(table)} rows -> {out}")
+    note = f" ({len(unfinished.splitlines()) - 1} did not finish)" if unfinished else ""
+    print(f"dprun-report: {n} runs{note}, {len(table)} rows -> {out}")
     return 0
 
 

@@ -24,9 +24,10 @@ from runner.data import load_dataset
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
 from runner.metrics import (StepTimer, device_name, package_versions, peak_memory_bytes, reset_peak_memory,
-                            write_csv, write_json)
+                            write_csv, write_json, write_json_last_resort)
 from runner.optimizers import build_optimizer
 from runner.progress import progress_bar
+from runner.run_dir import ensure_fresh
 
 log = logging.getLogger("dprun")
 
@@ -60,6 +61,7 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_siz
 
 def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     out_dir = Path(out_dir)
+    ensure_fresh(out_dir)  # before any data is loaded: never replace another run's results
     out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(str(cfg.device))
     dtype = {"float32": torch.float32, "float64": torch.float64}[str(cfg.dtype)]
@@ -191,5 +193,5 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
             summary["mechanisms"] = [{"kind": m.kind, **m.__dict__, "steps": n} for m, n in accountant.history.items()]
         summary["final"] = rows[-1] if rows else {}
         summary["epochs_completed"] = len(rows)
-        write_json(out_dir / "summary.json", summary)
+        write_json_last_resort(out_dir / "summary.json", summary)  # a full disk must not leave `running`
     return summary

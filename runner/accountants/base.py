@@ -69,6 +69,10 @@ class Accountant:
     def _epsilon(self, delta: float) -> float:
         raise NotImplementedError
 
+    def extra_metrics(self, delta: float) -> dict[str, float]:
+        """Extra per-epoch columns for metrics.csv (jl: the certified lower bound where epsilon is inf)."""
+        return {}
+
     def certified_epsilon(self, delta: float) -> float:
         """An epsilon that holds for the implemented mechanism: epsilon() itself if this accountant is certified;
         a non-certified accountant overrides this with a certified computation over the same steps."""

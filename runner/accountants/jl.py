@@ -97,3 +97,10 @@ class JLAccountant(Accountant):
         while excess(eps) <= 0:  # keep only an epsilon the bound certifies
             eps *= 0.999
         return eps
+
+    def extra_metrics(self, delta: float) -> dict[str, float]:
+        """An infinite epsilon also gets its certified lower bound (metrics.csv, summary.json), as dprun-eps prints
+        it: "inf" alone cannot be written as JSON and says nothing about how far from private the run is."""
+        if not math.isinf(self.epsilon(delta)):
+            return {}
+        return {"epsilon_lower_bound": self.epsilon_lower_bound(delta)}

@@ -27,7 +27,7 @@ def epsilon_columns(accountant: Accountant, delta: float, sampling: str) -> dict
         cols[f"epsilon_{accountant.assumes_sampling}_assumed"] = certified
     if not accountant.certified:
         cols[f"epsilon_{accountant.label}"] = accountant.epsilon(delta)
-    return cols
+    return {**cols, **accountant.extra_metrics(delta)}
 
 
 def privacy_notes(accountant: Accountant | None, sampling: str) -> list[str]:

@@ -1,0 +1,54 @@
+"""Ending a run from outside: Ctrl-C and SIGTERM (what `timeout`, `kill` and Slurm send) stop it cleanly.
+
+    with sigterm_as_interrupt():      # SIGTERM raises Terminated, a KeyboardInterrupt: the training loop records
+        train(cfg, out_dir)           # status `interrupted` and the epochs completed, as it does for Ctrl-C
+    line, code = interrupted_exit(e, out_dir)   # "dprun: interrupted; 3 complete epochs kept in <dir>", 130 or 143
+
+Without the handler SIGTERM kills the process on the spot and summary.json says `running` forever.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread. A KeyboardInterrupt so that every `except KeyboardInterrupt` that
+    records an interruption (runner/train.py) treats both signals alike."""
+
+
+def _raise_terminated(signum, frame):
+    # one-shot: a second SIGTERM while summary.json is being written would cut that write short; SIGKILL still works
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM raises Terminated while the block runs; the previous handler is restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread only
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def epochs_kept(out_dir: str | Path) -> int:
+    try:
+        return int(json.loads((Path(out_dir) / "summary.json").read_text()).get("epochs_completed", 0))
+    except (OSError, ValueError, AttributeError, TypeError):  # interrupted before the first summary was written
+        return 0
+
+
+def interrupted_exit(exc: KeyboardInterrupt, out_dir: str | Path) -> tuple[str, int]:
+    """(the one line to print, the exit status): 128 + the signal number, as a shell reports a killed job."""
+    n = epochs_kept(out_dir)
+    what, code = ("terminated (SIGTERM)", 128 + signal.SIGTERM) if isinstance(exc, Terminated) else \
+        ("interrupted", 128 + signal.SIGINT)
+    return f"dprun: {what}; {n} complete epoch{'s' if n != 1 else ''} kept in {out_dir}", int(code)

@@ -1,0 +1,89 @@
+"""One run, one folder: a run never writes into a folder that already holds another run's results.
+
+    ensure_fresh("outputs/runs/x")                    # DprunError if x holds summary.json or metrics.csv
+    check_reused_dirs(["out_dir=outputs/runs/x"])     # the same, from the command line, before Hydra writes .hydra/
+
+Hydra's default run folder is unique (time + a random id), but `out_dir=` and `hydra.run.dir=` name a folder
+explicitly, and re-using one would silently replace the earlier run's metrics and summary.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from runner.errors import DprunError
+
+RESULT_FILES = ("summary.json", "metrics.csv")  # what makes a folder a run; .hydra/ alone does not
+
+
+def holds_run(folder: str | Path) -> bool:
+    return any((Path(folder) / name).exists() for name in RESULT_FILES)
+
+
+def ensure_fresh(folder: str | Path) -> None:
+    if holds_run(folder):
+        raise DprunError(f"folder {str(folder)!r} already holds a run (summary.json or metrics.csv); "
+                         f"pass a fresh out_dir= (or hydra.run.dir=), or leave both unset for a new folder")
+
+
+def check_reused_dirs(argv: list[str]) -> None:
+    """ensure_fresh on the literal folders of `out_dir=` and (single runs) `hydra.run.dir=` overrides.
+
+    Checked before Hydra starts because Hydra rewrites <run dir>/.hydra/ (the earlier run's config record)
+    before the job runs. Values with interpolations or sweeps are left to the check in runner/train.py."""
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    for arg in argv:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if not sep or key not in ("out_dir", "hydra.run.dir") or (key == "hydra.run.dir" and multirun):
+            continue
+        if value in ("", "null") or any(c in value for c in "${},()"):
+            continue
+        ensure_fresh(value.strip("'\""))
+
+
+def hydra_config(folder: Path) -> dict:
+    """The job config Hydra recorded in folder/.hydra/config.yaml, resolved where the resolvers allow."""
+    from omegaconf import OmegaConf
+
+    from runner.cli import register_resolvers
+
+    register_resolvers()
+    cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
+    try:
+        out = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001  e.g. a resolver of another version: the unresolved record is still useful
+        out = OmegaConf.to_container(cfg, resolve=False)
+    return out if isinstance(out, dict) else {}
+
+
+def _results_went_elsewhere(folder: Path, cfg: dict) -> bool:
+    """With out_dir= set, Hydra's folder keeps only .hydra/ and the results land in out_dir (relative to the
+    directory dprun ran in, which Hydra records as hydra.runtime.cwd)."""
+    out_dir = cfg.get("out_dir")
+    if not out_dir:
+        return False
+    target = Path(str(out_dir))
+    if not target.is_absolute():
+        from omegaconf import OmegaConf
+
+        cwd = OmegaConf.select(OmegaConf.load(folder / ".hydra" / "hydra.yaml"), "hydra.runtime.cwd", default=None)
+        target = Path(cwd or ".") / target
+    return holds_run(target)
+
+
+def unstarted_runs(root: str | Path) -> list[tuple[Path, dict]]:
+    """(folder, its Hydra config) of every folder under root holding .hydra/ but no results: a run that stopped
+    before its first summary.json (bad input, missing data, out of memory building the model), or one still
+    loading its data. Without this such failures are invisible in dprun-report."""
+    found = []
+    for hydra_dir in sorted(Path(root).rglob(".hydra")):
+        folder = hydra_dir.parent
+        if not hydra_dir.is_dir() or holds_run(folder):
+            continue
+        try:
+            cfg = hydra_config(folder)
+            if _results_went_elsewhere(folder, cfg):
+                continue
+        except Exception:  # noqa: BLE001  a damaged record still marks a run that did not start
+            cfg = {}
+        found.append((folder, cfg))
+    return found

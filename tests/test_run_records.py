@@ -1,0 +1,221 @@
+"""Run records stay true: a folder holds one run, a stopped run says so, the report survives damaged folders, and
+summary.json is standard JSON even when epsilon is infinite."""
+from __future__ import annotations
+
+import errno
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from conftest import ROOT, compose_config
+from test_report import make_run
+
+TINY = ["dataset=digits", "epochs=1", "max_steps_per_epoch=2", "progress=false"]
+ENDLESS = ["dataset=digits", "epochs=100000", "max_steps_per_epoch=2", "progress=false"]
+
+
+def dprun(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def strict_json(text: str):
+    """json.loads that rejects the non-standard Infinity / NaN tokens."""
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def tmp_files(folder):
+    return [p.name for p in folder.rglob("*") if ".tmp" in p.name]
+
+
+# --- one folder, one run ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", ["out_dir", "hydra.run.dir"])
+def test_reusing_a_run_folder_is_refused(tmp_path, key):
+    folder = tmp_path / "myrun"
+    first = dprun(*TINY, f"{key}={folder}", cwd=tmp_path)  # hydra.run.dir: Hydra's .hydra/ alone is a fresh folder
+    assert first.returncode == 0, first.stderr
+    before = (folder / "summary.json").read_text(), (folder / "metrics.csv").read_text()
+    second = dprun(*TINY, "seed=1", f"{key}={folder}", cwd=tmp_path)
+    assert second.returncode == 2
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dprun: ") and str(folder) in lines[0] and "fresh" in lines[0]
+    assert ((folder / "summary.json").read_text(), (folder / "metrics.csv").read_text()) == before
+
+
+def test_train_refuses_a_used_folder_before_loading_data(tmp_path, monkeypatch):
+    import runner.train
+    from runner.errors import DprunError
+
+    (tmp_path / "metrics.csv").write_text("epoch\n1\n")
+    monkeypatch.setattr(runner.train, "load_dataset", lambda *a: pytest.fail("data loaded into a used folder"))
+    with pytest.raises(DprunError, match="already holds a run"):
+        runner.train.train(compose_config(TINY), tmp_path)
+
+
+# --- stopping a run: SIGTERM, Ctrl-C, a full disk ---------------------------------------------------------------
+
+def start_and_signal(tmp_path, sig):
+    """Start an endless run, send sig once an epoch is on disk; -> (completed process, run folder)."""
+    folder = tmp_path / "run"
+    # a child must not inherit an ignored SIGINT (background shells ignore it), or Python never raises Ctrl-C
+    proc = subprocess.Popen([sys.executable, "-m", "runner.cli", *ENDLESS, f"out_dir={folder}"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 240
+        while not (folder / "metrics.csv").exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "no epoch finished in 240 s"
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), folder
+
+
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_ends_the_run_as_interrupted_with_one_line(tmp_path, sig, code, word):
+    proc, folder = start_and_signal(tmp_path, sig)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    summary = strict_json((folder / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["epochs_completed"] >= 1
+    assert len(pd.read_csv(folder / "metrics.csv")) >= summary["epochs_completed"]
+    assert "Traceback" not in proc.stderr
+    ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("dprun: ")]
+    assert len(ours) == 1 and word in ours[0] and "complete epoch" in ours[0] and str(folder) in ours[0]
+    assert tmp_files(folder) == []
+
+
+def enospc(*_):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_full_disk_leaves_no_temp_file_and_keeps_the_old_version(tmp_path, monkeypatch):
+    import runner.metrics as m
+
+    m.write_json(tmp_path / "summary.json", {"status": "running"})
+    monkeypatch.setattr(m.os, "fsync", enospc)  # the new bytes never reach the disk
+    with pytest.raises(OSError):
+        m.write_json(tmp_path / "summary.json", {"status": "finished"})
+    assert tmp_files(tmp_path) == []
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"status": "running"}
+
+
+def test_full_disk_during_training_marks_the_run_failed(tmp_path, monkeypatch):
+    """The disk fills after the first summary.json: the run stops with status failed, not running."""
+    import runner.metrics as m
+    from runner.train import train
+
+    real_fsync, calls = m.os.fsync, {"n": 0}
+
+    def fsync_until_full(fd):
+        calls["n"] += 1
+        return real_fsync(fd) if calls["n"] == 1 else enospc()
+
+    monkeypatch.setattr(m.os, "fsync", fsync_until_full)
+    with pytest.raises(OSError, match="No space left"):
+        train(compose_config(TINY), tmp_path)
+    assert tmp_files(tmp_path) == []
+    summary = strict_json((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "No space left" in summary["error"]
+
+
+# --- dprun-report on damaged folders ----------------------------------------------------------------------------
+
+BAD_FILES = {
+    "summary-list": ("summary.json", b"[]"),
+    "summary-null": ("summary.json", b"null"),
+    "summary-binary": ("summary.json", b"\x1f\x8b\x08\x00" + bytes(range(128, 256))),
+    "summary-invalid": ("summary.json", b'{"status": "finished",'),
+    "metrics-empty": ("metrics.csv", b""),
+    "metrics-blank": ("metrics.csv", b"\n"),
+    "metrics-binary": ("metrics.csv", b"\x1f\x8b\x08\x00" + bytes(range(128, 256))),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FILES))
+def test_report_skips_a_damaged_run_with_one_line(tmp_path, capsys, name):
+    from runner.report import main
+
+    make_run(tmp_path / "good", "jl")
+    make_run(tmp_path / name, "jl")
+    filename, data = BAD_FILES[name]
+    (tmp_path / name / filename).write_bytes(data)
+    assert main(["--root", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "1 runs, 1 rows" in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "skipping" in lines[0] and str(tmp_path / name) in lines[0]
+
+
+def test_report_lists_failed_interrupted_and_never_started_runs(tmp_path, capsys):
+    from runner.report import main
+
+    make_run(tmp_path / "ok", "jl")
+    make_run(tmp_path / "oom", "jl", status="failed")
+    make_run(tmp_path / "killed", "jl", status="interrupted")
+    hydra = tmp_path / "nostart" / ".hydra"  # what Hydra leaves when the run fails before its first summary.json
+    hydra.mkdir(parents=True)
+    (hydra / "config.yaml").write_text("method:\n  name: reweight\ndataset:\n  name: mnist\nout_dir: null\n")
+    assert main(["--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    listed = out[out.index("did not finish"):]
+    assert "failed-to-start" in listed and str(tmp_path / "nostart") in listed
+    assert str(tmp_path / "oom") in listed and str(tmp_path / "killed") in listed
+    assert str(tmp_path / "ok") not in listed
+    runs = pd.read_csv(tmp_path / "tables" / "runs.csv")
+    nostart = runs[runs["status"] == "failed-to-start"].iloc[0]
+    assert (nostart["method"], nostart["dataset"]) == ("reweight", "mnist")
+
+
+def test_report_does_not_list_the_hydra_folder_of_an_out_dir_run(tmp_path):
+    """With out_dir=, Hydra's own folder keeps only .hydra/; the results are elsewhere, so it is no failed start."""
+    from runner.report import collect
+
+    proc = dprun(*TINY, f"out_dir={tmp_path / 'mine'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert list((tmp_path / "outputs").rglob(".hydra"))  # Hydra's folder exists, holding only .hydra/
+    assert list(collect(tmp_path)["status"]) == ["finished"]
+
+
+def test_report_reads_old_summaries_with_bare_infinity(tmp_path, capsys):
+    from runner.report import collect
+
+    make_run(tmp_path / "old", "jl")
+    summary = json.loads((tmp_path / "old" / "summary.json").read_text())
+    summary["final"]["epsilon"] = math.inf
+    (tmp_path / "old" / "summary.json").write_text(json.dumps(summary))  # Python's default: bare Infinity
+    assert "Infinity" in (tmp_path / "old" / "summary.json").read_text()
+    assert list(collect(tmp_path)["status"]) == ["finished"]
+
+
+# --- infinite epsilon -------------------------------------------------------------------------------------------
+
+def test_infinite_epsilon_is_standard_json_with_the_certified_lower_bound(tmp_path):
+    from runner import accountants
+    from runner.accountants import SubsampledJL
+    from runner.train import train
+
+    train(compose_config(TINY + ["method=jl", "r=1"]), tmp_path)  # r=1: the JL analysis certifies no finite epsilon
+    summary = strict_json((tmp_path / "summary.json").read_text())
+    final = summary["final"]
+    assert final["epsilon"] is None
+    # the number dprun-eps prints as "inf (> ...)" for the same mechanism and steps
+    acc = accountants.build("jl")
+    acc.step(SubsampledJL(sample_rate=summary["sample_rate"], noise_multiplier=summary["sigma"], r=1), count=2)
+    assert math.isinf(acc.epsilon(summary["config"]["delta"]))
+    assert final["epsilon_lower_bound"] == pytest.approx(acc.epsilon_lower_bound(summary["config"]["delta"]))
+    assert 0 < final["epsilon_lower_bound"] < math.inf
+    metrics = pd.read_csv(tmp_path / "metrics.csv")
+    assert math.isinf(metrics["epsilon"].iloc[-1]) and metrics["epsilon_lower_bound"].iloc[-1] > 0
