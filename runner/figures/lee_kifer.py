@@ -159,6 +159,14 @@ def draw_memory(data, caption, scale):
                label="paper: first failed at (GTX 1080 Ti, 11 GB)", zorder=3)
     ax.set_xticks(range(len(data)), list(data.index))
     ax.set_ylabel("largest batch size trained")
+    for i, (ok, bad) in enumerate(zip(pd.to_numeric(data["largest batch trained"], errors="coerce"),
+                                      pd.to_numeric(data["first batch that failed"], errors="coerce"))):
+        if pd.notna(ok):  # the bisection's bracket: the largest batch that fit, the first that ran out of memory
+            ax.annotate(f"{ok:g}" + (f" (OOM at {bad:g})" if pd.notna(bad) else " (no OOM)"), (i, ok),
+                        ha="center", va="bottom", fontsize=8)
+    cap = pd.to_numeric(data.get("memory cap GiB", pd.Series(dtype=float)), errors="coerce").dropna()
+    if len(cap):
+        ax.set_title(f"memory cap {cap.iloc[0]:.3g} GiB (memory_study.memory_cap_bytes)", fontsize=9)
     if pd.to_numeric(data["largest batch trained"], errors="coerce").isna().all():
         note = data["status"].dropna().iloc[0] if "status" in data and data["status"].notna().any() else "no runs"
         ax.text(0.5, 0.6, f"ours: {note}", transform=ax.transAxes, ha="center", va="center",
