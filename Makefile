@@ -69,8 +69,8 @@ paper-runs: ## MNIST + IMDB at the JL paper's settings, full epochs, then the RE
 	$(PY) -m runner.paper_runs run --data-dir $(DATA_DIR) --out $(RUNS_DIR) $(PAPER_ARGS)
 	$(PY) -m runner.paper_runs readme --runs $(RUNS_DIR)
 
-paper-readme: ## outputs/reference/paper/README.md from a folder of runs (RUNS_DIR=/work/paper_runs)
-	$(PY) -m runner.paper_runs readme --runs $(RUNS_DIR)
+paper-readme: ## outputs/reference/paper/README.md from a folder of runs, copied in first (RUNS_DIR=/work/paper_runs)
+	$(PY) -m runner.paper_runs readme --runs $(RUNS_DIR) --import-to outputs/reference/paper/runs
 
 report: ## dprun-report over outputs/: one row per run (outputs/tables/runs.csv)
 	$(PY) -m runner.report

@@ -7,6 +7,8 @@ summary.json, never typed.
     python -m runner.paper_runs run --dry-run --data-dir /data          # the dprun commands only
     python -m runner.paper_runs readme                                  # make paper-readme
     python -m runner.paper_runs readme --runs /work/paper_runs --out /tmp/README.md   # any folder of such runs
+    python -m runner.paper_runs readme --runs /work/paper_runs --import-to outputs/reference/paper/runs
+                                          # make paper-readme RUNS_DIR=/work/paper_runs: copy, then the README
 
 `run` writes each run into <out>/<name>/ (default outputs/reference/paper/runs/; only metrics.csv and summary.json
 are kept in git) and skips a run whose summary.json says finished (--force reruns). Each run is one plain `dprun`
@@ -214,6 +216,23 @@ def readme(rows: list[dict], runs_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def import_runs(src: Path, dest: Path) -> list[str]:
+    """Copy each <src>/<name>/{metrics.csv,summary.json} into <dest>/<name>/ (what git keeps of a reference run)."""
+    import shutil
+
+    names = []
+    for summary in sorted(Path(src).glob("*/summary.json")):
+        target = Path(dest) / summary.parent.name
+        if target.resolve() == summary.parent.resolve():
+            continue
+        target.mkdir(parents=True, exist_ok=True)
+        for f in ("metrics.csv", "summary.json"):
+            if (summary.parent / f).exists():
+                shutil.copy2(summary.parent / f, target / f)
+        names.append(summary.parent.name)
+    return names
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runner.paper_runs", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -227,9 +246,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     w = sub.add_parser("readme", help="write the README tables from a folder of runs")
     w.add_argument("--runs", default=str(OUT), help="folder of <name>/{metrics.csv,summary.json}")
     w.add_argument("--out", default=str(README))
+    w.add_argument("--import-to", metavar="DIR", help="first copy each run's metrics.csv + summary.json into "
+                   f"DIR/<name>/ (e.g. {OUT}, to commit them) and write the README from there")
     args = p.parse_args(argv)
     if args.cmd == "run":
         return run_all(args.data_dir, Path(args.out), args.device, args.only, args.force, args.dry_run)
+    if args.import_to:
+        names = import_runs(Path(args.runs), Path(args.import_to))
+        print(f"paper_runs: copied {len(names)} runs ({', '.join(names)}) into {args.import_to}")
+        args.runs = args.import_to
     rows = collect(Path(args.runs))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -66,3 +66,13 @@ def test_reference_runs_compose(name):
     ref = pr.BY_NAME[name]
     cfg = compose([f"dataset={ref.dataset}", *ref.overrides])
     assert cfg.dataset.name == ref.dataset and cfg.epochs == {"mnist": 15, "imdb": 20}[ref.dataset]
+
+
+def test_readme_imports_runs_keeping_only_their_numbers(tmp_path):
+    src, dest = tmp_path / "lead", tmp_path / "reference" / "runs"
+    fake_run(src, "mnist_nonprivate_s0", "mnist", "nonprivate", (0.97, 0.98), (None, None))
+    (src / "mnist_nonprivate_s0" / "train.log").write_text("not copied")
+    out = tmp_path / "README.md"
+    assert pr.main(["readme", "--runs", str(src), "--import-to", str(dest), "--out", str(out)]) == 0
+    assert sorted(p.name for p in (dest / "mnist_nonprivate_s0").iterdir()) == ["metrics.csv", "summary.json"]
+    assert "| mnist_nonprivate_s0 | non-private | 0 | finished | 2/2 | 98.0% |" in out.read_text()
