@@ -266,6 +266,8 @@ def run_study(scale: str, passthrough: list[str], methods: Optional[list[str]] =
               isolation: str = "subprocess", root: Path = STUDY_ROOT, stamp: Optional[str] = None,
               timeout: Optional[float] = None, log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict:
     """Every method's search; returns (and writes to <root>/<stamp>/study.json) the largest batch per method."""
+    from runner.metrics import write_json
+
     settings = study_settings(scale, passthrough)
     methods = list(methods or settings["methods"])
     study_dir = Path(root) / (stamp or time.strftime("%Y-%m-%d_%H-%M-%S"))
@@ -293,8 +295,6 @@ def run_study(scale: str, passthrough: list[str], methods: Optional[list[str]] =
                                   "probes": [asdict(p) for p in found.probes]}
         log(f"memory_study: {method}: largest batch that fit {found.largest_ok}, first out of memory "
             f"{found.first_oom}" + (" (stopped by an error)" if found.stopped_by_error else ""))
-        from runner.metrics import write_json
-
         write_json(study_dir / "study.json", out)  # after every method: a killed study keeps what it found
     return out
 

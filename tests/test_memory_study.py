@@ -81,7 +81,8 @@ def oom_above(monkeypatch):
 def test_sweep_continues_after_an_oom_and_finds_the_largest_batch(tmp_path, oom_above):
     K = 11  # probes 8, 16 (oom), then bisection 12 (oom), 10, 11
     oom_above(K)
-    out = ms.run_study("smoke", TINY + ["memory_study.start=8"], ["nonprivate", "reweight"], "inprocess", tmp_path, stamp="s", log=lambda s: None)
+    out = ms.run_study("smoke", TINY + ["memory_study.start=8"], ["nonprivate", "reweight"], "inprocess", tmp_path,
+                       stamp="s", log=lambda s: None)
     for method in ("nonprivate", "reweight"):
         res = out["methods"][method]
         assert (res["largest_ok"], res["first_oom"]) == (K, K + 1), res
@@ -149,7 +150,7 @@ def test_a_probe_killed_by_the_os_ends_only_itself(tmp_path, monkeypatch):
 def test_real_probe_process_out_of_memory(tmp_path):
     """One real probe in its own process with a 1-byte cap: recorded as out of memory, summary.json failed."""
     run_dir = tmp_path / "p"
-    p = ms.probe_subprocess(ms.probe_overrides("smoke", "nonprivate", 8, TINY + ["memory_study.memory_cap_bytes=1"]),
-                            run_dir, "nonprivate", 8)
+    overrides = ms.probe_overrides("smoke", "nonprivate", 8, TINY + ["memory_study.memory_cap_bytes=1"])
+    p = ms.probe_subprocess(overrides, run_dir, "nonprivate", 8)
     assert p.status == "oom" and "memory cap" in p.error
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
