@@ -114,8 +114,8 @@ def test_memory_cap_is_an_out_of_memory(tmp_path, monkeypatch):
     # the measured peak, made deterministic: 1000 bytes per example
     monkeypatch.setattr(ms, "measured_peak",
                         lambda device, summary: None if summary is None else 1000 * summary["config"]["batch_size"])
-    out = ms.run_study("smoke", TINY + ["memory_study.memory_cap_bytes=20500", "memory_study.start=16"], ["nonprivate"], "inprocess",
-                       tmp_path, stamp="cap", log=lambda s: None)
+    cap = ["memory_study.memory_cap_bytes=20500", "memory_study.start=16"]  # probes 16, 32 (oom), 24, 20, 22, 21
+    out = ms.run_study("smoke", TINY + cap, ["nonprivate"], "inprocess", tmp_path, stamp="cap", log=lambda s: None)
     res = out["methods"]["nonprivate"]
     assert (res["largest_ok"], res["first_oom"]) == (20, 21)
     over = next(p for p in res["probes"] if p["batch_size"] == 21)
