@@ -38,7 +38,7 @@ FIGURES_COMPUTED := jl_table1 jl_fig2 jl_epsilon_r sbcd_hsa_vs_composition sbcd_
 TABLES := jl_table1 jl_table2 jl_table3
 SWEEP_ARGS ?=
 REPORT = $(PY) -m runner.report --quiet && $(PY) -m runner.report --epochs --quiet
-.PHONY: figures tables report plots figures-list
+.PHONY: figures tables report plots figures-list memory-study
 
 figures: ## every table and figure of the three works -> outputs/figures/*.png|pdf, outputs/tables/*.csv
 	$(PY) -m runner.figures.sweep $(FIGURES_TRAINED) --scale $(SCALE) -- $(SWEEP_ARGS)
@@ -54,6 +54,23 @@ fig-%: ## one table or figure, e.g. make fig-jl_table2 SCALE=smoke (list: make f
 	$(PY) -m runner.figures.sweep $* --scale $(SCALE) -- $(SWEEP_ARGS)
 	$(REPORT)
 	$(PY) -m runner.plots $* --scale $(SCALE)
+
+memory-study: ## L&K 6.7: largest batch per method by bisection, one process per probe (SWEEP_ARGS="memory_study.memory_cap_bytes=11e9")
+	$(PY) -m runner.memory_study --scale $(SCALE) -- $(SWEEP_ARGS)
+	$(REPORT)
+	$(PY) -m runner.plots lk_memory --scale $(SCALE)
+
+# --- paper-scale reference runs (outputs/reference/paper/; issue 13) ---
+DATA_DIR ?= $(DPRUN_DATA_DIR)
+PAPER_ARGS ?=
+RUNS_DIR ?= outputs/reference/paper/runs
+.PHONY: paper-runs paper-readme
+paper-runs: ## MNIST + IMDB at the JL paper's settings, full epochs, then the README (DATA_DIR=... PAPER_ARGS="--only mnist --device cuda")
+	$(PY) -m runner.paper_runs run --data-dir $(DATA_DIR) --out $(RUNS_DIR) $(PAPER_ARGS)
+	$(PY) -m runner.paper_runs readme --runs $(RUNS_DIR)
+
+paper-readme: ## outputs/reference/paper/README.md from a folder of runs, copied in first (RUNS_DIR=/work/paper_runs)
+	$(PY) -m runner.paper_runs readme --runs $(RUNS_DIR) --import-to outputs/reference/paper/runs
 
 report: ## dprun-report over outputs/: one row per run (outputs/tables/runs.csv)
 	$(PY) -m runner.report

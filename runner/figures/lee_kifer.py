@@ -100,6 +100,9 @@ def memory_table(runs, epochs, scale) -> pd.DataFrame:
                               "paper (11 GB GPU): first failed at": PAPER_MEMORY.get(label),
                               "status": "NOT RUN (GPU only; no CUDA on this machine)"}
                              for label in LK_ORDER if label in PAPER_MEMORY])
+    probes = study_probes(runs)
+    if probes is not None:
+        return probes
     t = timing_table(runs, epochs, scale)
     rows = []
     for label, sub in t.groupby("label"):
@@ -113,6 +116,40 @@ def memory_table(runs, epochs, scale) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def study_probes(runs) -> pd.DataFrame | None:
+    """The bisection study's results (runner/memory_study.py), read from its probe.json files: per method the newest
+    study that probed it. None when the runs are not probes (the old fixed grid, the test fixtures)."""
+    import json
+    from pathlib import Path
+
+    dirs = [Path(d) for d in runs.get("run_dir", pd.Series(dtype=object)).dropna()]
+    probe_dirs = [d for d in dirs if (d / "probe.json").exists()]
+    if not probe_dirs:
+        return None
+    newest = {}  # method folder name -> the newest study folder holding it (study folders are named by time)
+    for d in probe_dirs:
+        study, method = d.parent.parent, d.parent.name
+        if method not in newest or study.name > newest[method].name:
+            newest[method] = study
+    rows = []
+    for method, study in newest.items():
+        probes = pd.DataFrame([json.loads(f.read_text()) for f in (study / method).glob("b*/probe.json")])
+        ok, oom = probes[probes["status"] == "ok"], probes[probes["status"] == "oom"]
+        best = ok.sort_values("batch_size").iloc[-1] if len(ok) else None
+        cap = probes["memory_cap_bytes"].dropna() if "memory_cap_bytes" in probes else pd.Series(dtype=float)
+        label = lk_label(method, None)
+        rows.append({"label": label, "largest batch trained": int(best["batch_size"]) if best is not None else None,
+                     "first batch that failed": int(oom["batch_size"].min()) if len(oom) else None,
+                     "largest batch tried": int(probes["batch_size"].max()),
+                     "peak memory GiB at largest": (best["peak_mem_bytes"] / 2**30 if best is not None
+                                                    and pd.notna(best["peak_mem_bytes"]) else None),
+                     "paper (11 GB GPU): first failed at": PAPER_MEMORY.get(label),
+                     "probes": len(probes), "errors": int((probes["status"] == "error").sum()),
+                     "memory cap GiB": float(cap.iloc[0]) / 2**30 if len(cap) else None,
+                     "study": str(study)})
+    return pd.DataFrame(rows)
+
+
 def draw_memory(data, caption, scale):
     fig, (ax,) = panels(1, 1, "Lee & Kifer section 6.7: largest batch before out-of-memory (ResNet-101, 256x256)", 6)
     data = data.set_index("label").reindex([l for l in LK_ORDER if l in set(data["label"])])
@@ -122,6 +159,14 @@ def draw_memory(data, caption, scale):
                label="paper: first failed at (GTX 1080 Ti, 11 GB)", zorder=3)
     ax.set_xticks(range(len(data)), list(data.index))
     ax.set_ylabel("largest batch size trained")
+    for i, (ok, bad) in enumerate(zip(pd.to_numeric(data["largest batch trained"], errors="coerce"),
+                                      pd.to_numeric(data["first batch that failed"], errors="coerce"))):
+        if pd.notna(ok):  # the bisection's bracket: the largest batch that fit, the first that ran out of memory
+            ax.annotate(f"{ok:g}" + (f" (OOM at {bad:g})" if pd.notna(bad) else " (no OOM)"), (i, ok),
+                        ha="center", va="bottom", fontsize=8)
+    cap = pd.to_numeric(data.get("memory cap GiB", pd.Series(dtype=float)), errors="coerce").dropna()
+    if len(cap):
+        ax.set_title(f"memory cap {cap.iloc[0]:.3g} GiB (memory_study.memory_cap_bytes)", fontsize=9)
     if pd.to_numeric(data["largest batch trained"], errors="coerce").isna().all():
         note = data["status"].dropna().iloc[0] if "status" in data and data["status"].notna().any() else "no runs"
         ax.text(0.5, 0.6, f"ours: {note}", transform=ax.transAxes, ha="center", va="center",
@@ -137,4 +182,4 @@ add(Figure("lk_fig7", "L&K", "Seconds per epoch by MLP depth", "figure", "lk_fig
 add(Figure("lk_fig8", "L&K", "ResNet and VGG on LSUN-shaped images", "figure", "lk_fig8", timing_table, draw_fig8))
 add(Figure("lk_fig9", "L&K", "Processing time by image resolution", "figure", "lk_fig9", timing_table, draw_fig9))
 add(Figure("lk_memory", "L&K", "Largest batch before out-of-memory", "figure", "lk_memory", memory_table,
-           draw_memory, gpu_only=True, keep_failed=True))
+           draw_memory, gpu_only=True, keep_failed=True, study="runner.memory_study"))

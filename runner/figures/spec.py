@@ -37,6 +37,7 @@ class Figure:
     needs: Callable[[], Optional[str]] = lambda: None
     gpu_only: bool = False
     keep_failed: bool = False  # the figure reads failed runs too (the memory study: the first batch that failed)
+    study: Optional[str] = None  # a module run instead of the preset's grid: python -m <study> --scale S -- args
 
 
 def add(fig: Figure) -> Figure:

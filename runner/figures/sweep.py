@@ -105,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sweep: {name} is computed (no training); nothing to run")
         elif fig.gpu_only and not args.dry_run and not _cuda():
             print(f"sweep: {name} skipped: GPU only (largest batch before out-of-memory) and CUDA is not available")
+        elif fig.study:  # its own sweep (the memory study: bisection, one process per probe)
+            cmd = [sys.executable, "-m", fig.study, "--scale", args.scale] + (["--dry-run"] if args.dry_run else [])
+            print(f"sweep: python -m {fig.study} --scale {args.scale} -- {' '.join(passthrough)}", flush=True)
+            if subprocess.call(cmd + ["--", *passthrough]) != 0:
+                failed += 1
         elif fig.experiment not in experiments:
             experiments.append(fig.experiment)
     for experiment in experiments:

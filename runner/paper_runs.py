@@ -1,0 +1,267 @@
+"""Paper-scale reference runs (issue 13): MNIST and IMDB at the JL paper's settings, over the full 15 / 20 epochs,
+and a README that puts their numbers next to the papers'. The tables are generated from the runs' metrics.csv and
+summary.json, never typed.
+
+    python -m runner.paper_runs run --data-dir /data                    # make paper-runs DATA_DIR=/data
+    python -m runner.paper_runs run --data-dir /data --only mnist --device cuda
+    python -m runner.paper_runs run --dry-run --data-dir /data          # the dprun commands only
+    python -m runner.paper_runs readme                                  # make paper-readme
+    python -m runner.paper_runs readme --runs /work/paper_runs --out /tmp/README.md   # any folder of such runs
+    python -m runner.paper_runs readme --runs /work/paper_runs --import-to outputs/reference/paper/runs
+                                          # make paper-readme RUNS_DIR=/work/paper_runs: copy, then the README
+
+`run` writes each run into <out>/<name>/ (default outputs/reference/paper/runs/; only metrics.csv and summary.json
+are kept in git) and skips a run whose summary.json says finished (--force reruns). Each run is one plain `dprun`
+(the dataset's paper defaults from conf/dataset/: MNIST bu_cnn, B=256, lr 0.25, sigma 1.3, C 1.5, 15 epochs;
+IMDB bilstm, DP-Adam, B=256, lr 0.001, sigma 0.6, C 1, 20 epochs). `readme` reads every <runs>/<name>/ holding a
+summary.json (finished or not: a partial run is shown with its epochs completed) and writes the README.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+OUT = Path("outputs/reference/paper/runs")
+README = Path("outputs/reference/paper/README.md")
+
+
+@dataclass(frozen=True)
+class Ref:
+    name: str
+    dataset: str
+    overrides: tuple[str, ...]
+
+
+RUNS = [
+    Ref("mnist_nonprivate_s0", "mnist", ("method=nonprivate", "seed=0")),
+    Ref("mnist_reweight_s0", "mnist", ("method=reweight", "seed=0")),
+    Ref("mnist_reweight_s1", "mnist", ("method=reweight", "seed=1")),
+    Ref("mnist_reweight_s2", "mnist", ("method=reweight", "seed=2")),
+    Ref("mnist_jl1_s0", "mnist", ("method=jl", "r=1", "seed=0")),
+    Ref("mnist_jl30_s0", "mnist", ("method=jl", "r=30", "seed=0")),
+    Ref("imdb_nonprivate_s0", "imdb", ("method=nonprivate", "seed=0")),
+    Ref("imdb_reweight_s0", "imdb", ("method=reweight", "seed=0")),
+    Ref("imdb_jl1_s0", "imdb", ("method=jl", "r=1", "seed=0")),
+    Ref("imdb_jl4_s0", "imdb", ("method=jl", "r=4", "seed=0")),
+]
+BY_NAME = {r.name: r for r in RUNS}
+
+# The papers' numbers (JL = jl-projections-dpsgd: section 3.1 / Figure 3 for MNIST, section 3.3 / Table 3 for IMDB)
+THRESHOLD = {"mnist": 0.95, "imdb": 0.70}  # the accuracy the JL paper fixes (Figure 3: 95%; Figure 6: 70%)
+PAPER = {
+    ("mnist", "nonprivate"): "-",
+    ("mnist", "reweight"): "95% at eps < 1, > 100 s (DP-SGD-Outer; JL sec. 3.1, Figure 3)",
+    ("mnist", "jl1"): "95% in < 10 s at eps 2.4 (JL sec. 3.1, Figure 3)",
+    ("mnist", "jl30"): "Figure 3 curve only (no number in the text)",
+    ("imdb", "nonprivate"): "~84% ('very close' to 83.2%; JL sec. 3.3); 12 s/epoch (Table 3, TF)",
+    ("imdb", "reweight"): "DP-Adam-Vanilla: 4 epochs only, never reached 70% (JL sec. 3.3); 13,931 s/epoch",
+    ("imdb", "jl1"): "83.2% at eps 21 after 20 epochs (JL sec. 3.3); 38 s/epoch (Table 3)",
+    ("imdb", "jl4"): "Figures 5-6 curves only; 100 s/epoch (Table 3)",
+}
+LABEL = {"nonprivate": "non-private", "reweight": "exact (ReweightGP)", "jl1": "JL(1)", "jl4": "JL(4)",
+         "jl30": "JL(30)"}
+OPTIMIZER_NAME = {"mnist": "DP-SGD", "imdb": "DP-Adam"}
+
+
+def command(ref: Ref, data_dir: str, out_root: Path, device: str) -> list[str]:
+    return ["dprun", f"dataset={ref.dataset}", *ref.overrides, f"data_dir={data_dir}", f"device={device}",
+            "progress=false", f"out_dir={Path(out_root) / ref.name}"]
+
+
+def status_of(run_dir: Path) -> Optional[str]:
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()).get("status") if path.exists() else None
+
+
+def run_all(data_dir: str, out_root: Path, device: str, only: Optional[str], force: bool, dry_run: bool) -> int:
+    refs = [r for r in RUNS if not only or r.dataset == only or r.name == only]
+    failed = 0
+    for ref in refs:
+        argv = command(ref, data_dir, out_root, device)
+        if not force and status_of(Path(out_root) / ref.name) == "finished":
+            print(f"paper_runs: {ref.name}: finished already (--force reruns it)")
+            continue
+        print("paper_runs: " + " ".join(argv), flush=True)
+        if dry_run:
+            continue
+        start = time.time()
+        rc = subprocess.call([sys.executable, "-m", "runner.cli", *argv[1:]])
+        print(f"paper_runs: {ref.name}: exit {rc} after {time.time() - start:.0f} s", flush=True)
+        failed += rc != 0
+    return 1 if failed else 0
+
+
+# --- the README ------------------------------------------------------------------------------------------------
+
+def method_key(cfg: dict) -> str:
+    name = cfg.get("method", {}).get("name", "?")
+    return f"jl{int(cfg.get('r', 1))}" if name == "jl" else name
+
+
+def summarise(run_dir: Path) -> dict:
+    """One row: what the run was, and its final / best accuracy, epsilon and time, from its own files."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    cfg = summary.get("config", {})
+    path = run_dir / "metrics.csv"
+    m = pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame()
+    dataset = cfg.get("dataset", {}).get("name", "?")
+    row = {"name": run_dir.name, "dataset": dataset, "method": method_key(cfg), "seed": cfg.get("seed"),
+           "status": summary.get("status"), "epochs": f"{len(m)}/{cfg.get('epochs')}",
+           "device": summary.get("device_name") or summary.get("device"),
+           "config": {k: cfg.get(k) for k in ("batch_size", "lr", "sigma", "clip", "delta")}
+           | {"model": cfg.get("model", {}).get("name"), "optimizer": cfg.get("optimizer", {}).get("name"),
+              "accountant": summary.get("accountant"), "sampling": summary.get("sampling")},
+           "data_dir": cfg.get("data_dir"), "device_arg": cfg.get("device")}
+    if m.empty:
+        return row | {"final_acc": math.nan, "best_acc": math.nan, "best_epoch": None, "epsilon": math.nan,
+                      "time_s": math.nan, "to_threshold": None}
+    eps = pd.to_numeric(m.get("epsilon", pd.Series(dtype=float)), errors="coerce")
+    time_cum = m["epoch_time_s"].cumsum()
+    best = int(m["test_acc"].idxmax())
+    thr = THRESHOLD.get(dataset)
+    hit = m.index[m["test_acc"] >= thr] if thr else []
+    to_thr = None
+    if len(hit):
+        i = int(hit[0])
+        to_thr = {"epoch": int(m.loc[i, "epoch"]), "time_s": float(time_cum[i]),
+                  "epsilon": float(eps[i]) if len(eps) and pd.notna(eps[i]) else None}
+    return row | {"final_acc": float(m["test_acc"].iloc[-1]), "best_acc": float(m.loc[best, "test_acc"]),
+                  "best_epoch": int(m.loc[best, "epoch"]),
+                  "epsilon": float(eps.iloc[-1]) if len(eps) and pd.notna(eps.iloc[-1]) else math.nan,
+                  "time_s": float(time_cum.iloc[-1]), "final_train_loss": float(m["train_loss"].iloc[-1]),
+                  "to_threshold": to_thr}
+
+
+def collect(runs_dir: Path) -> list[dict]:
+    return [summarise(p.parent) for p in sorted(Path(runs_dir).glob("*/summary.json"))]
+
+
+def pct(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.1f}%"
+
+
+def eps_str(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return "inf" if math.isinf(v) else f"{v:.3g}"
+
+
+def reproduce_command(row: dict) -> str:
+    ref = BY_NAME.get(row["name"])
+    if ref is None:
+        return f"(not a runner.paper_runs name; see {row['name']}/summary.json for its configuration)"
+    out = "<runs>"
+    return " ".join(command(ref, row["data_dir"] or "<data_dir>", Path(out), row["device_arg"] or "auto"))
+
+
+def readme(rows: list[dict], runs_dir: Path) -> str:
+    lines = ["# Paper-scale reference runs (MNIST, IMDB)", "",
+             "Generated by `python -m runner.paper_runs readme --runs " + str(runs_dir) + "` from each run's "
+             "metrics.csv and summary.json: do not edit by hand. The papers' numbers are quoted from the JL paper "
+             "(jl-projections-dpsgd: section 3.1 and Figure 3 for MNIST, section 3.3 and Table 3 for IMDB).", ""]
+    if not rows:
+        return "\n".join(lines + ["No runs found.", ""])
+    for dataset in ("mnist", "imdb"):
+        sub = [r for r in rows if r["dataset"] == dataset]
+        if not sub:
+            lines += [f"## {dataset.upper()}", "", "Not run yet (`make paper-runs DATA_DIR=... PAPER_ARGS=\"--only "
+                      f"{dataset}\"`).", ""]
+            continue
+        thr = THRESHOLD[dataset]
+        lines += [f"## {dataset.upper()} ({OPTIMIZER_NAME[dataset]}; settings: "
+                  + ", ".join(f"{k}={v}" for k, v in sub[0]["config"].items() if k not in ("accountant",)) + ")", "",
+                  f"| run | method | seed | status | epochs | final test acc | best test acc (epoch) | epsilon "
+                  f"(delta={sub[0]['config'].get('delta')}) | train time | first epoch at {thr:.0%} (time, eps) "
+                  "| paper |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(sub, key=lambda r: (list(LABEL).index(r["method"]) if r["method"] in LABEL else 99,
+                                            str(r["seed"]))):
+            t = r.get("to_threshold")
+            hit = f"{t['epoch']} ({t['time_s']:.0f} s, eps {eps_str(t['epsilon'])})" if t else "not reached"
+            best = f"{pct(r['best_acc'])} ({r['best_epoch']})" if r.get("best_epoch") else "-"
+            time_s = "-" if math.isnan(r["time_s"]) else f"{r['time_s']:.0f} s"
+            lines.append(f"| {r['name']} | {LABEL.get(r['method'], r['method'])} | {r['seed']} | {r['status']} | "
+                         f"{r['epochs']} | {pct(r['final_acc'])} | {best} | {eps_str(r['epsilon'])} | {time_s} | "
+                         f"{hit} | {PAPER.get((dataset, r['method']), '-')} |")
+        lines.append("")
+        missing = [ref.name for ref in RUNS if ref.dataset == dataset and ref.name not in {r["name"] for r in sub}]
+        if missing:
+            lines.append(f"- not run yet: {', '.join(missing)}")
+        for method in sorted({r["method"] for r in sub}):
+            seeds = [r for r in sub if r["method"] == method and not math.isnan(r["final_acc"])]
+            if len(seeds) > 1:
+                accs = [r["final_acc"] for r in seeds]
+                lines.append(f"- {LABEL.get(method, method)}: mean final test accuracy over {len(seeds)} seeds "
+                             f"{pct(statistics.mean(accs))} (sd {100 * statistics.stdev(accs):.2f} points), "
+                             f"epsilon {', '.join(eps_str(r['epsilon']) for r in seeds)}; all finished: "
+                             f"{all(r['status'] == 'finished' for r in seeds)}")
+        lines.append("")
+    lines += ["## Commands, device, seeds", "",
+              "Each run is one `dprun` with the dataset's paper defaults (conf/dataset/); `<runs>` is the runs folder "
+              "(`make paper-runs DATA_DIR=...` writes outputs/reference/paper/runs/).", "", "```"]
+    lines += [reproduce_command(r) for r in rows]
+    lines += ["```", "", "| run | device | accountant | sampling | seed |", "|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['device']} | {r['config']['accountant']} | {r['config']['sampling']} | "
+              f"{r['seed']} |" for r in rows]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def import_runs(src: Path, dest: Path) -> list[str]:
+    """Copy each <src>/<name>/{metrics.csv,summary.json} into <dest>/<name>/ (what git keeps of a reference run)."""
+    import shutil
+
+    names = []
+    for summary in sorted(Path(src).glob("*/summary.json")):
+        target = Path(dest) / summary.parent.name
+        if target.resolve() == summary.parent.resolve():
+            continue
+        target.mkdir(parents=True, exist_ok=True)
+        for f in ("metrics.csv", "summary.json"):
+            if (summary.parent / f).exists():
+                shutil.copy2(summary.parent / f, target / f)
+        names.append(summary.parent.name)
+    return names
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runner.paper_runs", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the reference runs (sequentially), skipping finished ones")
+    r.add_argument("--data-dir", required=True, help="folder holding mnist/ and imdb/ (docs/data.md)")
+    r.add_argument("--out", default=str(OUT))
+    r.add_argument("--device", default="auto")
+    r.add_argument("--only", help="mnist | imdb | one run name")
+    r.add_argument("--force", action="store_true")
+    r.add_argument("--dry-run", action="store_true")
+    w = sub.add_parser("readme", help="write the README tables from a folder of runs")
+    w.add_argument("--runs", default=str(OUT), help="folder of <name>/{metrics.csv,summary.json}")
+    w.add_argument("--out", default=str(README))
+    w.add_argument("--import-to", metavar="DIR", help="first copy each run's metrics.csv + summary.json into "
+                   f"DIR/<name>/ (e.g. {OUT}, to commit them) and write the README from there")
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        return run_all(args.data_dir, Path(args.out), args.device, args.only, args.force, args.dry_run)
+    if args.import_to:
+        names = import_runs(Path(args.runs), Path(args.import_to))
+        print(f"paper_runs: copied {len(names)} runs ({', '.join(names)}) into {args.import_to}")
+        args.runs = args.import_to
+    rows = collect(Path(args.runs))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(readme(rows, Path(args.runs)))
+    print(f"paper_runs: {len(rows)} runs from {args.runs} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

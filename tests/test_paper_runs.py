@@ -1,0 +1,78 @@
+"""runner/paper_runs.py: the reference-run commands, and the README generated from a folder of run folders."""
+import json
+import math
+
+import pytest
+
+from runner import paper_runs as pr
+
+
+def fake_run(root, name, dataset, method, accs, eps, seed=0, r=None, status="finished", epochs=None):
+    d = root / name
+    d.mkdir(parents=True)
+    cfg = {"dataset": {"name": dataset}, "method": {"name": method}, "seed": seed, "epochs": epochs or len(accs),
+           "batch_size": 256, "lr": 0.25, "sigma": 1.3, "clip": 1.5, "delta": 1e-5, "model": {"name": "bu_cnn"},
+           "optimizer": {"name": "sgd"}, "data_dir": "/data", "device": "cpu"}
+    if r is not None:
+        cfg["r"] = r
+    (d / "summary.json").write_text(json.dumps({"status": status, "config": cfg, "device_name": "cpu (test)",
+                                                "accountant": "pld", "sampling": "poisson"}))
+    rows = ["epoch,train_loss,test_acc,epoch_time_s,epsilon"]
+    rows += [f"{i + 1},0.5,{a},10.0,{'' if e is None else e}" for i, (a, e) in enumerate(zip(accs, eps))]
+    (d / "metrics.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_readme_from_a_folder_of_runs(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, accs in enumerate([(0.90, 0.94, 0.95), (0.91, 0.96, 0.94), (0.92, 0.93, 0.93)]):
+        fake_run(runs, f"mnist_reweight_s{seed}", "mnist", "reweight", accs, (0.4, 0.6, 0.8), seed=seed)
+    fake_run(runs, "mnist_jl1_s0", "mnist", "jl", (0.96, 0.97), (math.inf, math.inf), r=1)
+    fake_run(runs, "imdb_nonprivate_s0", "imdb", "nonprivate", (0.70, 0.75), (None, None), status="running",
+             epochs=20)
+    out = tmp_path / "README.md"
+    assert pr.main(["readme", "--runs", str(runs), "--out", str(out)]) == 0
+    text = out.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| mnist_reweight_s1 "))
+    # final 94.0%, best 96.0% at epoch 2, eps 0.8, 30 s, first at 95%: epoch 2 (20 s, eps 0.6), the paper's number
+    for cell in ("94.0%", "96.0% (2)", "0.8", "30 s", "2 (20 s, eps 0.6)", "95% at eps < 1"):
+        assert cell in row, (cell, row)
+    assert "mean final test accuracy over 3 seeds 94.0%" in text
+    jl = next(line for line in text.splitlines() if line.startswith("| mnist_jl1_s0 "))
+    assert "| inf |" in jl and "JL(1)" in jl and "< 10 s" in jl
+    imdb = next(line for line in text.splitlines() if line.startswith("| imdb_nonprivate_s0 "))
+    assert "| running | 2/20 |" in imdb and "not reached" not in imdb and "~84%" in imdb
+    assert "not run yet: mnist_nonprivate_s0, mnist_jl30_s0" in text
+    assert ("dprun dataset=mnist method=reweight seed=1 data_dir=/data device=cpu progress=false "
+            "out_dir=<runs>/mnist_reweight_s1") in text
+    assert "| mnist_jl1_s0 | cpu (test) | pld | poisson | 0 |" in text
+
+
+def test_run_dry_run_lists_every_reference_run_and_skips_finished(tmp_path, capsys):
+    fake_run(tmp_path, "mnist_nonprivate_s0", "mnist", "nonprivate", (0.98,), (None,))
+    assert pr.main(["run", "--data-dir", "/data", "--out", str(tmp_path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "mnist_nonprivate_s0: finished already" in out
+    for name in ("mnist_reweight_s0", "mnist_reweight_s2", "mnist_jl1_s0", "mnist_jl30_s0", "imdb_nonprivate_s0",
+                 "imdb_reweight_s0", "imdb_jl1_s0", "imdb_jl4_s0"):
+        assert f"out_dir={tmp_path / name}" in out
+    assert "dprun dataset=imdb method=jl r=4 seed=0 data_dir=/data" in out
+
+
+@pytest.mark.parametrize("name", [r.name for r in pr.RUNS])
+def test_reference_runs_compose(name):
+    """Every reference run's overrides compose with conf/ (names, methods and datasets exist)."""
+    from runner.memory_study import compose
+
+    ref = pr.BY_NAME[name]
+    cfg = compose([f"dataset={ref.dataset}", *ref.overrides])
+    assert cfg.dataset.name == ref.dataset and cfg.epochs == {"mnist": 15, "imdb": 20}[ref.dataset]
+
+
+def test_readme_imports_runs_keeping_only_their_numbers(tmp_path):
+    src, dest = tmp_path / "lead", tmp_path / "reference" / "runs"
+    fake_run(src, "mnist_nonprivate_s0", "mnist", "nonprivate", (0.97, 0.98), (None, None))
+    (src / "mnist_nonprivate_s0" / "train.log").write_text("not copied")
+    out = tmp_path / "README.md"
+    assert pr.main(["readme", "--runs", str(src), "--import-to", str(dest), "--out", str(out)]) == 0
+    assert sorted(p.name for p in (dest / "mnist_nonprivate_s0").iterdir()) == ["metrics.csv", "summary.json"]
+    assert "| mnist_nonprivate_s0 | non-private | 0 | finished | 2/2 | 98.0% |" in out.read_text()
