@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.data.base import default_data_dir
 from runner.errors import DprunError
-from runner.registry import unknown_name_message
+from runner.overrides import check_group_choices
 
 PAPER_MODEL = {"mnist": "bu_cnn", "fmnist": "bu_cnn", "cifar10": "papernot_cnn", "imdb": "bilstm",
                "digits": "mlp", "lsun": "resnet18"}
@@ -66,23 +66,6 @@ def _hydra_main(cfg: DictConfig) -> None:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # a sweep goes on with its other jobs; Hydra reports the failed one at the end
         sys.exit(2)
-
-
-CONFIG_GROUPS = ("dataset", "model", "method", "accountant", "optimizer", "experiment", "launcher")
-
-
-def check_group_choices(argv: list[str]) -> None:
-    """One-line errors for unknown config-group options (`method=foo`), before Hydra's multi-line ones.
-
-    Accepts sweeps (`method=a,b`) and the `+`/`~` prefixes; other overrides are left to Hydra."""
-    for arg in argv:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if not sep or key not in CONFIG_GROUPS or value in ("", "null"):
-            continue
-        valid = sorted(p.stem for p in (Path(CONF_DIR) / key).glob("*.yaml"))
-        for choice in value.split(","):
-            if choice not in valid:
-                raise DprunError(unknown_name_message(key, choice, valid))
 
 
 def main() -> None:

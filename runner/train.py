@@ -26,6 +26,7 @@ from runner.metrics import (StepTimer, device_name, package_versions, peak_memor
                             write_csv, write_json)
 from runner.optimizers import build_optimizer
 from runner.progress import progress_bar
+from runner.validate import validate_config
 
 log = logging.getLogger("dprun")
 
@@ -58,6 +59,7 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_siz
 
 
 def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
+    validate_config(cfg)  # every knob, before any data is loaded or any file written
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(str(cfg.device))
@@ -103,6 +105,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     if accountant is not None and not accountant.supports(method.mechanism(sampler.sample_rate)):
         raise DprunError(f"accountant={accountant_name} does not support method={method.name}'s mechanism "
                          f"{method.mechanism(sampler.sample_rate).kind}; try accountant={method.default_accountant}")
+    if accountant is not None:
+        accountant.check(method.mechanism(sampler.sample_rate))  # e.g. jl at q = 1, pld at tiny sigma: before training
 
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), float(cfg.lr))
     loss_fn = per_example_cross_entropy
