@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
+from runner.data.sampler import SAMPLINGS
 from runner.errors import DprunError
 
 Rule = Callable[[Any], str | None]  # value -> None if fine, else what is accepted ("an integer >= 1")
@@ -107,7 +108,7 @@ RULES: dict[str, Rule] = {
     "target_epsilon": optional(number(0, low_open=True)),
     "device": device,
     "dtype": one_of("float32", "float64"),
-    "sampling": one_of("poisson", "shuffle", "fixed"),
+    "sampling": one_of(*SAMPLINGS),
     "progress": boolean,
 }
 
@@ -120,4 +121,11 @@ def validate_config(cfg: DictConfig) -> None:
         value = cfg[knob]
         accepted = rule(value)
         if accepted is not None:
-            raise DprunError(f"{knob}={value!r} is not valid: {knob} must be {accepted}")
+            raise DprunError(f"{knob}={as_typed(value)} is not valid: {knob} must be {accepted}")
+
+
+def as_typed(value: Any) -> str:
+    """The value as written on the command line: true, null, 'abc' (quoted: a string where a number belongs)."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return repr(value) if isinstance(value, str) else str(value)
