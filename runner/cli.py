@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.data.base import default_data_dir
 from runner.errors import DprunError
 from runner.interrupt import interrupted_exit, sigterm_as_interrupt
-from runner.registry import unknown_name_message
+from runner.overrides import check_group_choices
 from runner.run_dir import check_reused_dirs
 
 PAPER_MODEL = {"mnist": "bu_cnn", "fmnist": "bu_cnn", "cifar10": "papernot_cnn", "imdb": "bilstm",
@@ -77,23 +77,6 @@ def _hydra_main(cfg: DictConfig) -> None:
         line, code = interrupted_exit(e, output_dir(cfg))
         print(line, file=sys.stderr)
         sys.exit(code)
-
-
-CONFIG_GROUPS = ("dataset", "model", "method", "accountant", "optimizer", "experiment", "launcher")
-
-
-def check_group_choices(argv: list[str]) -> None:
-    """One-line errors for unknown config-group options (`method=foo`), before Hydra's multi-line ones.
-
-    Accepts sweeps (`method=a,b`) and the `+`/`~` prefixes; other overrides are left to Hydra."""
-    for arg in argv:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if not sep or key not in CONFIG_GROUPS or value in ("", "null"):
-            continue
-        valid = sorted(p.stem for p in (Path(CONF_DIR) / key).glob("*.yaml"))
-        for choice in value.split(","):
-            if choice not in valid:
-                raise DprunError(unknown_name_message(key, choice, valid))
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from runner.metrics import (StepTimer, device_name, package_versions, peak_memor
 from runner.optimizers import build_optimizer
 from runner.progress import progress_bar
 from runner.run_dir import ensure_fresh
+from runner.validate import validate_config
 
 log = logging.getLogger("dprun")
 
@@ -60,6 +61,7 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_siz
 
 
 def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
+    validate_config(cfg)  # every knob, before any data is loaded or any file written
     out_dir = Path(out_dir)
     ensure_fresh(out_dir)  # before any data is loaded: never replace another run's results
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -111,6 +113,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     if accountant is not None and not accountant.supports(method.mechanism(sampler.sample_rate)):
         raise DprunError(f"accountant={accountant_name} does not support method={method.name}'s mechanism "
                          f"{method.mechanism(sampler.sample_rate).kind}; try accountant={method.default_accountant}")
+    if accountant is not None:
+        accountant.check(method.mechanism(sampler.sample_rate))  # e.g. jl at q = 1, pld at tiny sigma: before training
 
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), float(cfg.lr))
     loss_fn = per_example_cross_entropy

@@ -5,10 +5,13 @@
     acc.epsilon(1e-5)   # -> ~0.865
 
 Contract (tests/test_accountant_contract.py): no steps -> epsilon 0; an unsupported mechanism raises
-UnsupportedMechanism (never a number for the wrong mechanism); epsilon is non-decreasing in the steps.
+UnsupportedMechanism (never a number for the wrong mechanism); epsilon is non-decreasing in the steps; a step with
+noise multiplier 0 (no noise) -> epsilon inf, for every accountant. A mechanism the analysis or its numerics cannot
+handle (jl at q = 1, pld at a tiny sigma) is refused by `check` with a one-line DprunError when it is first told.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import ClassVar
 
@@ -52,8 +55,12 @@ class Accountant:
             )
         if count < 0:
             raise ValueError("count must be >= 0")
+        self.check(mechanism)
         if count:
             self.history[mechanism] += count
+
+    def check(self, mechanism: Mechanism) -> None:
+        """Raise DprunError (one line) for a supported mechanism this accountant still cannot compute."""
 
     @property
     def steps(self) -> int:
@@ -64,6 +71,8 @@ class Accountant:
             raise DprunError(f"delta must be in (0, 1), got {delta}")
         if self.steps == 0:
             return 0.0
+        if any(getattr(m, "noise_multiplier", None) == 0 for m in self.history):
+            return math.inf  # a noiseless step releases its clipped sum exactly: no finite epsilon
         return self._epsilon(delta)
 
     def _epsilon(self, delta: float) -> float:

@@ -23,8 +23,12 @@ from runner.accountants.mechanisms import SubsampledGaussian
 
 
 def gdp_mu(history) -> float:
-    return math.sqrt(sum(n * m.sample_rate ** 2 * math.expm1(1.0 / m.noise_multiplier ** 2)
-                         for m, n in history.items()))
+    """inf when e^{1/sigma^2} overflows (sigma < ~0.038): no useful guarantee, and never an OverflowError."""
+    try:
+        return math.sqrt(sum(n * m.sample_rate ** 2 * math.expm1(1.0 / m.noise_multiplier ** 2)
+                             for m, n in history.items()))
+    except OverflowError:
+        return math.inf
 
 
 def gdp_delta(eps: float, mu: float) -> float:
@@ -33,6 +37,8 @@ def gdp_delta(eps: float, mu: float) -> float:
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:
+    if math.isinf(mu):
+        return math.inf
     if mu == 0 or gdp_delta(0.0, mu) <= delta:
         return 0.0
     hi = 1.0

@@ -24,6 +24,7 @@ from scipy import optimize
 from runner.accountants import jl_pld
 from runner.accountants.base import ACCOUNTANTS, Accountant
 from runner.accountants.mechanisms import SubsampledJL
+from runner.errors import DprunError
 
 
 @lru_cache(maxsize=32)
@@ -57,6 +58,12 @@ class JLAccountant(Accountant):
         self.discretization = float(discretization)
         self.max_loss = float(max_loss)
 
+    def check(self, mechanism: SubsampledJL) -> None:
+        # the analysis amplifies by subsampling (its losses take log(1 - q)): without subsampling it has no PLD here
+        if mechanism.sample_rate >= 1:
+            raise DprunError(f"accountant=jl needs a sample rate q < 1, got q={mechanism.sample_rate:g} (batch_size "
+                             "equals the training set size); use a smaller batch_size")
+
     def _runs(self) -> tuple:
         return tuple((m.sample_rate, m.noise_multiplier, m.r, n) for m, n in self.history.items())
 
@@ -84,6 +91,8 @@ class JLAccountant(Accountant):
         """A certified lower bound on the analysis' epsilon(delta) from the tail of Z_r (0 if none found)."""
         if self.steps == 0:
             return 0.0
+        if any(s == 0 for _, s, _, _ in self._runs()):
+            return math.inf  # no noise: no finite epsilon (as epsilon() says)
         runs = [(q, s, r, n) for q, s, r, n in self._runs()]
         excess = lambda e: jl_pld.tail_lower_bound(runs, e) - delta  # noqa: E731  decreasing in e
         if excess(0.0) <= 0:

@@ -6,7 +6,11 @@ that they serialise to the run log (`asdict`).
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+
+from runner.errors import DprunError
 
 
 @dataclass(frozen=True)
@@ -18,12 +22,23 @@ class Mechanism:
         return type(self).__name__
 
 
+def check_rate_and_sigma(q: float, sigma: float) -> None:
+    """Refused here, so that no accountant ever composes a step whose q is not a probability or sigma a noise level."""
+    if not 0 <= q <= 1:
+        raise DprunError(f"sample rate q={q} must be in [0, 1]")
+    if not (sigma >= 0 and math.isfinite(sigma)):
+        raise DprunError(f"sigma={sigma} must be a finite number >= 0")
+
+
 @dataclass(frozen=True)
 class SubsampledGaussian(Mechanism):
     """DP-SGD step: Poisson sampling at rate q, per-example clipping to C, noise N(0, (sigma*C)^2 I) on the sum."""
 
     sample_rate: float  # q = expected batch size / N
     noise_multiplier: float  # sigma
+
+    def __post_init__(self):
+        check_rate_and_sigma(self.sample_rate, self.noise_multiplier)
 
 
 @dataclass(frozen=True)
@@ -34,6 +49,11 @@ class SubsampledJL(Mechanism):
     sample_rate: float
     noise_multiplier: float
     r: int
+
+    def __post_init__(self):
+        check_rate_and_sigma(self.sample_rate, self.noise_multiplier)
+        if not (isinstance(self.r, numbers.Integral) and self.r >= 1):
+            raise DprunError(f"r={self.r!r} must be an integer >= 1 (the number of JL projections)")
 
 
 @dataclass(frozen=True)

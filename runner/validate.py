@@ -1,0 +1,132 @@
+"""Every top-level knob checked before any data is loaded: one table of knob -> rule, one line per bad value.
+
+    from runner.validate import validate_config
+    validate_config(cfg)    # DprunError: lr=nan must be a finite number > 0
+
+train() calls it first, so a bad value never trains an epoch (or reports "finished") before failing. Hydra gives
+a value the type it parses (`batch_size=abc` is the string 'abc'), so each rule converts and checks the value.
+Checks that need the data (batch_size <= N) or the mechanism (the jl accountant at q = 1, pld at tiny sigma)
+live where that is known: runner/data/sampler.py and runner/accountants/.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+
+from runner.data.sampler import SAMPLINGS
+from runner.errors import DprunError
+
+Rule = Callable[[Any], str | None]  # value -> None if fine, else what is accepted ("an integer >= 1")
+
+
+def _as_int(value: Any) -> int | None:
+    """An integer value (1, '1', 64.0), else None. Booleans are not integers here (`epochs=true` is a typo)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    try:
+        return int(str(value))
+    except ValueError:
+        return None
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(str(value))
+    except ValueError:
+        return None
+
+
+def integer(low: int | None = None) -> Rule:
+    def rule(value):
+        v = _as_int(value)
+        if v is None or (low is not None and v < low):
+            return "an integer" + (f" >= {low}" if low is not None else "")
+        return None
+    return rule
+
+
+def number(low: float, low_open: bool, high: float = math.inf, high_open: bool = True) -> Rule:
+    """A finite float in an interval; nan and inf are refused (nan compares false with everything)."""
+    def rule(value):
+        v = _as_float(value)
+        inside = v is not None and math.isfinite(v) and (v > low if low_open else v >= low) and (
+            v < high if high_open else v <= high)
+        if inside:
+            return None
+        if high == math.inf:
+            return f"a finite number {'>' if low_open else '>='} {low:g}"
+        return f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    return rule
+
+
+def one_of(*choices: str) -> Rule:
+    def rule(value):
+        return None if str(value) in choices else "one of: " + ", ".join(choices)
+    return rule
+
+
+def device(value) -> str | None:
+    """auto, cpu, cuda or cuda:N (whether CUDA is there is checked when the device is built)."""
+    return None if re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(value)) else "one of: auto, cpu, cuda, cuda:N"
+
+
+def boolean(value) -> str | None:
+    return None if isinstance(value, bool) else "true or false"
+
+
+def optional(rule: Rule) -> Rule:
+    """null is allowed (the knob is off), else `rule`."""
+    def check(value):
+        if value is None:
+            return None
+        what = rule(value)
+        return None if what is None else f"null or {what}"
+    return check
+
+
+# knob -> rule. The ranges are where the run means something: clip <= 0 freezes the model or ascends the loss,
+# sigma < 0 is not a noise level, delta must be a probability strictly inside (0, 1) for epsilon(delta) to exist.
+RULES: dict[str, Rule] = {
+    "batch_size": integer(1),
+    "eval_batch_size": integer(1),
+    "epochs": integer(1),
+    "max_steps_per_epoch": optional(integer(1)),
+    "warmup_steps": integer(0),
+    "seed": integer(),
+    "r": integer(1),
+    "lr": number(0, low_open=True),
+    "clip": number(0, low_open=True),
+    "sigma": number(0, low_open=False),  # sigma = 0: no noise, epsilon = inf (docs/privacy.md)
+    "delta": number(0, low_open=True, high=1, high_open=True),
+    "target_epsilon": optional(number(0, low_open=True)),
+    "calibration_accountant": optional(one_of("auto", "pld", "rdp", "gdp", "jl")),  # null: a certified one
+    "device": device,
+    "dtype": one_of("float32", "float64"),
+    "sampling": one_of(*SAMPLINGS),
+    "progress": boolean,
+}
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise DprunError naming the first bad knob, its value and what is accepted."""
+    for knob, rule in RULES.items():
+        if knob not in cfg:
+            continue
+        value = cfg[knob]
+        accepted = rule(value)
+        if accepted is not None:
+            raise DprunError(f"{knob}={as_typed(value)} is not valid: {knob} must be {accepted}")
+
+
+def as_typed(value: Any) -> str:
+    """The value as written on the command line: true, null, 'abc' (quoted: a string where a number belongs)."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return repr(value) if isinstance(value, str) else str(value)
