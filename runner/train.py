@@ -87,8 +87,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     model_kwargs.update(model_cfg.get("kwargs") or {})  # model=auto: the dataset's knobs for its paper model
     model = models.build(str(cfg.model.name), data.info, **model_kwargs).to(device=device, dtype=dtype)
     method = methods.build(cfg)
-    method.validate(model)
-    model = method.prepare(model, data)
+    model = method.attach(model, data)  # validates (BatchNorm refused, norm-rule coverage) and prepares
 
     # privacy: accountant and (optionally) sigma calibrated to a target epsilon
     accountant_name = accountants.resolve_name(str(cfg.accountant.name), method)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from runner.bench.common import interleaved_times, median, step_memory_bytes, select_workloads
 from runner.data.base import DataInfo
-from runner.errors import DprunError, NotImplementedYet
+from runner.errors import DprunError
 from runner.methods import METHODS
 from runner.metrics import device_name, write_csv
 from runner.models import MODELS
@@ -97,20 +97,16 @@ class Contender(NamedTuple):
 def contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n: int):
     """One method's Contender on its own copy of the model, or None and a note why there is none."""
     name, options = METHOD_VARIANTS[label]
-    if name not in METHODS:
-        return None, f"skipped: method={name} not registered yet"
     try:
         method = METHODS.build(name, cfg=options, clip=1.0, sigma=1.0)
         own = copy.deepcopy(base)
-        model = method.prepare(own) or own
+        model = method.attach(own)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         gen = torch.Generator(device=x.device).manual_seed(0)
         step = lambda: method.step(model, loss_fn, x, y, opt, sample_rate=expected_batch / n,  # noqa: E731
                                    expected_batch_size=expected_batch, generator=gen)
         step()  # fails here, not in the timing loop, if the method rejects the model
         return Contender(step, lambda: opt.zero_grad(set_to_none=True)), ""
-    except NotImplementedYet as e:
-        return None, f"skipped: {e}"
     except DprunError as e:
         return None, f"n/a: {e}"
     except Exception as e:  # a bug in a method being written: a row that says so, the other rows still run

@@ -30,7 +30,7 @@ import torch
 from runner.bench.clip import loss_fn, synthetic_batch
 from runner.bench.common import interleaved_times, median, step_memory_bytes, select_workloads
 from runner.data.base import DataInfo
-from runner.errors import DprunError, NotImplementedYet
+from runner.errors import DprunError
 from runner.methods import METHODS
 from runner.metrics import device_name, write_csv
 from runner.models import MODELS
@@ -70,12 +70,9 @@ def variants(rs: list[int], chunk: int) -> dict[str, tuple[str, dict, int, str]]
 
 def contender(method_name: str, options: dict, r: int, base, w: Workload, x, y):
     """(step, zero_grad) on the method's own model copy, or None and the reason."""
-    if method_name not in METHODS:
-        return None, f"skipped: method={method_name} not registered yet"
     try:
-        method = METHODS.build(method_name, cfg=options, clip=1.0, sigma=1.0, r=r)
-        own = copy.deepcopy(base)
-        model = method.prepare(own) or own
+        method = METHODS.build(method_name, cfg={**options, "r": r}, clip=1.0, sigma=1.0)
+        model = method.attach(copy.deepcopy(base))
         opt_cls = torch.optim.Adam if w.optimizer == "adam" else torch.optim.SGD
         opt = opt_cls(model.parameters(), lr=w.lr)
         gen = torch.Generator(device=x.device).manual_seed(0)
@@ -83,8 +80,6 @@ def contender(method_name: str, options: dict, r: int, base, w: Workload, x, y):
                                    expected_batch_size=float(w.batch), generator=gen)
         step()  # a method that rejects the model fails here, not in the timing loop
         return (step, lambda: opt.zero_grad(set_to_none=True)), ""
-    except NotImplementedYet as e:
-        return None, f"skipped: {e}"
     except DprunError as e:
         return None, f"n/a: {e}"
 
