@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import CONF, compose_config, group_options
 from runner import accountants, methods, models
 from runner.data.synthetic import LIKE
 from runner.data.base import DataInfo
 from runner.errors import DprunError
-from runner.optimizers import build_optimizer
+from runner.optimizers import OPTIMIZERS, build_optimizer
 
 INFO_FOR_LIKE = {name: DataInfo(name, shape, classes, kind, vocab, 100, 10)
                  for name, (shape, classes, kind, vocab, _, _) in LIKE.items()}
@@ -58,6 +59,12 @@ def test_optimizer_options_instantiate(option):
     cfg = compose_config([f"optimizer={option}"])
     opt = build_optimizer(cfg.optimizer, [torch.nn.Parameter(torch.zeros(2))], cfg.lr)
     assert isinstance(opt, torch.optim.Optimizer)
+
+
+def test_optimizer_configs_equal_the_registry():
+    assert group_options("optimizer") == OPTIMIZERS.names()
+    with pytest.raises(DprunError, match="did you mean 'adam'"):
+        build_optimizer(OmegaConf.create({"name": "adma"}), [torch.nn.Parameter(torch.zeros(2))], 0.1)
 
 
 @pytest.mark.parametrize("option", [o for o in group_options("model") if o != "auto"])
