@@ -60,7 +60,7 @@ class SBCD(Method):
             raise DprunError(f"method=sbcd trains a bias-free ReLU MLP built from model=mlp; got model "
                              f"{type(model).__name__}: add model=mlp")
         if data is None:
-            raise DprunError("method=sbcd keeps per-example auxiliary variables and needs the dataset in prepare()")
+            raise DprunError("method=sbcd keeps per-example auxiliary variables: call method.attach(model, data)")
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         self.depth = len(linears) - 1  # D
         self.gamma = float(self.option("gamma", 1.0))
