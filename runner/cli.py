@@ -9,34 +9,20 @@ from __future__ import annotations
 
 import logging
 import sys
-import uuid
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from runner.data.base import default_data_dir
 from runner.errors import DprunError
 from runner.interrupt import interrupted_exit, sigterm_as_interrupt
 from runner.overrides import check_group_choices
+from runner.paths import CONF_DIR, register_resolvers
 from runner.run_dir import check_reused_dirs
 
-PAPER_MODEL = {"mnist": "bu_cnn", "fmnist": "bu_cnn", "cifar10": "papernot_cnn", "imdb": "bilstm",
-               "digits": "mlp", "lsun": "resnet18"}
-
-
-def register_resolvers() -> None:
-    """Resolvers used by conf/: per-user data dir, a unique run id (never two runs in one folder), paper models."""
-    if not OmegaConf.has_resolver("dprun_data_dir"):
-        OmegaConf.register_new_resolver("dprun_data_dir", default_data_dir)
-        OmegaConf.register_new_resolver("dprun_uid", lambda: uuid.uuid4().hex[:6], use_cache=True)
-        OmegaConf.register_new_resolver("dprun_paper_model", lambda like: PAPER_MODEL.get(str(like), "mlp"))
-
-
-register_resolvers()
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+register_resolvers()  # before @hydra.main composes conf/
 
 
 def run(cfg: DictConfig) -> dict:

@@ -3,7 +3,3 @@
 
 class DprunError(Exception):
     """A user-facing error. The CLI prints `dprun: <message>` (one line) and exits with status 2."""
-
-
-class NotImplementedYet(DprunError):
-    """A method or feature whose issue has not landed yet."""

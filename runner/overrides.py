@@ -16,14 +16,14 @@ from hydra.core.override_parser.types import Glob
 from hydra.errors import HydraException
 
 from runner.errors import DprunError
+from runner.paths import CONF_DIR
 from runner.registry import unknown_name_message
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 CONFIG_GROUPS = ("dataset", "model", "method", "accountant", "optimizer", "experiment", "launcher")
 
 
 def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
 
 
 def chosen_options(override, valid: list[str]) -> list[str]:

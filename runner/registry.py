@@ -1,6 +1,7 @@
 """A tiny name -> builder registry with "did you mean" on unknown names.
 
-Registry names are the CLI names: `method=jl` looks up METHODS["jl"].
+Registry names are the CLI names: `method=jl` looks up METHODS["jl"]. One idiom registers everything, the
+decorator on the definition (a family built in a loop applies the same call: `MODELS.register(name)(builder)`):
 
     MODELS = Registry("model")
 
@@ -23,8 +24,8 @@ class Registry:
         self.kind = kind
         self._entries: Dict[str, Callable[..., Any]] = {}
 
-    def register(self, name: str, obj: Callable[..., Any] | None = None):
-        """Register `obj` under `name`; usable as a decorator. Registering a name twice is a bug."""
+    def register(self, name: str) -> Callable[[Any], Any]:
+        """Decorator: register the decorated object under `name`. Registering a name twice is a bug."""
 
         def add(o):
             if name in self._entries and self._entries[name] is not o:
@@ -32,7 +33,7 @@ class Registry:
             self._entries[name] = o
             return o
 
-        return add(obj) if obj is not None else add
+        return add
 
     def names(self) -> list[str]:
         return sorted(self._entries)

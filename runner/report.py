@@ -33,7 +33,7 @@ from runner.run_dir import unstarted_runs
 CONFIG_COLUMNS = [
     ("experiment", "experiment_name"), ("scale", "scale"), ("dataset", "dataset.name"), ("like", "dataset.like"),
     ("image_size", "dataset.image_size"), ("model", "model.name"), ("depth", "model.depth"),
-    ("method", "method.name"), ("r", "r"), ("batch_size", "batch_size"), ("sigma", "sigma"), ("clip", "clip"),
+    ("method", "method.name"), ("r", "method.r"), ("batch_size", "batch_size"), ("sigma", "sigma"), ("clip", "clip"),
     ("lr", "lr"), ("optimizer", "optimizer.name"), ("epochs", "epochs"), ("seed", "seed"),
     ("max_steps_per_epoch", "max_steps_per_epoch"), ("delta", "delta"),
 ]
@@ -42,13 +42,16 @@ CONFIG_COLUMNS = [
 METRIC_COLUMNS = ["test_acc", "test_loss", "train_loss", "train_acc", "epsilon", "epsilon_lower_bound",
                   "epsilon_gdp_approx", "epsilon_hsa_assumed", "epsilon_poisson_assumed", "epoch_time_s",
                   "step_time_s", "peak_mem_bytes"]
-SUMMARY_VIEW = ["experiment", "scale", "dataset", "model", "method", "r", "batch_size", "sigma", "epochs",
+SUMMARY_VIEW = ["experiment", "scale", "dataset", "model", "method", "method_options", "batch_size", "sigma", "epochs",
                 "sampling", "status", "test_acc", "epsilon", "epsilon_gdp_approx", "epsilon_hsa_assumed",
                 "epsilon_poisson_assumed", "epoch_time_est_s", "device"]
 FAILED_TO_START = "failed-to-start"  # status of a folder holding only Hydra's .hydra/ record
-# the columns that identify "the same run" when a preset was run twice (latest() keeps the newest)
-RUN_KEY = ["experiment", "scale", "dataset", "like", "image_size", "model", "depth", "method", "r", "batch_size",
-           "sigma", "clip", "lr", "optimizer", "epochs", "seed", "max_steps_per_epoch", "device"]
+# the columns that identify "the same run" when a preset was run twice (latest() keeps the newest): the whole
+# resolved config (config_key) and the device; the named columns are functions of them, and stand in for
+# config_key in tables written before it existed
+RUN_KEY = ["config_key", "experiment", "scale", "dataset", "like", "image_size", "model", "depth", "method", "r",
+           "batch_size", "sigma", "clip", "lr", "optimizer", "epochs", "seed", "max_steps_per_epoch", "device"]
+NOT_IN_KEY = ("data_dir", "out_dir", "progress")  # where files live and how the run looks: not what it computes
 
 
 def dig(cfg: dict, dotted: str) -> Any:
@@ -57,6 +60,22 @@ def dig(cfg: dict, dotted: str) -> Any:
             return None
         cfg = cfg[part]
     return cfg
+
+
+def flatten(cfg: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_key(cfg: dict) -> str:
+    """The resolved config as one canonical string (every option: method.*, accountant, sampling, dtype, ...)."""
+    flat = {k: v for k, v in flatten(cfg).items() if k not in NOT_IN_KEY}
+    return json.dumps(flat, sort_keys=True, default=str)
 
 
 def find_runs(root: str | Path) -> list[Path]:
@@ -98,6 +117,11 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
     summary = read_summary(run_dir)
     cfg = summary.get("config") if isinstance(summary.get("config"), dict) else {}
     row: dict[str, Any] = {name: dig(cfg, path) for name, path in CONFIG_COLUMNS}
+    if row["r"] is None:
+        row["r"] = dig(cfg, "r")  # runs before r moved into method=jl's config
+    method = cfg.get("method") if isinstance(cfg.get("method"), dict) else {}
+    row["method_options"] = " ".join(f"{k}={v}" for k, v in method.items() if k != "name")  # e.g. mode=bk norm=auto
+    row["config_key"] = config_key(cfg)
     versions = summary.get("versions") if isinstance(summary.get("versions"), dict) else {}
     row.update({
         "status": summary.get("status"),

@@ -44,7 +44,7 @@ def hydra_config(folder: Path) -> dict:
     """The job config Hydra recorded in folder/.hydra/config.yaml, resolved where the resolvers allow."""
     from omegaconf import OmegaConf
 
-    from runner.cli import register_resolvers
+    from runner.paths import register_resolvers
 
     register_resolvers()
     cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")

@@ -8,7 +8,7 @@
 
     python -m runner.sbcd_curves outputs/reference/sbcd      # writes the three CSVs there
 
-Nothing is trained: the curves come from the mechanisms DP-SBCD would report (runner/methods/sbcd.py), fed to the
+Nothing is trained: the curves come from the mechanisms DP-SBCD would report (runner/methods/sbcd/, the same bounds.hidden_state_step), fed to the
 hidden-state accountant (runner/accountants/hsa.py).
 """
 from __future__ import annotations
@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from runner.accountants.hsa import HiddenStateAccountant, HiddenStateStep
-from runner.methods.sbcd_bounds import layer_constants
-from runner.methods.sbcd_schedule import noise_multiplier
+from runner.accountants.hsa import HiddenStateAccountant
+from runner.accountants.mechanisms import HiddenStateStep
+from runner.methods.sbcd.bounds import hidden_state_step, network_constants
+from runner.methods.sbcd.schedule import noise_multiplier
 
 
 @dataclass(frozen=True)
@@ -47,18 +48,16 @@ class CurveSetup:
 
 def run_steps(s: CurveSetup, epochs: int | None = None) -> list[HiddenStateStep]:
     """The HiddenStateSteps of the first `epochs` epochs of a run with fixed batches of size b (the last smaller)."""
-    consts = [layer_constants(top=d == s.depth, gamma=s.gamma, x_radius=s.x_radius, u_radius=s.u_radius, eta=s.eta,
-                              reg=s.reg, lam=s.reg_lambda) for d in range(s.depth + 1)]
+    consts = network_constants(depth=s.depth, gamma=s.gamma, x_radius=[s.x_radius] * (s.depth + 1),
+                               u_radius=[s.u_radius] * s.depth, eta=s.eta, reg=s.reg, lam=s.reg_lambda)
     nb = math.ceil(s.n / s.batch_size)
-    shift = tuple(s.eta * c.sensitivity / s.batch_size for c in consts)
     steps = []
     for k in range(s.epochs if epochs is None else epochs):
         sig = noise_multiplier(s.schedule, sigma=s.sigma, epoch=k, epochs=s.epochs, decay=s.decay, floor=s.floor)
         for j in range(nb):
             size = min(s.batch_size, s.n - j * s.batch_size)
-            steps.append(HiddenStateStep(k, j, nb, size, s.n, tuple(sig * v for v in shift), shift,
-                                         tuple(c.lipschitz_grad for c in consts),
-                                         tuple(c.lipschitz_prox for c in consts)))
+            steps.append(hidden_state_step(consts, eta=s.eta, sigma_k=sig, b=s.batch_size, n=s.n, epoch=k, batch=j,
+                                           batch_size=size))
     return steps
 
 

@@ -90,10 +90,10 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     model_kwargs = {k: v for k, v in model_cfg.items() if k not in ("name", "kwargs")}
     model_kwargs.update(model_cfg.get("kwargs") or {})  # model=auto: the dataset's knobs for its paper model
+    model_kwargs = models.knobs(str(cfg.model.name), **model_kwargs)  # null -> the builder's default
     model = models.build(str(cfg.model.name), data.info, **model_kwargs).to(device=device, dtype=dtype)
     method = methods.build(cfg)
-    method.validate(model)
-    model = method.prepare(model, data)
+    model = method.attach(model, data)  # validates (BatchNorm refused, norm-rule coverage) and prepares
 
     # privacy: accountant and (optionally) sigma calibrated to a target epsilon
     accountant_name = accountants.resolve_name(str(cfg.accountant.name), method)
@@ -121,7 +121,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {
         "status": "running",
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": {**OmegaConf.to_container(cfg, resolve=True),  # + every model knob's value used
+                   "model": {"name": str(cfg.model.name), **model_kwargs}},
         "method": method.name,
         "sigma": method.sigma if method.private else None,
         "accountant": accountant_name if method.private else None,

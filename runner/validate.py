@@ -100,7 +100,7 @@ RULES: dict[str, Rule] = {
     "max_steps_per_epoch": optional(integer(1)),
     "warmup_steps": integer(0),
     "seed": integer(),
-    "r": integer(1),
+    "r": optional(integer(1)),  # the bare r= alias of method.r (null: method=jl's own default)
     "lr": number(0, low_open=True),
     "clip": number(0, low_open=True),
     "sigma": number(0, low_open=False),  # sigma = 0: no noise, epsilon = inf (docs/privacy.md)

@@ -8,7 +8,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import runner.cli  # noqa: F401  (registers the resolvers conf/ uses)
+from runner.paths import register_resolvers
+
+register_resolvers()  # the resolvers conf/ uses
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"

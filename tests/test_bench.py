@@ -8,6 +8,7 @@ import torch
 from runner.bench import clip
 from runner.bench.common import interleaved_times, step_memory_bytes
 from runner.data.base import DataInfo
+from runner.errors import DprunError
 
 TINY = DataInfo("tiny", (1, 4, 4), 3, "image", None, 100, 10)
 CPU = torch.device("cpu")
@@ -27,18 +28,18 @@ def test_workload_rows_ratios_and_notes(monkeypatch):
     opacus_best = ran.loc[["opacus-hooks", "opacus-ghost"], "x_opacus_best"]
     assert opacus_best.min() == pytest.approx(1.0) and opacus_best.max() >= 1.0
     future = df.set_index("method").loc["future"]
-    assert future.note == "skipped: method=no_such_method not registered yet" and math.isnan(future.step_ms)
+    assert future.note.startswith("n/a: unknown method 'no_such_method'") and math.isnan(future.step_ms)
 
 
-def test_rejected_model_and_unregistered_model_are_rows_with_notes():
+def test_rejected_model_is_a_row_with_a_note_and_an_unknown_model_one_line():
     text = DataInfo("text", (5,), 2, "text", 7, 100, 10)
     w = clip.Workload("rec", "rnn", text, 2, ["nonprivate", "opacus-ghost"], {"hidden": 3, "embed_dim": 2})
     df = clip.table(clip.bench_workload(w, CPU, repeats=1, warmup=1, budget_s=60.0)).set_index("method")
     assert df.note["opacus-ghost"].startswith("n/a: method=opacus grad_sample_mode=ghost fails")
     assert math.isnan(df.x_opacus_best["nonprivate"])  # no Opacus mode ran
     w = clip.Workload("gone", "no_such_model", TINY, 2, ["nonprivate"])
-    (row,) = clip.bench_workload(w, CPU, 1, 1, 60.0)
-    assert row["note"] == "skipped: model=no_such_model not registered yet"
+    with pytest.raises(DprunError, match="unknown model 'no_such_model'"):
+        clip.bench_workload(w, CPU, 1, 1, 60.0)
 
 
 def test_cli_quick_subset_writes_the_csv(tmp_path, capsys):

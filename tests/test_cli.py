@@ -67,3 +67,14 @@ def test_synthetic_cifar_run_starts(tmp_path):
                  "max_steps_per_epoch=2", "batch_size=32", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "papernot_cnn" in (list((tmp_path / "outputs").rglob("summary.json"))[0]).read_text()
+
+
+def test_a_sweep_over_a_method_option_reports_one_row_per_value(tmp_path):
+    proc = dprun("-m", "method=reweight", "method.mode=bk,twopass", "dataset=digits", "epochs=1", "progress=false",
+                 cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from runner.report import collect, latest
+
+    rows = latest(collect(tmp_path / "outputs"))
+    assert sorted(rows["method_options"]) == ["mode=bk norm=auto", "mode=twopass norm=auto"]
+    assert rows["config_key"].nunique() == 2

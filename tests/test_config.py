@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from conftest import compose_config, group_options
+from conftest import CONF, compose_config, group_options
 from runner import accountants, methods, models
 from runner.data.synthetic import LIKE
 from runner.data.base import DataInfo
 from runner.errors import DprunError
-from runner.optimizers import build_optimizer
+from runner.optimizers import OPTIMIZERS, build_optimizer
 
 INFO_FOR_LIKE = {name: DataInfo(name, shape, classes, kind, vocab, 100, 10)
                  for name, (shape, classes, kind, vocab, _, _) in LIKE.items()}
@@ -20,12 +21,20 @@ def test_the_groups_exist_and_are_non_empty():
         assert group_options(group), group
 
 
-def test_every_method_name_of_the_issue_composes():
-    for name in ("nonprivate", "nxbp", "multiloss", "reweight", "jl", "sbcd", "opacus"):
-        cfg = compose_config([f"method={name}", "r=4", "dataset=cifar10"])
+def test_every_method_composes():
+    for name in methods.METHODS.names():
+        cfg = compose_config([f"method={name}", "dataset=cifar10"])
         # sbcd brings its own model (the ReLU MLP it lifts); every other method keeps the dataset's paper model
-        assert cfg.method.name == name and cfg.r == 4
+        assert cfg.method.name == name
         assert cfg.model.name == ("mlp" if name == "sbcd" else "papernot_cnn")
+
+
+def test_r_belongs_to_jl_and_the_bare_r_still_sets_it():
+    assert compose_config(["method=jl"]).method.r == 1
+    assert compose_config(["method=jl", "r=4"]).method.r == 4
+    assert compose_config(["method=jl", "method.r=8"]).method.r == 8
+    assert methods.build(compose_config(["method=jl", "r=4"])).r == 4
+    assert "r" not in compose_config(["method=reweight", "r=4"]).method  # only the JL method has an r
 
 
 @pytest.mark.parametrize("option", group_options("method"))
@@ -52,6 +61,12 @@ def test_optimizer_options_instantiate(option):
     assert isinstance(opt, torch.optim.Optimizer)
 
 
+def test_optimizer_configs_equal_the_registry():
+    assert group_options("optimizer") == OPTIMIZERS.names()
+    with pytest.raises(DprunError, match="did you mean 'adam'"):
+        build_optimizer(OmegaConf.create({"name": "adma"}), [torch.nn.Parameter(torch.zeros(2))], 0.1)
+
+
 @pytest.mark.parametrize("option", [o for o in group_options("model") if o != "auto"])
 def test_model_options_instantiate(option):
     cfg = compose_config([f"model={option}"])
@@ -62,6 +77,18 @@ def test_model_options_instantiate(option):
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
+def test_one_packaging_style_for_dataset_configs():
+    for option in group_options("dataset"):
+        assert (CONF / "dataset" / f"{option}.yaml").read_text().startswith("# @package _global_\n"), option
+
+
+def test_model_defaults_live_in_the_builders_only():
+    for option in [o for o in group_options("model") if o != "auto"]:
+        cfg = compose_config([f"model={option}"])
+        assert all(v is None for k, v in cfg.model.items() if k != "name"), f"conf/model/{option}.yaml holds a value"
+        assert set(cfg.model) - {"name"} == set(models.knobs(cfg.model.name)), option
+
+
 @pytest.mark.parametrize("option", group_options("dataset"))
 def test_dataset_options_compose_with_their_paper_model(option):
     cfg = compose_config([f"dataset={option}"])
@@ -70,15 +97,17 @@ def test_dataset_options_compose_with_their_paper_model(option):
 
 
 def test_paper_model_defaults():
-    expected = {"mnist": "bu_cnn", "fmnist": "bu_cnn", "cifar10": "papernot_cnn", "imdb": "bilstm"}
+    expected = {"mnist": "bu_cnn", "fmnist": "bu_cnn", "cifar10": "papernot_cnn", "imdb": "bilstm", "digits": "mlp"}
     for dataset, model in expected.items():
         assert compose_config([f"dataset={dataset}"]).model.name == model
-    assert compose_config(["dataset=synthetic", "dataset.like=imdb"]).model.name == "bilstm"
+        # dataset=synthetic dataset.like=X reads X's paper model from conf/dataset/X.yaml, the one place it is written
+        assert compose_config(["dataset=synthetic", f"dataset.like={dataset}"]).model.name == model
+    assert compose_config(["dataset=synthetic", "dataset.like=lsun"]).model.name == "resnet18"
     assert compose_config(["dataset=imdb", "model=transformer"]).model.name == "transformer"
 
 
 def test_top_level_knobs_are_bare_overrides():
-    knobs = {"r": 10, "batch_size": 32, "epochs": 2, "lr": 0.01, "sigma": 0.7, "clip": 2.0, "delta": 1e-6,
+    knobs = {"batch_size": 32, "epochs": 2, "lr": 0.01, "sigma": 0.7, "clip": 2.0, "delta": 1e-6,
              "target_epsilon": 3.0, "seed": 7, "device": "cpu", "data_dir": "/tmp/x", "sampling": "shuffle"}
     cfg = compose_config([f"{k}={v}" for k, v in knobs.items()])
     for k, v in knobs.items():

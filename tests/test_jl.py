@@ -120,7 +120,7 @@ def test_grad_is_clipped_sum_with_the_estimated_factors(name, mode):
     x, y = batch(name)
     G = per_example_grads(model, x, y)
     clip = 0.5 * float(flat(G, len(y)).norm(dim=1).median())  # some examples clipped, some not
-    method = METHODS.build("jl", cfg={"jvp": mode}, clip=clip, sigma=1.0, r=4)
+    method = METHODS.build("jl", cfg={"jvp": mode, "r": 4}, clip=clip, sigma=1.0)
     out = method.privatize(model, loss_fn, x, y)
     nu = clip_factors(out.norms, clip)  # (B,)
     assert (nu < 1).any()
@@ -152,7 +152,7 @@ def test_large_r_approaches_exact_clipping():
     exact = flat(per_example_grads(model, x, y), 8).norm(dim=1)
     clip = float(exact.median())
     torch.manual_seed(0)
-    est = {r: JL(cfg={}, clip=clip, r=r).privatize(model, loss_fn, x, y).norms for r in (1, 3000)}
+    est = {r: JL(cfg={"r": r}, clip=clip).privatize(model, loss_fn, x, y).norms for r in (1, 3000)}
     err = {r: (clip_factors(m, clip) - clip_factors(exact, clip)).abs().max().item() for r, m in est.items()}
     assert err[3000] < 0.06  # sd of sqrt(chi^2_r / r) ~ 1/sqrt(2r) = 0.013
     assert err[3000] < err[1]
@@ -211,8 +211,8 @@ def test_auto_falls_back_to_double_vjp_once(caplog):
     model = NoJvpNet().double()
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
     with pytest.raises((NotImplementedError, RuntimeError)):
-        JL(cfg={"jvp": "forward"}, r=2).privatize(model, loss_fn, x, y)
-    method = JL(cfg={"jvp": "auto"}, clip=1e6, r=2)
+        JL(cfg={"jvp": "forward", "r": 2}).privatize(model, loss_fn, x, y)
+    method = JL(cfg={"jvp": "auto", "r": 2}, clip=1e6)
     with caplog.at_level(logging.WARNING, logger="dprun"):
         for _ in range(3):
             for p in model.parameters():
@@ -229,7 +229,7 @@ def test_stock_lstm_float32_runs_under_auto():
     torch.manual_seed(0)
     model = TorchLSTM()
     x, y = batch("torch_lstm")
-    out = JL(cfg={}, clip=1.0, r=2).privatize(model, loss_fn, x, y)
+    out = JL(cfg={"r": 2}, clip=1.0).privatize(model, loss_fn, x, y)
     assert out.norms.shape == (4,) and torch.isfinite(out.norms).all()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
@@ -237,7 +237,8 @@ def test_stock_lstm_float32_runs_under_auto():
 def test_step_reports_jl_mechanism_and_only_jl_accountants_accept_it():
     model = build("mlp")
     x, y = batch("mlp")
-    method = METHODS.build("jl", cfg={}, clip=1.0, sigma=0.7, r=4)
+    method = METHODS.build("jl", cfg={"r": 4}, clip=1.0, sigma=0.7)
+    model = method.attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = method.step(model, loss_fn, x, y, opt, sample_rate=0.01, expected_batch_size=4.0)
     assert out.mechanism == SubsampledJL(sample_rate=0.01, noise_multiplier=0.7, r=4)
@@ -254,11 +255,14 @@ def test_step_reports_jl_mechanism_and_only_jl_accountants_accept_it():
 def test_empty_batch_and_bad_options():
     model = build("mlp")
     x, y = batch("mlp")
-    out = JL(cfg={}, r=2).privatize(model, loss_fn, x[:0], y[:0])
+    method = JL(cfg={"r": 2}, sigma=0.0)
+    model = method.attach(model)
+    out = method.step(model, loss_fn, x[:0], y[:0], torch.optim.SGD(model.parameters(), lr=0.1), sample_rate=0.01,
+                      expected_batch_size=4.0)
     assert out.norms.numel() == 0 and all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
     with pytest.raises(DprunError, match="r=0"):
-        JL(cfg={}, r=0)
+        JL(cfg={"r": 0})
     with pytest.raises(DprunError, match="did you mean|valid: auto, forward, double_vjp"):
-        JL(cfg={"jvp": "reverse"}, r=1)
+        JL(cfg={"jvp": "reverse", "r": 1})
     with pytest.raises(DprunError, match="BatchNorm"):
-        JL(cfg={}, r=1).prepare(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+        JL(cfg={"r": 1}).attach(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))

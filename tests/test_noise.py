@@ -6,8 +6,7 @@ import torch
 from scipy import stats
 from torch import nn
 
-from runner.accountants.mechanisms import NoPrivacy
-from runner.methods.base import Method, StepOutput
+from runner.methods.base import Method, Privatized
 from runner.methods.noise import add_noise_and_scale
 
 
@@ -71,7 +70,7 @@ class FixedSum(Method):
     def privatize(self, model, loss_fn, x, y):
         for p in model.parameters():
             p.grad = torch.ones_like(p)
-        return StepOutput(torch.zeros(len(y)), None, torch.zeros(len(y)), NoPrivacy())
+        return Privatized(torch.zeros(len(y)), None, torch.zeros(len(y)))
 
 
 @pytest.mark.parametrize("realised", [0, 1, 7, 300])
@@ -81,9 +80,11 @@ def test_step_divides_by_expected_not_realised_batch_size(realised):
     start = [p.detach().clone() for p in model.parameters()]
     method = FixedSum(clip=1.5, sigma=2.0)
     x, y = torch.randn(realised, 4, dtype=torch.float64), torch.zeros(realised, dtype=torch.long)
+    model = method.attach(model)
     method.step(model, None, x, y, torch.optim.SGD(model.parameters(), lr=1.0), sample_rate=0.01,
                 expected_batch_size=16.0, generator=torch.Generator().manual_seed(5))
     gen = torch.Generator().manual_seed(5)
+    clipped_sum = 1.0 if realised else 0.0  # an empty batch: privatize is not called, the sum is zero
     for p0, p in zip(start, model.parameters()):
         noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-        assert torch.allclose(p.detach(), p0 - (1.0 + 3.0 * noise) / 16.0)
+        assert torch.allclose(p.detach(), p0 - (clipped_sum + 3.0 * noise) / 16.0)

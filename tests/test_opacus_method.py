@@ -50,7 +50,7 @@ def test_clipped_sum_equals_nxbp_float64(name, mode):
     x, y = inputs(info, 5)
     want, want_g = clipped(METHODS.build("nxbp", clip=0.3), model, x, y)
     method = METHODS.build("opacus", cfg={"grad_sample_mode": mode}, clip=0.3)
-    assert method.prepare(model) is model
+    assert method.attach(model) is model
     for _ in range(2):  # the second step must not see the first step's grad samples / norms
         got, got_g = clipped(method, model, x, y)
         torch.testing.assert_close(got.norms, want.norms, rtol=1e-9, atol=1e-12)
@@ -68,7 +68,7 @@ def test_recurrent_and_text_models_in_hooks_modes(mode):
     x, y = inputs(IMDB, 4)
     want, want_g = clipped(METHODS.build("nxbp", clip=0.5), model, x, y)
     method = METHODS.build("opacus", cfg={"grad_sample_mode": mode}, clip=0.5)
-    got, got_g = clipped(method, method.prepare(model), x, y)
+    got, got_g = clipped(method, method.attach(model), x, y)
     torch.testing.assert_close(got.norms, want.norms)
     for a, b in zip(got_g, want_g):
         torch.testing.assert_close(a, b)
@@ -82,7 +82,7 @@ def test_float32_within_float_tolerance():
     x = x.float()
     want, want_g = clipped(METHODS.build("nxbp", clip=0.3), model, x, y)
     method = METHODS.build("opacus", cfg={"grad_sample_mode": "ghost"}, clip=0.3)
-    got, got_g = clipped(method, method.prepare(model), x, y)
+    got, got_g = clipped(method, method.attach(model), x, y)
     torch.testing.assert_close(got.norms, want.norms, rtol=1e-5, atol=1e-6)
     for a, b in zip(got_g, want_g):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -94,7 +94,7 @@ def test_ghost_rejects_a_layer_called_twice_in_one_line():
     method = METHODS.build("opacus", cfg={"grad_sample_mode": "ghost"})
     with pytest.raises(DprunError, match=r"^method=opacus grad_sample_mode=ghost fails on RecurrentClassifier: "
                                          r"Parameter tying is not supported with Ghost Clipping$"):
-        clipped(method, method.prepare(model), *inputs(IMDB, 2))
+        clipped(method, method.attach(model), *inputs(IMDB, 2))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -103,18 +103,16 @@ def test_prepare_keeps_the_model_and_its_state_dict(mode):
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     keys = list(model.state_dict())
     method = METHODS.build("opacus", cfg={"grad_sample_mode": mode})
-    assert method.prepare(model) is model and list(model.state_dict()) == keys
+    assert method.attach(model) is model and list(model.state_dict()) == keys
     method.hooks.cleanup()
     assert not any(hasattr(p, "grad_sample") for p in model.parameters())
 
 
-def test_empty_batch_and_train_step():
+def test_train_step():  # the empty batch: tests/test_method_contract.py
     pytest.importorskip("opacus")
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     method = METHODS.build("opacus", clip=1.0, sigma=0.0)
-    method.prepare(model)
-    out, grads = clipped(method, model, torch.zeros(0, 3, dtype=torch.float64), torch.zeros(0, dtype=torch.long))
-    assert out.norms.shape == (0,) and all(not g.any() for g in grads)
+    method.attach(model)
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
     before = [p.detach().clone() for p in model.parameters()]
     _, want_g = clipped(METHODS.build("nxbp", clip=1.0), model, x, y)
@@ -128,9 +126,9 @@ def test_eval_mode_and_unprepared_models_are_one_line_errors():
     pytest.importorskip("opacus")
     model = nn.Linear(3, 2)
     method = METHODS.build("opacus")
-    with pytest.raises(DprunError, match="call method.prepare"):
+    with pytest.raises(DprunError, match="call method.attach|step a model returned by method.attach"):
         clipped(method, model, torch.randn(2, 3), torch.tensor([0, 1]))
-    method.prepare(model)
+    method.attach(model)
     model.eval()
     with pytest.raises(DprunError, match="train mode"):
         clipped(method, model, torch.randn(2, 3), torch.tensor([0, 1]))
@@ -146,5 +144,5 @@ def test_without_opacus_the_error_names_the_extra(monkeypatch):
         monkeypatch.delitem(sys.modules, mod)
     monkeypatch.setitem(sys.modules, "opacus", None)  # `import opacus` now raises ImportError
     with pytest.raises(DprunError) as e:
-        METHODS.build("opacus").prepare(nn.Linear(3, 2))
+        METHODS.build("opacus").attach(nn.Linear(3, 2))
     assert str(e.value) == "method=opacus needs Opacus: pip install -e '.[peers]'"

@@ -13,11 +13,17 @@ from runner.report import collect, latest, main
 
 
 def make_run(folder, method, r=1, experiment="default", scale="smoke", epochs=2, step=0.01, status="finished",
-             sample_rate=0.1, capped=None, mtime=None):
+             sample_rate=0.1, capped=None, mtime=None, extra=None):
     cfg = {"experiment_name": experiment, "scale": scale, "dataset": {"name": "synthetic", "like": "cifar10"},
            "model": {"name": "papernot_cnn"}, "method": {"name": method}, "r": r, "batch_size": 256, "sigma": 0.9,
            "clip": 2.0, "lr": 0.1, "optimizer": {"name": "sgd"}, "epochs": epochs, "seed": 0,
            "max_steps_per_epoch": capped, "delta": 1e-5}
+    for dotted, value in (extra or {}).items():  # e.g. {"method.mode": "bk"}
+        *parents, last = dotted.split(".")
+        node = cfg
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
     rows = [{"epoch": e, "steps": 3, "train_loss": 2.0 / e, "train_acc": 0.1 * e, "test_loss": 2.1 / e,
              "test_acc": 0.2 * e, "epoch_time_s": 1.0 + e, "step_time_s": step, "peak_mem_bytes": 1000,
              "epsilon": "" if method == "nonprivate" else 0.5 * e} for e in range(1, epochs + 1)]
@@ -68,6 +74,13 @@ def test_latest_keeps_the_newest_finished_run(tmp_path):
     make_run(tmp_path / "broken", "jl", r=1, epochs=1, status="running", mtime=3_000_000)
     kept = latest(collect(tmp_path))
     assert len(kept) == 1 and kept["run_dir"].iloc[0].endswith("new")
+
+
+def test_runs_differing_in_any_option_are_distinct_rows(tmp_path):
+    for i, (key, value) in enumerate([("method.mode", "bk"), ("method.mode", "twopass"), ("accountant", "rdp"),
+                                      ("sampling", "shuffle"), ("dtype", "float64"), ("target_epsilon", 3.0)]):
+        make_run(tmp_path / str(i), "reweight", mtime=1_000_000 + i, **{"extra": {key: value}})
+    assert len(latest(collect(tmp_path))) == 6
 
 
 def test_cli_prints_one_row_per_run_and_writes_csv(outputs, capsys):

@@ -39,21 +39,21 @@ def tiny_data(n=40, d=6):
 def test_prepare_builds_a_relu_bias_free_net_and_refuses_other_models():
     data = tiny_data()
     method = METHODS.build("sbcd", cfg={"epochs": 2}, sigma=1.0)
-    net = method.prepare(MODELS.build("mlp", data.info, depth=2, widths=(5, 4)), data)
+    net = method.attach(MODELS.build("mlp", data.info, depth=2, widths=(5, 4)), data)
     assert [tuple(t.shape) for t in net.thetas] == [(5, 6), (4, 5), (3, 4)]
     assert method.xs[1].shape == (40, 5) and method.us[1].shape == (40, 4)
     assert (method.xs[1].norm(dim=1) <= 1 + 1e-6).all() and (method.us[0].norm(dim=1) <= 1 + 1e-6).all()
     with pytest.raises(DprunError, match="model=mlp"):
-        METHODS.build("sbcd", cfg={}).prepare(nn.Sequential(nn.Flatten(), nn.Linear(6, 3)), data)
+        METHODS.build("sbcd", cfg={}).attach(nn.Sequential(nn.Flatten(), nn.Linear(6, 3)), data)
     with pytest.raises(DprunError, match="x_radius"):
-        METHODS.build("sbcd", cfg={"x_radius": [1.0, 2.0]}).prepare(
+        METHODS.build("sbcd", cfg={"x_radius": [1.0, 2.0]}).attach(
             MODELS.build("mlp", data.info, depth=2, widths=(5, 4)), data)
 
 
 def test_step_updates_only_the_batch_and_needs_fixed_batches():
     data = tiny_data()
     method = METHODS.build("sbcd", cfg={"epochs": 2}, sigma=1.0)
-    net = method.prepare(MODELS.build("mlp", data.info, depth=1, widths=(5,)), data)
+    net = method.attach(MODELS.build("mlp", data.info, depth=1, widths=(5,)), data)
     before = method.xs[1].clone()
     idx = torch.arange(10)
     out = method.step(net, per_example_cross_entropy, data.train_x[idx], data.train_y[idx], None,

@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
-from runner.methods import sbcd_updates as up
-from runner.methods.sbcd_bounds import layer_constants
+from runner.methods.sbcd import updates as up
+from runner.methods.sbcd.bounds import layer_constants
 
 
 @pytest.fixture(autouse=True)

@@ -101,5 +101,5 @@ def test_every_private_method_rejects_batchnorm(name):
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
                                 torch.nn.Linear(4 * 6 * 6, 10))
     with pytest.raises(DprunError, match=r"^1 \(BatchNorm2d\).*GroupNorm"):
-        METHODS.build(name).validate(model)
-    METHODS.build("nonprivate").validate(model)  # non-private training may use BatchNorm
+        METHODS.build(name).attach(model)
+    METHODS.build("nonprivate").attach(model)  # non-private training may use BatchNorm

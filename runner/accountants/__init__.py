@@ -1,7 +1,7 @@
 """Privacy accountants, one file each, behind runner.accountants.base.Accountant.
 
     from runner import accountants
-    acc = accountants.build("pld")                  # rdp, pld, gdp, jl (+ hsa with DP-SBCD)
+    acc = accountants.build("pld")                  # rdp, pld, gdp, jl, hsa (DP-SBCD)
     acc.step(SubsampledGaussian(0.004, 1.3), count=3516); acc.epsilon(1e-5)
     accountants.calibrate_sigma("pld", method.mechanism, 0.004, 3516, target_epsilon=1.0, delta=1e-5)
 
@@ -11,7 +11,8 @@ name in conf/accountant/ is registered, so a file cannot silently drop out.
 from __future__ import annotations
 
 from runner.accountants.base import ACCOUNTANTS, Accountant, UnsupportedMechanism  # noqa: F401
-from runner.accountants.mechanisms import Mechanism, NoPrivacy, SubsampledGaussian, SubsampledJL  # noqa: F401
+from runner.accountants.mechanisms import (HiddenStateStep, Mechanism, NoPrivacy, SubsampledGaussian,  # noqa: F401
+                                         SubsampledJL)
 from runner.accountants import gdp, hsa, jl, pld, rdp  # noqa: F401,E402  (each registers its accountant)
 from runner.accountants.calibrate import calibrate_sigma  # noqa: F401,E402
 

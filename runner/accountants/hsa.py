@@ -1,4 +1,4 @@
-"""The hidden-state accountant (`accountant=hsa`): Renyi DP of the FINAL model of DP-SBCD (runner/methods/sbcd.py).
+"""The hidden-state accountant (`accountant=hsa`): Renyi DP of the FINAL model of DP-SBCD (runner/methods/sbcd/).
 
     acc = ACCOUNTANTS.build("hsa")
     for step in run_steps: acc.step(step)         # HiddenStateStep per training step, in order
@@ -33,33 +33,15 @@ and this bound only as `epsilon_hsa_assumed`, labelled as resting on unverified 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from runner.accountants.base import ACCOUNTANTS, Accountant, UnsupportedMechanism
 from runner.accountants.hsa_bound import (ALPHAS, composition_cost, mixture_rdp, pabi_cost, pabi_step_costs,
                                           rdp_to_dp)
-from runner.accountants.mechanisms import Mechanism
+from runner.accountants.mechanisms import HiddenStateStep, Mechanism
 
 
-@dataclass(frozen=True)
-class HiddenStateStep(Mechanism):
-    """One DP-SBCD step: batch `batch` (of `num_batches` fixed batches) of epoch `epoch`; per layer d = 0..D the
-    noise std s_d, the shift eta * S_g,d / b (how far the key example can move the gradient map) and L_F, L_T."""
-
-    epoch: int
-    batch: int
-    num_batches: int
-    batch_size: int
-    n: int
-    noise_std: tuple[float, ...]
-    shift: tuple[float, ...]
-    lipschitz_grad: tuple[float, ...]
-    lipschitz_prox: tuple[float, ...]
-    normalisation: str = "project"
-
-
+@ACCOUNTANTS.register("hsa")
 class HiddenStateAccountant(Accountant):
     name = "hsa"
     supported = (HiddenStateStep,)
@@ -132,5 +114,3 @@ class HiddenStateAccountant(Accountant):
     def certified_epsilon(self, delta: float) -> float:
         return self.epsilon_composition(delta)
 
-
-ACCOUNTANTS.register("hsa", HiddenStateAccountant)

@@ -57,5 +57,23 @@ class SubsampledJL(Mechanism):
 
 
 @dataclass(frozen=True)
+class HiddenStateStep(Mechanism):
+    """One DP-SBCD step (runner/methods/sbcd/), accounted by accountant=hsa: batch `batch` (of `num_batches` fixed
+    batches) of epoch `epoch`; per layer d = 0..D the noise std s_d, the shift eta * S_g,d / b (how far the key
+    example can move the gradient map) and L_F, L_T. Built by runner/methods/sbcd/bounds.hidden_state_step only."""
+
+    epoch: int
+    batch: int
+    num_batches: int
+    batch_size: int
+    n: int
+    noise_std: tuple[float, ...]
+    shift: tuple[float, ...]
+    lipschitz_grad: tuple[float, ...]
+    lipschitz_prox: tuple[float, ...]
+    normalisation: str = "project"
+
+
+@dataclass(frozen=True)
 class NoPrivacy(Mechanism):
     """A non-private step: no accountant supports it."""

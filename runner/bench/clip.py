@@ -8,26 +8,21 @@ One process, one model per workload (a fresh copy per method, same seed), the sa
 interleaved repeats; a step is Method.step (privatize + noise + optimizer step). Columns: median step time,
 ratio to non-private, ratio to Opacus's fastest mode on the same workload, peak step memory and its ratio to
 non-private (runner/bench/common.py defines the memory measure on CPU and CUDA). Inputs are synthetic tensors
-of the datasets' shapes (speed does not depend on pixel values). Methods or models not registered yet, or that
-reject a model (a one-line DprunError), are rows with a note. Saves outputs/bench/clip_<device>.csv.
+of the datasets' shapes (speed does not depend on pixel values). Methods that reject a model (a one-line DprunError)
+are rows with a note. Saves outputs/bench/clip_<device>.csv.
 """
 from __future__ import annotations
 
-import argparse
-import copy
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 
-from runner.bench.common import interleaved_times, median, step_memory_bytes, select_workloads
-from runner.data.base import DataInfo
-from runner.errors import DprunError, NotImplementedYet
-from runner.methods import METHODS
+from runner.bench.common import (IMDB, MNIST, arguments, bench_device, contender, interleaved_times, median, select_workloads,
+                                 step_memory_bytes, synthetic_batch, timing_columns)
+from runner.bench import common
 from runner.metrics import device_name, write_csv
 from runner.models import MODELS
 
@@ -44,18 +39,12 @@ METHOD_VARIANTS = {
 }
 ALL = list(METHOD_VARIANTS)
 FIG6 = ["nonprivate", "nxbp", "reweight-twopass", "reweight-bk"]  # L&K figure 6: nxBP vs ReweightGP over B
-MNIST = DataInfo("mnist", (1, 28, 28), 10, "image", None, 60000, 10000)
-IMDB = DataInfo("imdb", (150,), 2, "text", 8185, 25000, 25000)
 COLUMNS = ["workload", "model", "batch", "method", "step_ms", "x_nonprivate", "x_opacus_best", "step_mem_mb",
            "mem_x_nonprivate", "steps_timed", "note"]
 
 
 @dataclass
-class Workload:
-    name: str
-    model: str
-    info: DataInfo
-    batch: int
+class Workload(common.Workload):
     methods: list[str] = field(default_factory=lambda: list(ALL))
     model_kwargs: dict = field(default_factory=dict)
 
@@ -71,63 +60,21 @@ def workloads(quick: bool = False) -> list[Workload]:
     return out
 
 
-def loss_fn(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(outputs, y, reduction="none")  # (B,)
-
-
-def synthetic_batch(info: DataInfo, batch: int, device: torch.device, seed: int = 0):
-    """Inputs of the dataset's shape: standard-normal images, or token ids with zero padding after a random length."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, info.num_classes, (batch,), generator=g)
-    if info.kind == "text":
-        T = info.input_shape[0]
-        x = torch.randint(1, info.vocab_size, (batch, T), generator=g)  # (B, T)
-        lengths = torch.randint(T // 3, T + 1, (batch, 1), generator=g)
-        x = x.masked_fill(torch.arange(T) >= lengths, 0)
-    else:
-        x = torch.randn(batch, *info.input_shape, generator=g)
-    return x.to(device), y.to(device)
-
-
-class Contender(NamedTuple):
-    step: Callable[[], object]  # one Method.step on the method's own copy of the model
-    zero_grad: Callable[[], object]  # frees the last step's gradients (the memory measurement's baseline)
-
-
-def contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n: int):
-    """One method's Contender on its own copy of the model, or None and a note why there is none."""
+def method_contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n: int):
+    """One method variant's Contender (runner/bench/common.py), or None and a note why there is none."""
     name, options = METHOD_VARIANTS[label]
-    if name not in METHODS:
-        return None, f"skipped: method={name} not registered yet"
-    try:
-        method = METHODS.build(name, cfg=options, clip=1.0, sigma=1.0)
-        own = copy.deepcopy(base)
-        model = method.prepare(own) or own
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        gen = torch.Generator(device=x.device).manual_seed(0)
-        step = lambda: method.step(model, loss_fn, x, y, opt, sample_rate=expected_batch / n,  # noqa: E731
-                                   expected_batch_size=expected_batch, generator=gen)
-        step()  # fails here, not in the timing loop, if the method rejects the model
-        return Contender(step, lambda: opt.zero_grad(set_to_none=True)), ""
-    except NotImplementedYet as e:
-        return None, f"skipped: {e}"
-    except DprunError as e:
-        return None, f"n/a: {e}"
-    except Exception as e:  # a bug in a method being written: a row that says so, the other rows still run
-        return None, f"error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return contender(name, options, base, x, y, lambda ps: torch.optim.SGD(ps, lr=0.01), expected_batch / n,
+                     expected_batch)
 
 
 def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int, budget_s: float) -> list[dict]:
     rows = [dict(workload=w.name, model=w.model, batch=w.batch, method=label) for label in w.methods]
-    if w.model not in MODELS:
-        print(f"[bench-clip] {w.name}: skipped, model={w.model} not registered yet")
-        return [dict(r, note=f"skipped: model={w.model} not registered yet") for r in rows]
     torch.manual_seed(0)
     base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
     x, y = synthetic_batch(w.info, w.batch, device)
     contenders, notes = {}, {}
     for label in w.methods:
-        contenders[label], notes[label] = contender(label, base, x, y, float(w.batch), w.info.train_size)
+        contenders[label], notes[label] = method_contender(label, base, x, y, float(w.batch), w.info.train_size)
         if notes[label]:
             print(f"[bench-clip] {w.name} {label}: {notes[label]}")
     contenders = {k: c for k, c in contenders.items() if c is not None}
@@ -140,13 +87,10 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
         if label not in contenders:
             r.update(note=notes[label])
             continue
-        fewer = len(times[label]) < repeats
-        r.update(step_ms=1e3 * t[label], steps_timed=len(times[label]),
-                 x_nonprivate=t[label] / t["nonprivate"] if "nonprivate" in t else math.nan,
+        r.update(**timing_columns(label, times, repeats),
                  x_opacus_best=t[label] / min(opacus) if opacus else math.nan,
                  step_mem_mb=memory[label] / 2**20,
-                 mem_x_nonprivate=memory[label] / memory["nonprivate"] if memory.get("nonprivate") else math.nan,
-                 note=f"estimated from {len(times[label])} of {repeats} steps (slow)" if fewer else "")
+                 mem_x_nonprivate=memory[label] / memory["nonprivate"] if memory.get("nonprivate") else math.nan)
     return rows
 
 
@@ -155,20 +99,11 @@ def table(rows: list[dict]) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    ap = argparse.ArgumentParser(prog="python -m runner.bench.clip", description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    ap.add_argument("--repeats", type=int, default=10, help="timed steps per method (median reported)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
-    ap.add_argument("--quick", action="store_true", help="batches / 8 and 2 repeats: a smoke run of every code path")
-    ap.add_argument("--workloads", default="", help="comma-separated subset of: " +
-                    ", ".join(w.name for w in workloads()))
-    ap.add_argument("--budget", type=float, default=60.0,
-                    help="seconds of timed steps per method; slower methods (nxbp) are timed on fewer steps")
-    ap.add_argument("--out", default="outputs/bench", help="folder for clip_<device>.csv")
+    ap = arguments("python -m runner.bench.clip", __doc__, repeats=10, warmup=2, budget=60.0,
+                   quick="batches / 8 and 2 repeats: a smoke run of every code path",
+                   workloads=[w.name for w in workloads()], out="clip_<device>.csv")
     args = ap.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
+    device = bench_device(args.device)
     repeats = 2 if args.quick else args.repeats
     chosen = select_workloads(workloads(args.quick), args.workloads, "bench-clip")
     print(f"[bench-clip] {device_name(device)}, torch {torch.__version__}, {repeats} repeats, median step time")

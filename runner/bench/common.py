@@ -3,6 +3,8 @@
     contenders = {"nonprivate": step_a, "nxbp": step_b}          # name -> zero-argument callable (one step)
     times = interleaved_times(contenders, device, repeats=10, warmup=2)   # name -> [seconds, ...]
     peak = step_memory_bytes(step_a, device, before=lambda: opt.zero_grad(set_to_none=True))  # bytes: see below
+    x, y = synthetic_batch(info, 256, device)                    # inputs of a dataset's shape
+    c, note = contender("jl", {"r": 4}, base, x, y, lambda ps: torch.optim.SGD(ps, lr=0.1), q, 256.0)
 
 Timing: every contender gets the same warm-up steps, then the repeats are interleaved (a, b, c, a, b, c, ...), so
 a slow patch of the machine (another process, thermal throttling) hits every contender alike; report the median.
@@ -17,14 +19,79 @@ the running sum of its allocation/free records (the CPU allocator's view, like C
 """
 from __future__ import annotations
 
+import argparse
+import copy
 import math
 import statistics
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
+from runner.data.base import DataInfo
+from runner.errors import DprunError
+from runner.methods import METHODS
 from runner.metrics import synchronize
+
+
+# the datasets' shapes the benchmarks draw synthetic inputs of (the timings do not depend on the values)
+MNIST = DataInfo("mnist", (1, 28, 28), 10, "image", None, 60000, 10000)
+CIFAR10 = DataInfo("cifar10", (3, 32, 32), 10, "image", None, 50000, 10000)
+IMDB = DataInfo("imdb", (150,), 2, "text", 8185, 25000, 25000)
+
+
+@dataclass
+class Workload:
+    """One benchmark workload: a model on a dataset's shapes at a batch size (each bench adds its own fields)."""
+
+    name: str
+    model: str
+    info: DataInfo
+    batch: int
+
+
+def loss_fn(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs, y, reduction="none")  # (B,)
+
+
+def synthetic_batch(info: DataInfo, batch: int, device: torch.device, seed: int = 0):
+    """Inputs of the dataset's shape: standard-normal images, or token ids with zero padding after a random length."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, info.num_classes, (batch,), generator=g)
+    if info.kind == "text":
+        T = info.input_shape[0]
+        x = torch.randint(1, info.vocab_size, (batch, T), generator=g)  # (B, T)
+        lengths = torch.randint(T // 3, T + 1, (batch, 1), generator=g)
+        x = x.masked_fill(torch.arange(T) >= lengths, 0)
+    else:
+        x = torch.randn(batch, *info.input_shape, generator=g)
+    return x.to(device), y.to(device)
+
+
+class Contender(NamedTuple):
+    step: Callable[[], object]  # one Method.step on the method's own copy of the model
+    zero_grad: Callable[[], object]  # frees the last step's gradients (the memory measurement's baseline)
+
+
+def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimizer, sample_rate: float,
+              expected_batch_size: float) -> tuple[Contender | None, str]:
+    """One method's Contender on its own copy of the model (Method.attach: validated and prepared, as in a run),
+    or None and a note why there is none (the method rejects the model: "n/a: ..."; a bug: "error: ...")."""
+    try:
+        method = METHODS.build(name, cfg=options, clip=1.0, sigma=1.0)
+        model = method.attach(copy.deepcopy(base))
+        opt = make_optimizer(model.parameters())
+        gen = torch.Generator(device=x.device).manual_seed(0)
+        step = lambda: method.step(model, loss_fn, x, y, opt, sample_rate=sample_rate,  # noqa: E731
+                                   expected_batch_size=expected_batch_size, generator=gen)
+        step()  # fails here, not in the timing loop, if the method rejects the model
+        return Contender(step, lambda: opt.zero_grad(set_to_none=True)), ""
+    except DprunError as e:
+        return None, f"n/a: {e}"
+    except Exception as e:  # a bug in a method being written: a row that says so, the other rows still run
+        return None, f"error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
 def timed(step: Callable[[], object], device: torch.device) -> float:
@@ -55,6 +122,15 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
+def timing_columns(label: str, times: dict[str, list[float]], repeats: int) -> dict:
+    """A contender's row: median step_ms, steps_timed, x_nonprivate, and a note when slow steps were cut short."""
+    t = {k: median(ts) for k, ts in times.items()}
+    fewer = len(times[label]) < repeats
+    return dict(step_ms=1e3 * t[label], steps_timed=len(times[label]),
+                x_nonprivate=t[label] / t["nonprivate"] if "nonprivate" in t else math.nan,
+                note=f"estimated from {len(times[label])} of {repeats} steps (slow)" if fewer else "")
+
+
 def step_memory_bytes(step: Callable[[], object], device: torch.device,
                       before: Callable[[], object] | None = None) -> int:
     """Peak bytes allocated during one step above the bytes live at its start (see the module docstring).
@@ -81,6 +157,26 @@ def step_memory_bytes(step: Callable[[], object], device: torch.device,
         live += e.nbytes()
         peak = max(peak, live)
     return int(peak)
+
+
+def arguments(prog: str, doc: str, *, repeats: int, warmup: int, budget: float, quick: str, workloads: list[str],
+              out: str) -> argparse.ArgumentParser:
+    """The options every bench takes (each adds its own after these)."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    ap.add_argument("--repeats", type=int, default=repeats, help="timed steps per contender (median reported)")
+    ap.add_argument("--warmup", type=int, default=warmup, help="untimed steps per contender first")
+    ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--workloads", default="", help="comma-separated subset of: " + ", ".join(workloads))
+    ap.add_argument("--budget", type=float, default=budget, help="seconds of timed steps per contender; slower "
+                    "contenders (nxbp) are timed on fewer steps")
+    ap.add_argument("--out", default="outputs/bench", help=f"folder for {out}")
+    return ap
+
+
+def bench_device(name: str) -> torch.device:
+    """--device auto: this machine's best device."""
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
 
 
 def select_workloads(available: list, wanted_csv: str | None, tool: str) -> list:

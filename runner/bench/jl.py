@@ -16,8 +16,6 @@ Saves outputs/bench/jl_<device>.csv (jl_<device>_quick.csv with --quick).
 """
 from __future__ import annotations
 
-import argparse
-import copy
 import math
 import time
 from dataclasses import dataclass
@@ -27,28 +25,19 @@ import numpy as np
 import pandas as pd
 import torch
 
-from runner.bench.clip import loss_fn, synthetic_batch
-from runner.bench.common import interleaved_times, median, step_memory_bytes, select_workloads
-from runner.data.base import DataInfo
-from runner.errors import DprunError, NotImplementedYet
-from runner.methods import METHODS
+from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, contender, interleaved_times, median, select_workloads,
+                                 step_memory_bytes, synthetic_batch, timing_columns)
+from runner.bench import common
 from runner.metrics import device_name, write_csv
 from runner.models import MODELS
 
-MNIST = DataInfo("mnist", (1, 28, 28), 10, "image", None, 60000, 10000)
-CIFAR10 = DataInfo("cifar10", (3, 32, 32), 10, "image", None, 50000, 10000)
-IMDB = DataInfo("imdb", (150,), 2, "text", 8185, 25000, 25000)
 MODES = ("forward", "double_vjp")
 COLUMNS = ["workload", "model", "batch", "optimizer", "method", "jvp", "r", "step_ms", "x_nonprivate", "x_reweight",
            "cpu_ms", "cpu_x_nonprivate", "cpu_x_reweight", "step_mem_mb", "steps_timed", "note"]
 
 
 @dataclass
-class Workload:
-    name: str
-    model: str
-    info: DataInfo
-    batch: int
+class Workload(common.Workload):
     optimizer: str  # sgd | adam
     lr: float
 
@@ -68,25 +57,11 @@ def variants(rs: list[int], chunk: int) -> dict[str, tuple[str, dict, int, str]]
     return out
 
 
-def contender(method_name: str, options: dict, r: int, base, w: Workload, x, y):
-    """(step, zero_grad) on the method's own model copy, or None and the reason."""
-    if method_name not in METHODS:
-        return None, f"skipped: method={method_name} not registered yet"
-    try:
-        method = METHODS.build(method_name, cfg=options, clip=1.0, sigma=1.0, r=r)
-        own = copy.deepcopy(base)
-        model = method.prepare(own) or own
-        opt_cls = torch.optim.Adam if w.optimizer == "adam" else torch.optim.SGD
-        opt = opt_cls(model.parameters(), lr=w.lr)
-        gen = torch.Generator(device=x.device).manual_seed(0)
-        step = lambda: method.step(model, loss_fn, x, y, opt, sample_rate=w.batch / w.info.train_size,  # noqa: E731
-                                   expected_batch_size=float(w.batch), generator=gen)
-        step()  # a method that rejects the model fails here, not in the timing loop
-        return (step, lambda: opt.zero_grad(set_to_none=True)), ""
-    except NotImplementedYet as e:
-        return None, f"skipped: {e}"
-    except DprunError as e:
-        return None, f"n/a: {e}"
+def jl_contender(method_name: str, options: dict, r: int, base, w: Workload, x, y):
+    """(step, zero_grad) on the method's own model copy (runner/bench/common.py), or None and the reason."""
+    opt_cls = torch.optim.Adam if w.optimizer == "adam" else torch.optim.SGD
+    return contender(method_name, {**options, "r": r}, base, x, y, lambda ps: opt_cls(ps, lr=w.lr),
+                     w.batch / w.info.train_size, float(w.batch))
 
 
 def bench_workload(w: Workload, rs: list[int], chunk: int, device, repeats: int, warmup: int, budget_s: float,
@@ -95,14 +70,12 @@ def bench_workload(w: Workload, rs: list[int], chunk: int, device, repeats: int,
     rows = [dict(workload=w.name, model=w.model, batch=w.batch, optimizer=w.optimizer, method=m if m != "jl"
                  else f"jl({r})", jvp=mode, r=r if m == "jl" else None, label=label)
             for label, (m, _, r, mode) in labels.items()]
-    if w.model not in MODELS:
-        return [dict(row, note=f"skipped: model={w.model} not registered yet") for row in rows]
     torch.manual_seed(0)
     base = MODELS.build(w.model, w.info).to(device)
     x, y = synthetic_batch(w.info, w.batch, device)
     contenders, notes = {}, {}
     for label, (m, options, r, _) in labels.items():
-        contenders[label], notes[label] = contender(m, options, r, base, w, x, y)
+        contenders[label], notes[label] = jl_contender(m, options, r, base, w, x, y)
         if notes[label]:
             print(f"[bench-jl] {w.name} {label}: {notes[label]}")
     live = {k: c for k, c in contenders.items() if c is not None}
@@ -124,15 +97,12 @@ def bench_workload(w: Workload, rs: list[int], chunk: int, device, repeats: int,
         if label not in live:
             row.update(note=notes[label])
             continue
-        fewer = len(times[label]) < repeats
-        row.update(step_ms=1e3 * t[label], steps_timed=len(times[label]),
-                   x_nonprivate=t[label] / t["nonprivate"] if "nonprivate" in t else math.nan,
+        row.update(**timing_columns(label, times, repeats),
                    x_reweight=t[label] / t["reweight"] if "reweight" in t else math.nan,
                    cpu_ms=1e3 * ct[label],
                    cpu_x_nonprivate=ct[label] / ct["nonprivate"] if "nonprivate" in ct else math.nan,
                    cpu_x_reweight=ct[label] / ct["reweight"] if "reweight" in ct else math.nan,
-                   step_mem_mb=mem[label] / 2**20 if label in mem else math.nan,
-                   note=f"estimated from {len(times[label])} of {repeats} steps (slow)" if fewer else "")
+                   step_mem_mb=mem[label] / 2**20 if label in mem else math.nan)
     return rows
 
 
@@ -153,25 +123,16 @@ def linear_fits(df: pd.DataFrame) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    ap = argparse.ArgumentParser(prog="python -m runner.bench.jl", description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    ap.add_argument("--repeats", type=int, default=5, help="timed steps per contender (median reported)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per contender first")
-    ap.add_argument("--quick", action="store_true", help="B=32, r in 1,4, 2 repeats: a smoke run of every code path")
+    ap = arguments("python -m runner.bench.jl", __doc__, repeats=5, warmup=1, budget=30.0,
+                   quick="B=32, r in 1,4, 2 repeats: a smoke run of every code path",
+                   workloads=[w.name for w in workloads()], out="jl_<device>.csv")
     ap.add_argument("--r", default="1,4,10,30", help="comma-separated JL dimensions")
     ap.add_argument("--chunk", type=int, default=10, help="directions per vmap call (method.chunk; 0 = all r)")
-    ap.add_argument("--workloads", default="", help="comma-separated subset of: " +
-                    ", ".join(w.name for w in workloads()))
-    ap.add_argument("--budget", type=float, default=30.0, help="seconds of timed steps per contender; slower "
-                    "contenders are timed on fewer steps")
     ap.add_argument("--memory", action="store_true", help="also measure each contender's peak step memory")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default); 1 on a "
                     "shared CPU, where idle spinning threads make wall times of multi-threaded steps meaningless")
-    ap.add_argument("--out", default="outputs/bench", help="folder for jl_<device>.csv")
     args = ap.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
+    device = bench_device(args.device)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else args.repeats

@@ -51,11 +51,9 @@ def table1(runs, epochs, scale) -> pd.DataFrame:
     rows = []
     for name, cls in methods.METHODS.items():
         paper_name, marks = PAPER_TABLE1.get(name, ("", "    "))
-        implemented = not cls.__qualname__.startswith("_not_yet")
         rows.append({"method": name, "paper name": paper_name, "private": "✓" if cls.private else "✗",
                      "exact norms": "✓" if cls.exact else "✗", "accountant": cls.default_accountant,
-                     "paper: priv/speed/mem/gen": " ".join(marks).strip(),
-                     "implemented": "✓" if implemented else "not yet", "summary": cls.summary})
+                     "paper: priv/speed/mem/gen": " ".join(marks).strip(), "summary": cls.summary})
     return pd.DataFrame(rows)
 
 

@@ -41,7 +41,7 @@ class Figure:
 
 
 def add(fig: Figure) -> Figure:
-    FIGURES.register(fig.name, fig)
+    FIGURES.register(fig.name)(fig)
     return fig
 
 

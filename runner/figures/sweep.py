@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runner.cli import CONF_DIR
+from runner.paths import CONF_DIR, register_resolvers
 from runner.figures import FIGURES
 
 
@@ -26,6 +26,7 @@ def compose_preset(experiment: str, scale: str, extra: list[str] | None = None):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    register_resolvers()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose("config", overrides=[f"experiment={experiment}", f"scale={scale}", *(extra or [])],
@@ -37,9 +38,7 @@ def missing(group: str, value: str) -> str | None:
     from runner import accountants, methods, models
 
     if group == "method":
-        cls = methods.METHODS.get(value) if value in methods.METHODS else None
-        if cls is None or cls.__qualname__.startswith("_not_yet"):
-            return f"method={value} is not implemented yet"
+        cls = methods.METHODS.get(value)  # an unknown name: the one-line "did you mean" error
         acc = cls.default_accountant
         if cls.private and acc not in accountants.NON_ACCOUNTANT_NAMES and acc not in accountants.ACCOUNTANTS:
             return f"accountant {acc} (method={value}'s default) is not registered yet"

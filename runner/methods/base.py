@@ -1,15 +1,22 @@
 """The clipping-method interface. One file per method registers itself in METHODS.
 
-A method turns a batch into a (privatized) gradient:
+A method turns a batch into a (privatized) update; library users, runner/train.py and the benches use it alike:
 
-    method = METHODS.build("reweight", cfg=cfg.method, clip=1.0, sigma=1.0, r=1)
-    model = method.prepare(model)                 # validate the model (norm rules), attach hooks
+    method = METHODS.build("reweight", cfg=cfg.method, clip=1.0, sigma=1.0)
+    model = method.attach(model, data)            # THE entry: refuses BatchNorm (one line), checks coverage, hooks
     out = method.step(model, loss_fn, x, y, optimizer, sample_rate=q, expected_batch_size=B)
+    out.losses, out.outputs, out.norms, out.mechanism    # the mechanism is what the accountant is told
 
-`privatize(model, loss_fn, x, y)` is the core each private method implements: it leaves the SUM over the batch
-of per-example gradients clipped to norm `clip` in each trainable parameter's `.grad` and returns the losses,
-outputs and per-example norms. `step` is the same for every gradient method: zero grads, privatize, add noise
-and scale (runner/methods/noise.py, the one place noise lives), optimizer step. DP-SBCD overrides `step`.
+`attach` validates (the checks every private method shares) and then calls `prepare`, the subclass hook (norm-rule
+coverage, Opacus's hooks, DP-SBCD's auxiliary variables); `step` accepts only the model `attach` returned.
+`step` is the same for every method: the step's mechanism, the empty Poisson batch (nothing to compute: the
+clipped sum is zero, the noisy update still happens), then `privatize` and `update`:
+
+    privatize(model, loss_fn, x, y) -> Privatized     the core each method implements: leaves the SUM over the
+        batch of per-example gradients clipped to norm `clip` in each trainable parameter's `.grad` and returns
+        only what it computed (losses, outputs, per-example norms)
+    update(model, optimizer, mechanism, ...)          the default adds the noise and divides by the expected batch
+        (runner/methods/noise.py), then steps the optimizer; DP-SBCD overrides it with its block updates
 
 `loss_fn(outputs, y)` returns per-example losses, shape (B,).
 """
@@ -31,16 +38,26 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, y) ->
 
 
 @dataclass
-class StepOutput:
+class Privatized:
+    """What privatize computed (the clipped gradient sum itself is left in p.grad)."""
+
     losses: torch.Tensor  # (B,) detached per-example losses
     outputs: torch.Tensor | None  # (B, classes) detached model outputs, for train accuracy
-    norms: torch.Tensor | None  # (B,) per-example gradient norms (estimates for JL); None if not private
+    norms: torch.Tensor | None  # (B,) per-example gradient norms (estimates for JL); None if not computed
+
+
+@dataclass
+class StepOutput(Privatized):
     mechanism: Mechanism  # what the accountant is told about this step
 
 
 def clip_factors(norms: torch.Tensor, clip: float) -> torch.Tensor:
     """min(1, C / (norm + 1e-6)), shape (B,). The 1e-6 keeps zero-gradient examples finite."""
     return (clip / (norms + 1e-6)).clamp(max=1.0)
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 class Method:
@@ -51,11 +68,11 @@ class Method:
     summary: ClassVar[str] = ""  # one line for the method table (JL paper Table 1)
     sampling: ClassVar[str | None] = None  # set: the sampling the method needs, overriding cfg.sampling (sbcd)
 
-    def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, r: int = 1, **_: Any):
+    def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, **_: Any):
         self.cfg = cfg if cfg is not None else {}
         self.clip = float(clip)
         self.sigma = float(sigma)
-        self.r = int(r)
+        self.model: torch.nn.Module | None = None  # the model attach() returned: the one step() trains
 
     def option(self, key: str, default: Any) -> Any:
         """A method option from conf/method/<name>.yaml (`method.<key>=...`)."""
@@ -65,9 +82,17 @@ class Method:
             value = getattr(self.cfg, key, default)
         return default if value is None else value
 
+    # -- the one entry -----------------------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module, data: Any = None) -> torch.nn.Module:
+        """Validate the model, prepare it (the subclass hook) and return the model to train; `step` takes only it."""
+        self.validate(model)
+        prepared = self.prepare(model, data)
+        self.model = model if prepared is None else prepared
+        return self.model
+
     def validate(self, model: torch.nn.Module) -> None:
-        """Checks every private method shares (the training loop calls it before prepare): BatchNorm is rejected,
-        since with batch statistics an example's gradient depends on the other examples and clipping bounds nothing."""
+        """Checks every private method shares: BatchNorm is rejected, since with batch statistics an example's
+        gradient depends on the other examples and clipping bounds nothing."""
         if not self.private:
             return
         from runner.norms.coverage import REASONS
@@ -83,24 +108,47 @@ class Method:
         """Check the model can be handled (raise DprunError naming the module otherwise); return the model to train."""
         return model
 
-    def privatize(self, model, loss_fn: LossFn, x, y) -> StepOutput:
+    def privatize(self, model, loss_fn: LossFn, x, y) -> Privatized:
         raise NotImplementedError
 
     def mechanism(self, sample_rate: float) -> Mechanism:
+        """The nominal step's mechanism (calibration, the accountant's support check)."""
+        if not self.private:
+            return NoPrivacy()
         return SubsampledGaussian(sample_rate=float(sample_rate), noise_multiplier=self.sigma)
+
+    def step_mechanism(self, sample_rate: float, indices: torch.Tensor | None) -> Mechanism:
+        """This step's mechanism; DP-SBCD's depends on the batch's position in its fixed partition."""
+        return self.mechanism(sample_rate)
+
+    @torch.no_grad()
+    def update(self, model, optimizer, mechanism: Mechanism, *, x, y, indices, expected_batch_size: float,
+               generator: torch.Generator | None) -> None:
+        """After privatize: noise on the clipped sum and division by the expected batch size, optimizer step."""
+        if self.private:
+            add_noise_and_scale(model, self.sigma * self.clip, expected_batch_size, generator)
+        optimizer.step()
 
     # -- the shared step ---------------------------------------------------------------------------------
     def step(self, model, loss_fn: LossFn, x, y, optimizer, *, sample_rate: float, expected_batch_size: float,
              generator: torch.Generator | None = None, indices: torch.Tensor | None = None) -> StepOutput:
-        optimizer.zero_grad(set_to_none=True)
-        out = self.privatize(model, loss_fn, x, y)
-        if self.private:
-            add_noise_and_scale(model, self.sigma * self.clip, expected_batch_size, generator)
-            out.mechanism = self.mechanism(sample_rate)
-        optimizer.step()
-        return out
+        if self.model is None or model is not self.model:
+            raise DprunError(f"method={self.name}: step a model returned by method.attach(model) (it validates and "
+                             f"prepares it)")
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        mechanism = self.step_mechanism(sample_rate, indices)
+        if len(y) == 0:  # an empty Poisson batch: the clipped sum is zero (p.grad None -> zeros when noised)
+            empty = x.new_zeros(0, dtype=torch.get_default_dtype())
+            out = Privatized(empty, None, empty.clone() if self.private else None)
+        else:
+            out = self.privatize(model, loss_fn, x, y)
+        self.update(model, optimizer, mechanism, x=x, y=y, indices=indices, expected_batch_size=expected_batch_size,
+                    generator=generator)
+        return StepOutput(out.losses, out.outputs, out.norms, mechanism)
 
 
+@METHODS.register("nonprivate")
 class NonPrivate(Method):
     name = "nonprivate"
     private = False
@@ -108,12 +156,8 @@ class NonPrivate(Method):
     default_accountant = "none"
     summary = "plain SGD/Adam: mean gradient, no clipping, no noise (the speed baseline)"
 
-    def privatize(self, model, loss_fn, x, y) -> StepOutput:
+    def privatize(self, model, loss_fn, x, y) -> Privatized:
         outputs = model(x)
         losses = loss_fn(outputs, y)
-        if losses.numel():
-            losses.mean().backward()
-        return StepOutput(losses.detach(), outputs.detach(), None, NoPrivacy())
-
-
-METHODS.register("nonprivate", NonPrivate)
+        losses.mean().backward()
+        return Privatized(losses.detach(), outputs.detach(), None)

@@ -34,8 +34,7 @@ from torch.func import functional_call, jvp, vmap
 
 from runner.accountants.mechanisms import Mechanism, SubsampledJL
 from runner.errors import DprunError
-from runner.methods.base import METHODS, Method, StepOutput, clip_factors
-from runner.norms.coverage import REASONS
+from runner.methods.base import METHODS, Method, Privatized, clip_factors
 
 log = logging.getLogger("dprun")
 
@@ -161,6 +160,7 @@ def set_rng_state(state, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
+@METHODS.register("jl")
 class JL(Method):
     name = "jl"
     exact = False
@@ -169,8 +169,9 @@ class JL(Method):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.r = int(self.option("r", 1))
         if self.r < 1:
-            raise DprunError(f"r={self.r} must be >= 1 for method=jl (the JL dimension: number of projections)")
+            raise DprunError(f"method.r={self.r} must be >= 1 for method=jl (the JL dimension: number of projections)")
         self.mode = str(self.option("jvp", "auto"))
         if self.mode not in MODES:
             raise DprunError(f"unknown method.jvp {self.mode!r} for method=jl; valid: {', '.join(MODES)}")
@@ -180,10 +181,6 @@ class JL(Method):
         self.active = "double_vjp" if self.mode == "double_vjp" else "forward"  # auto may switch, once
 
     def prepare(self, model, data=None):
-        for path, module in model.named_modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                why = REASONS[nn.modules.batchnorm._BatchNorm]
-                raise DprunError(f"{path or '<model>'} ({type(module).__name__}): {why}")
         if not trainable_params(model):
             raise DprunError("method=jl: the model has no trainable parameters")
         return model
@@ -204,13 +201,8 @@ class JL(Method):
                 self.active = "double_vjp"
         return PROJECTORS[self.active](model, loss_fn, x, y, directions, self.chunk)
 
-    def privatize(self, model, loss_fn, x, y) -> StepOutput:
+    def privatize(self, model, loss_fn, x, y) -> Privatized:
         params = trainable_params(model)
-        dev = next(iter(params.values())).device
-        if len(y) == 0:  # an empty Poisson batch: the clipped sum is zero
-            for p in params.values():
-                p.grad = torch.zeros_like(p)
-            return StepOutput(torch.zeros(0, device=dev), None, torch.zeros(0, device=dev), self.mechanism(0.0))
         directions = draw_directions(params, self.r)  # name -> (r, *p.shape)
         losses, outputs, P, backward = self.projections(model, loss_fn, x, y, directions)
         norms = P.pow(2).mean(1).sqrt()  # (B,) M_i, the norm estimates
@@ -218,7 +210,5 @@ class JL(Method):
         for n, p in params.items():
             g = grads[n].detach()
             p.grad = g if p.grad is None else p.grad + g
-        return StepOutput(losses, outputs, norms, self.mechanism(0.0))
+        return Privatized(losses, outputs, norms)
 
-
-METHODS.register("jl", JL)

@@ -20,14 +20,15 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from runner.errors import DprunError
-from runner.methods.base import METHODS, Method, StepOutput, clip_factors
+from runner.methods.base import METHODS, Method, Privatized, clip_factors
 
 
+@METHODS.register("multiloss")
 class MultiLoss(Method):
     name = "multiloss"
     summary = "all per-example gradients at once with torch.func vmap(grad) (exact; memory ~ B x model)"
 
-    def privatize(self, model, loss_fn, x, y) -> StepOutput:
+    def privatize(self, model, loss_fn, x, y) -> Privatized:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         params = dict(model.named_parameters())
         trainable = {n: params[n].detach() for n in names}
@@ -64,13 +65,4 @@ class MultiLoss(Method):
             outputs.append(out)
         for n in names:
             params[n].grad = sums[n]
-        dev = x.device
-        return StepOutput(
-            losses=torch.cat(losses) if losses else torch.zeros(0, device=dev),
-            outputs=torch.cat(outputs) if outputs else None,
-            norms=torch.cat(norms) if norms else torch.zeros(0, device=dev),
-            mechanism=self.mechanism(0.0),
-        )
-
-
-METHODS.register("multiloss", MultiLoss)
+        return Privatized(torch.cat(losses), torch.cat(outputs), torch.cat(norms))

@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from runner.methods.base import METHODS, Method, StepOutput, clip_factors
+from runner.methods.base import METHODS, Method, Privatized, clip_factors, trainable
 
 
-def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
+@METHODS.register("nxbp")
 class NxBP(Method):
     name = "nxbp"
     summary = "one backward per example (exact; the oracle and the papers' DP-SGD-Vanilla)"
 
-    def privatize(self, model, loss_fn, x, y) -> StepOutput:
+    def privatize(self, model, loss_fn, x, y) -> Privatized:
         params = trainable(model)
         sums = [torch.zeros_like(p) for p in params]
         norms, losses, outputs = [], [], []
@@ -36,13 +33,4 @@ class NxBP(Method):
             outputs.append(out.detach())
         for p, s in zip(params, sums):
             p.grad = s
-        dev = params[0].device if params else x.device
-        return StepOutput(
-            losses=torch.stack(losses) if losses else torch.zeros(0, device=dev),
-            outputs=torch.cat(outputs) if outputs else None,
-            norms=torch.stack(norms) if norms else torch.zeros(0, device=dev),
-            mechanism=self.mechanism(0.0),
-        )
-
-
-METHODS.register("nxbp", NxBP)
+        return Privatized(torch.stack(losses), torch.cat(outputs), torch.stack(norms))

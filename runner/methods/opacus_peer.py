@@ -15,7 +15,7 @@ Modes (opacus.grad_sample.prepare_module):
              clipped sum by a second backward of sum_i factor_i * loss_i (Opacus's DPTensorFastGradientClipping).
              Opacus rejects a layer called twice in one forward (recurrent cells) in this mode.
 
-prepare() attaches Opacus's hooks to the model itself (prepare_module(..., wrap_model=False), the hook classes that
+attach() (its prepare hook) attaches Opacus's hooks to the model itself (prepare_module(..., wrap_model=False), the hook classes that
 GradSampleModule is built on), so the returned module is the original: same forward, parameters and state_dict keys.
 Needs the optional extra: pip install -e '.[peers]'.
 """
@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from runner.errors import DprunError
-from runner.methods.base import METHODS, Method, StepOutput, clip_factors
+from runner.methods.base import METHODS, Method, Privatized, clip_factors, trainable
 
 MODES = ("hooks", "ghost", "functorch")
 log = logging.getLogger("dprun")
@@ -47,6 +47,7 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+@METHODS.register("opacus")
 class OpacusPeer(Method):
     name = "opacus"
     summary = "Opacus 1.6 per-sample gradients (hooks | functorch) or ghost norms; our clip and noise (DP-SGD-Outer)"
@@ -80,17 +81,12 @@ class OpacusPeer(Method):
                              f"{type(model).__name__}: {first_line(e)}") from e
         return model
 
-    def privatize(self, model, loss_fn, x, y) -> StepOutput:
+    def privatize(self, model, loss_fn, x, y) -> Privatized:
         if self.hooks is None or self.hooks._module is not model:
-            raise DprunError("method=opacus: call method.prepare(model) before privatize (it attaches Opacus's hooks)")
+            raise DprunError("method=opacus: call method.attach(model) before privatize (it attaches Opacus's hooks)")
         if not model.training:
             raise DprunError("method=opacus: Opacus captures activations only in train mode; call model.train() first")
-        params = [p for p in model.parameters() if p.requires_grad]
-        if len(y) == 0:  # empty Poisson batch: Opacus has nothing to do; the clipped sum is zero
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            z = torch.zeros(0, device=x.device)
-            return StepOutput(z, None, z.clone(), self.mechanism(0.0))
+        params = trainable(model)
         self.hooks.set_grad_sample_to_none()
         for p in params:
             p.__dict__.pop("_norm_sample", None)  # no stale norms from the previous step
@@ -104,7 +100,7 @@ class OpacusPeer(Method):
                 m.__dict__.pop("activations", None)
             raise DprunError(f"method=opacus grad_sample_mode={self.mode} fails on {type(model).__name__}: "
                              f"{first_line(e)}") from e
-        return StepOutput(losses.detach(), outputs.detach(), norms.detach(), self.mechanism(0.0))
+        return Privatized(losses.detach(), outputs.detach(), norms.detach())
 
     def grad_samples(self, model, params, loss_fn, x, y):
         """hooks / functorch: p.grad_sample (B, *p.shape) -> norms -> clipped sum (Opacus's clip_and_accumulate)."""
@@ -140,5 +136,3 @@ class OpacusPeer(Method):
             self.hooks.enable_hooks()
         return outputs, losses, norms
 
-
-METHODS.register("opacus", OpacusPeer)

@@ -18,13 +18,14 @@ from __future__ import annotations
 import torch
 
 from runner.errors import DprunError
-from runner.methods.base import METHODS, Method, StepOutput, clip_factors
+from runner.methods.base import METHODS, Method, Privatized, clip_factors, trainable
 from runner.norms import Recorder, plan_model
 from runner.norms.base import check_how
 
 MODES = ("bk", "twopass")
 
 
+@METHODS.register("reweight")
 class ReweightGP(Method):
     name = "reweight"
     summary = "ReweightGP: per-example norms from layer inputs and output-gradients, then one re-weighted sum"
@@ -47,15 +48,9 @@ class ReweightGP(Method):
             self._plan, self._model_id = plan_model(model), id(model)
         return self._plan
 
-    def privatize(self, model, loss_fn, x, y) -> StepOutput:
+    def privatize(self, model, loss_fn, x, y) -> Privatized:
         plan = self.plan(model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        if len(y) == 0:  # an empty Poisson batch: the clipped sum is zero
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            dev = params[0].device if params else x.device
-            return StepOutput(torch.zeros(0, device=dev), None, torch.zeros(0, device=dev), self.mechanism(0.0))
-
+        params = trainable(model)
         with Recorder(plan) as rec:
             outputs = model(x)  # (B, classes)
             losses = loss_fn(outputs, y)  # (B,)
@@ -77,7 +72,7 @@ class ReweightGP(Method):
         if not plan.matches(model):
             raise DprunError("the model's trainable parameters changed during the step; every trainable "
                              "parameter must be covered by a norm rule")
-        return StepOutput(losses.detach(), outputs.detach(), norms, self.mechanism(0.0))
+        return Privatized(losses.detach(), outputs.detach(), norms)
 
     @staticmethod
     def second_backward(params, weighted_loss):
@@ -100,5 +95,3 @@ class ReweightGP(Method):
         if sums:
             raise RuntimeError("reweight: a rule returned a gradient for a parameter that is not trainable")
 
-
-METHODS.register("reweight", ReweightGP)

@@ -81,4 +81,4 @@ def resnet(info, name: str, stem: str = "auto", norm_groups: int = 32):
 
 
 for _name in DEPTHS:
-    MODELS.register(_name, partial(resnet, name=_name))
+    MODELS.register(_name)(partial(resnet, name=_name))

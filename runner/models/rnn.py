@@ -46,7 +46,7 @@ def register(name: str, cell: str, hidden: int, bidirectional: bool, double_bias
         return RecurrentClassifier(info, cell, int(hidden), int(embed_dim), bool(bidirectional), bool(double_bias),
                                    int(dense))
 
-    MODELS.register(name, build)
+    MODELS.register(name)(build)
 
 
 # Lee & Kifer: one layer of 128 + Linear, PyTorch-style double bias

@@ -47,4 +47,4 @@ def vgg(info, name: str, pool_size: int = 1, fc_width: int = 4096, norm_groups: 
 
 
 for _name in CONFIGS:
-    MODELS.register(_name, partial(vgg, name=_name))
+    MODELS.register(_name)(partial(vgg, name=_name))

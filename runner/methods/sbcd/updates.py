@@ -1,4 +1,4 @@
-"""DP-SBCD's block updates on the lifted objective (the math; runner/methods/sbcd.py runs them in order).
+"""DP-SBCD's block updates on the lifted objective (the math; method.py runs them in order).
 
     F = R(theta_D x_D; y) + gamma/2 * sum_{d<D} ( ||x_{d+1} - relu(U_d)||^2 + ||U_d - theta_d x_d||^2 )
 

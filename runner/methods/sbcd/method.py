@@ -3,7 +3,7 @@
     dprun method=sbcd dataset=digits batch_size=360 epochs=40          # accountant=auto -> hsa, sampling -> fixed
     dprun method=sbcd dataset=mnist model=mlp data_dir=/work/shared/data batch_size=2000 sigma=2
 
-Network x_{d+1} = relu(theta_d x_d), d = 0..D-1, logits theta_D x_D; lifted objective (runner/methods/sbcd_updates.py)
+Network x_{d+1} = relu(theta_d x_d), d = 0..D-1, logits theta_D x_D; lifted objective (updates.py)
     F = CE(theta_D x_D; y) + gamma/2 sum_{d<D} (||x_{d+1} - relu(U_d)||^2 + ||U_d - theta_d x_d||^2).
 The auxiliary x_d (d >= 1), U_d of ALL N training examples live on the device and are never released. Per fixed
 batch, for d = 0..D: x_d <- argmin F (closed form; top: gradient steps), U_d <- argmin F (elementwise), clip both to
@@ -13,42 +13,30 @@ s_d = sigma_k * eta * S_g,d / b. No per-example clipping: the radii and the proj
 The model: theta_d are taken from model=mlp's nn.Linear weights (any activation, depth, widths); the network trained
 and evaluated is that MLP's bias-free ReLU version (SBCDNet). Biases are dropped, not folded in: a constant-1
 coordinate of x_d would be moved by the x_d update. Other models are refused. Needs sampling=fixed (set by
-`Method.sampling`); each step tells the accountant a HiddenStateStep (runner/accountants/hsa.py).
+`Method.sampling`); each step tells the accountant a HiddenStateStep (bounds.hidden_state_step; accountant=hsa).
+Method.step runs it: step_mechanism (the batch's place in the partition), privatize (the released network's losses
+before the step), update (the block updates; the noise through runner/methods/noise.py's add_gaussian).
 """
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 from torch import nn
 
-from runner.accountants.hsa import HiddenStateStep
+from runner.accountants.mechanisms import HiddenStateStep
 from runner.errors import DprunError
-from runner.methods import sbcd_updates as up
-from runner.methods.base import METHODS, Method, StepOutput
-from runner.methods.sbcd_bounds import layer_constants
-from runner.methods.sbcd_schedule import noise_multiplier
-from runner.models.mlp import MLP
+from runner.methods.base import METHODS, Method, Privatized
+from runner.methods.noise import add_gaussian
+from runner.methods.sbcd import updates as up
+from runner.methods.sbcd.bounds import hidden_state_step, network_constants
+from runner.methods.sbcd.net import SBCDNet
+from runner.methods.sbcd.schedule import noise_multiplier
+from runner.models.mlp import MLP  # the one model family it trains (a lower floor)
 
 log = logging.getLogger("dprun")
 REGULARISERS = ("none", "l2", "l1")
 NORMALISATIONS = ("project", "radial")
-
-
-class SBCDNet(nn.Module):
-    """x -> flatten -> clip to X_0 -> relu(theta_d x) (clipped to X_{d+1}) ... -> theta_D x_D. (B, ...) -> (B, C)"""
-
-    def __init__(self, weights: list[torch.Tensor], x_radius: list[float]):
-        super().__init__()
-        self.thetas = nn.ParameterList([nn.Parameter(w.detach().clone()) for w in weights])
-        self.x_radius = list(x_radius)
-
-    def forward(self, x):
-        x = up.clip_rows(x.flatten(1), self.x_radius[0])
-        for d, theta in enumerate(self.thetas[:-1]):
-            x = up.clip_rows(torch.relu(x @ theta.T), self.x_radius[d + 1])
-        return x @ self.thetas[-1].T
 
 
 def per_layer(value, count: int, name: str) -> list[float]:
@@ -59,6 +47,7 @@ def per_layer(value, count: int, name: str) -> list[float]:
     return values
 
 
+@METHODS.register("sbcd")
 class SBCD(Method):
     name = "sbcd"
     exact = False
@@ -71,7 +60,7 @@ class SBCD(Method):
             raise DprunError(f"method=sbcd trains a bias-free ReLU MLP built from model=mlp; got model "
                              f"{type(model).__name__}: add model=mlp")
         if data is None:
-            raise DprunError("method=sbcd keeps per-example auxiliary variables and needs the dataset in prepare()")
+            raise DprunError("method=sbcd keeps per-example auxiliary variables: call method.attach(model, data)")
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         self.depth = len(linears) - 1  # D
         self.gamma = float(self.option("gamma", 1.0))
@@ -89,9 +78,8 @@ class SBCD(Method):
         if self.eta <= 0 or self.gamma <= 0 or self.lam < 0:
             raise DprunError(f"method.eta={self.eta} and method.gamma={self.gamma} must be > 0, reg_lambda >= 0")
         noise_multiplier(self.schedule, sigma=self.sigma, epoch=0, epochs=self.epochs, **self._decay())  # validate
-        self.consts = [layer_constants(top=d == self.depth, gamma=self.gamma, x_radius=self.x_radius[d],
-                                       u_radius=self.u_radius[min(d, self.depth - 1)] if self.depth else 0.0,
-                                       eta=self.eta, reg=self.reg, lam=self.lam) for d in range(self.depth + 1)]
+        self.consts = network_constants(depth=self.depth, gamma=self.gamma, x_radius=self.x_radius,
+                                        u_radius=self.u_radius, eta=self.eta, reg=self.reg, lam=self.lam)
         net = SBCDNet([lin.weight for lin in linears], self.x_radius).to(linears[0].weight.device)
         if getattr(model, "net", None) is not None and not any(isinstance(m, nn.ReLU) for m in model.modules()):
             log.info("method=sbcd: training the model's bias-free ReLU version (the lifted objective's network)")
@@ -133,18 +121,19 @@ class SBCD(Method):
         return j
 
     def mechanism(self, sample_rate: float, batch_size: int | None = None, batch: int = 0) -> HiddenStateStep:
-        """The step's description; the gradient sum is divided by the nominal b, so every batch has shift
-        eta S_g / b, while batch_size (the realised size) gives the key's chance b_j / n of being in batch j."""
+        """The step's description (bounds.hidden_state_step, shared with runner/sbcd_curves.py)."""
         b = max(1, round(sample_rate * self.n))
-        sigma = noise_multiplier(self.schedule, sigma=self.sigma, epoch=self.epoch, epochs=self.epochs,
-                                 **self._decay())
-        shift = tuple(self.eta * c.sensitivity / b for c in self.consts)  # eta S_g,d / b
-        return HiddenStateStep(epoch=self.epoch, batch=batch, num_batches=math.ceil(self.n / b),
-                               batch_size=batch_size or b,
-                               n=self.n, noise_std=tuple(sigma * s for s in shift), shift=shift,
-                               lipschitz_grad=tuple(c.lipschitz_grad for c in self.consts),
-                               lipschitz_prox=tuple(c.lipschitz_prox for c in self.consts),
-                               normalisation=self.normalisation)
+        sigma_k = noise_multiplier(self.schedule, sigma=self.sigma, epoch=self.epoch, epochs=self.epochs,
+                                   **self._decay())
+        return hidden_state_step(self.consts, eta=self.eta, sigma_k=sigma_k, b=b, n=self.n, epoch=self.epoch,
+                                 batch=batch, batch_size=batch_size or b, normalisation=self.normalisation)
+
+    def step_mechanism(self, sample_rate: float, indices: torch.Tensor | None) -> HiddenStateStep:
+        if indices is None:
+            raise DprunError("method=sbcd needs the batch's example indices (indices=...) for its auxiliary variables")
+        if len(indices) == 0:
+            raise DprunError("method=sbcd: an empty batch; its fixed batches (sampling=fixed) are never empty")
+        return self.mechanism(sample_rate, batch_size=len(indices), batch=self._batch_position(indices))
 
     def _normalise(self, d: int, theta: torch.Tensor) -> torch.Tensor:
         if self.normalisation == "project":
@@ -153,14 +142,14 @@ class SBCD(Method):
         return up.radial_normalise(theta, lam)
 
     @torch.no_grad()
-    def step(self, model, loss_fn, x, y, optimizer, *, sample_rate: float, expected_batch_size: float,
-             generator: torch.Generator | None = None, indices: torch.Tensor | None = None) -> StepOutput:
-        if indices is None:
-            raise DprunError("method=sbcd needs the batch's example indices (indices=...) for its auxiliary variables")
+    def privatize(self, model, loss_fn, x, y) -> Privatized:
         outputs = model(x)  # (B, classes): the released network's predictions before this step
-        losses = loss_fn(outputs, y)
-        j = self._batch_position(indices)
-        mech = self.mechanism(sample_rate, batch_size=len(indices), batch=j)
+        return Privatized(loss_fn(outputs, y).detach(), outputs.detach(), None)
+
+    @torch.no_grad()
+    def update(self, model, optimizer, mechanism: HiddenStateStep, *, x, y, indices, expected_batch_size: float,
+               generator: torch.Generator | None) -> None:
+        """The block updates of one fixed batch, d = 0..D (the optimizer is not used)."""
         D, thetas = self.depth, list(model.thetas)
         xs = [up.clip_rows(x.flatten(1).to(thetas[0].dtype), self.x_radius[0])] + [t[indices] for t in self.xs[1:]]
         us = [t[indices] for t in self.us]  # xs[d] (B, n_d), us[d] (B, n_{d+1})
@@ -176,13 +165,9 @@ class SBCD(Method):
             theta = self._normalise(d, theta)
             b = float(expected_batch_size)  # nominal batch size: the divisor of the gradient sum
             grad = up.grad_top(theta, xs[d], y, b) if d == D else up.grad_middle(theta, xs[d], us[d], self.gamma, b)
-            noise = torch.randn(theta.shape, generator=generator, device=theta.device, dtype=theta.dtype)
-            thetas[d].data = up.prox(theta - self.eta * grad + mech.noise_std[d] * noise, self.reg, self.eta, self.lam)
+            noisy = add_gaussian(theta - self.eta * grad, mechanism.noise_std[d], generator)
+            thetas[d].data = up.prox(noisy, self.reg, self.eta, self.lam)
         for d in range(1, D + 1):
             self.xs[d][indices] = xs[d]
         for d in range(D):
             self.us[d][indices] = us[d]
-        return StepOutput(losses.detach(), outputs.detach(), None, mech)
-
-
-METHODS.register("sbcd", SBCD)
