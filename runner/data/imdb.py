@@ -72,7 +72,8 @@ def fix_for(source: Path) -> str:
     """What to do about a damaged source, for the one-line errors."""
     if source.is_dir():
         return f"extract aclImdb_v1.tar.gz ({MIRRORS[0]}) again into {source.parent}"
-    return f"delete it and download aclImdb_v1.tar.gz again ({MIRRORS[0]} or dataset.download=true) into {source.parent}"
+    return (f"delete it and download aclImdb_v1.tar.gz again ({MIRRORS[0]} or dataset.download=true) into "
+            f"{source.parent}")
 
 
 def folder_files(source: Path) -> dict[tuple[str, str], list[Path]]:
