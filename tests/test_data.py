@@ -15,7 +15,9 @@ from runner.data import download, imdb, integrity, load_dataset, mnist
 from runner.data import cifar10 as cifar
 from runner.errors import DprunError
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "data"  # /work/shared/data: read-only, never copied
+# /work/shared/data (read-only, never modified): next to the checkout (/work/main) or to the worktrees (/work/wt/x)
+REAL = next((p for p in (Path(__file__).resolve().parents[i] / "shared" / "data" for i in (2, 3)) if p.is_dir()),
+            Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 # ---- writers for the real formats ----
