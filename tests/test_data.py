@@ -29,6 +29,7 @@ def tiny_release(monkeypatch):
     monkeypatch.setattr(integrity, "KNOWN_SHA256", {})
     monkeypatch.setattr(mnist, "COUNTS", {"train": 12, "t10k": 5})  # tiny_idx's default n
     monkeypatch.setattr(imdb, "PER_CLASS", {"train": 2, "test": 1})  # TRAIN_TEXT, TEST_TEXT per class
+    monkeypatch.setattr(cifar, "PER_BATCH", 2)  # write_cifar's default per_batch
 
 
 def write_idx(path: Path, a: np.ndarray, gz: bool) -> None:
@@ -124,7 +125,7 @@ def test_missing_files_error_names_files_and_folder(tmp_path, name, folder):
 
 # ---- CIFAR-10 ----
 
-def test_cifar10_binary_batches(tmp_path):
+def test_cifar10_binary_batches(tiny_release, tmp_path):
     write_cifar(tmp_path / "cifar10" / cifar.BIN_DIR)
     d = load_dataset({"name": "cifar10"}, tmp_path)
     assert d.train_x.shape == (10, 3, 32, 32) and d.test_x.shape == (2, 3, 32, 32)
@@ -134,7 +135,7 @@ def test_cifar10_binary_batches(tmp_path):
         assert torch.allclose(d.train_x[1, c], torch.full((32, 32), want), atol=1e-6)
 
 
-def test_cifar10_tarball_and_folder_agree(tmp_path):
+def test_cifar10_tarball_and_folder_agree(tiny_release, tmp_path):
     write_cifar(tmp_path / "src" / cifar.BIN_DIR)
     (tmp_path / "tar").mkdir()
     with tarfile.open(tmp_path / "tar" / cifar.BIN_TAR, "w:gz") as t:
@@ -143,7 +144,7 @@ def test_cifar10_tarball_and_folder_agree(tmp_path):
     assert torch.equal(a.train_x, b.train_x) and torch.equal(a.test_y, b.test_y)
 
 
-def test_cifar10_never_unpickles_unless_allowed(tmp_path):
+def test_cifar10_never_unpickles_unless_allowed(tiny_release, tmp_path):
     folder = tmp_path / cifar.PY_DIR
     folder.mkdir()
     for name in cifar.TRAIN + cifar.TEST:
@@ -156,7 +157,7 @@ def test_cifar10_never_unpickles_unless_allowed(tmp_path):
     assert d.train_x.shape == (10, 3, 32, 32) and d.test_y.tolist() == [1, 2]
 
 
-def test_cifar10_truncated_batch_is_an_error(tmp_path):
+def test_cifar10_truncated_batch_is_an_error(tiny_release, tmp_path):
     write_cifar(tmp_path)
     (tmp_path / "test_batch.bin").write_bytes(b"\x01" * 100)
     with pytest.raises(DprunError, match="3073-byte"):

@@ -302,3 +302,43 @@ def test_digits_transform_does_not_depend_on_the_training_split(monkeypatch):
     assert matches, "image 0 is transformed differently under another training split"
     assert torch.allclose(small.test_x[-1, 0], torch.from_numpy((images[-1] / 16 - 0.5) / 0.5).float())
     assert default.privacy_notes == []
+
+
+# ---- CIFAR-10 (binary release) ----
+
+def write_cifar_tarball(tmp_path: Path, records=(2, 2, 2, 2, 2, 2)) -> Path:
+    """cifar10/cifar-10-binary.tar.gz with the given number of records in data_batch_1..5 and test_batch."""
+    from runner.data import cifar10 as cifar
+
+    folder = tmp_path / "src" / cifar.BIN_DIR
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name, n in zip(cifar.TRAIN + cifar.TEST, records):
+        (folder / f"{name}.bin").write_bytes(rng.integers(0, 10, (n, cifar.RECORD), dtype=np.uint8).tobytes())
+    dest = tmp_path / "data" / "cifar10" / cifar.BIN_TAR
+    dest.parent.mkdir(parents=True)
+    with tarfile.open(dest, "w:gz") as t:
+        t.add(folder, arcname=cifar.BIN_DIR)
+    return dest
+
+
+@pytest.fixture
+def small_cifar(monkeypatch):
+    from runner.data import cifar10 as cifar
+
+    monkeypatch.setattr(cifar, "PER_BATCH", 2, raising=False)
+
+
+def test_cifar10_truncated_tarball_is_one_line(small_cifar, tmp_path):
+    tarball = write_cifar_tarball(tmp_path)
+    truncate(tarball)
+    with pytest.raises(Exception) as e:
+        load_dataset({"name": "cifar10"}, tmp_path / "data")
+    assert "download" in one_line_error(e, tarball)
+
+
+def test_cifar10_batch_with_missing_images_is_refused(small_cifar, tmp_path):
+    tarball = write_cifar_tarball(tmp_path, records=(2, 2, 1, 2, 2, 2))  # data_batch_3 lost an image
+    with pytest.raises(Exception) as e:
+        load_dataset({"name": "cifar10"}, tmp_path / "data")
+    assert "holds 1 images, the release has 2" in one_line_error(e, f"{tarball}/data_batch_3.bin")
