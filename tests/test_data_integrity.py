@@ -153,6 +153,15 @@ def test_folder_with_deleted_reviews_is_refused(small_imdb, tmp_path):
     assert cached_files(tmp_path) == []
 
 
+def test_folder_review_that_is_not_utf8_is_one_line(small_imdb, tmp_path):
+    folder = write_aclimdb(tmp_path / "data" / "imdb")
+    bad = folder / "test" / "pos" / "3_8.txt"
+    bad.write_bytes(b"\xff\xfe garbled \x80")
+    with pytest.raises(Exception) as e:
+        load_dataset(imdb_cfg(tmp_path), tmp_path / "data")
+    one_line_error(e, bad)
+
+
 def test_folder_edited_after_caching_is_not_served_from_the_cache(small_imdb, tmp_path, monkeypatch):
     folder = write_aclimdb(tmp_path / "data" / "imdb")
     load_dataset(imdb_cfg(tmp_path), tmp_path / "data")

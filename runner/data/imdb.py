@@ -88,7 +88,11 @@ def read_folder(source: Path) -> dict[str, list[tuple[int, int, str]]]:
     found: dict[str, list[tuple[int, int, str]]] = {"train": [], "test": []}
     for (split, cls), paths in folder_files(source).items():
         label = int(cls == "pos")
-        found[split] += [(label, int(p.name.split("_")[0]), p.read_text(encoding="utf-8")) for p in paths]
+        for p in paths:
+            try:
+                found[split].append((label, int(p.name.split("_")[0]), p.read_text(encoding="utf-8")))
+            except (UnicodeDecodeError, ValueError) as e:  # every review of the release is UTF-8, named <id>_<rating>
+                raise DprunError(f"{p} is not an aclImdb review ({type(e).__name__}); {fix_for(source)}") from None
     return found
 
 
