@@ -72,8 +72,10 @@ def fix_for(source: Path) -> str:
     """What to do about a damaged source, for the one-line errors."""
     if source.is_dir():
         return f"extract aclImdb_v1.tar.gz ({MIRRORS[0]}) again into {source.parent}"
-    return (f"delete it and download aclImdb_v1.tar.gz again ({MIRRORS[0]} or dataset.download=true) into "
-            f"{source.parent}")
+    if source.name == TARBALLS[0]:
+        return f"delete it and download it again ({MIRRORS[0]} or dataset.download=true) into {source.parent}"
+    return (f"delete it and put a good copy there, or download {TARBALLS[0]} ({MIRRORS[0]} or dataset.download=true) "
+            f"into {source.parent}")
 
 
 def folder_files(source: Path) -> dict[tuple[str, str], list[Path]]:
