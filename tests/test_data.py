@@ -11,14 +11,26 @@ import numpy as np
 import pytest
 import torch
 
-from runner.data import download, imdb, load_dataset, mnist
+from runner.data import download, imdb, integrity, load_dataset, mnist
 from runner.data import cifar10 as cifar
 from runner.errors import DprunError
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "data"  # /work/shared/data: read-only, never copied
+# /work/shared/data (read-only, never modified): next to the checkout (/work/main) or to the worktrees (/work/wt/x)
+REAL = next((p for p in (Path(__file__).resolve().parents[i] / "shared" / "data" for i in (2, 3)) if p.is_dir()),
+            Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 # ---- writers for the real formats ----
+
+@pytest.fixture
+def tiny_release(monkeypatch):
+    """Tiny files stand in for the real releases: their counts are the expected ones, and their standard names
+    carry no known checksum (tests/test_data_integrity.py checks both on the real values)."""
+    monkeypatch.setattr(integrity, "KNOWN_SHA256", {})
+    monkeypatch.setattr(mnist, "COUNTS", {"train": 12, "t10k": 5})  # tiny_idx's default n
+    monkeypatch.setattr(imdb, "PER_CLASS", {"train": 2, "test": 1})  # TRAIN_TEXT, TEST_TEXT per class
+    monkeypatch.setattr(cifar, "PER_BATCH", 2)  # write_cifar's default per_batch
+
 
 def write_idx(path: Path, a: np.ndarray, gz: bool) -> None:
     raw = b"\x00\x00\x08" + bytes([a.ndim]) + b"".join(d.to_bytes(4, "big") for d in a.shape) + a.tobytes()
@@ -71,7 +83,7 @@ TEST_TEXT = [(0, "Zyzzyva qwxq never seen words"), (1, "great great great")]
 # ---- MNIST / Fashion-MNIST ----
 
 @pytest.mark.parametrize("gz_images", [True, False])
-def test_mnist_reads_idx_raw_and_gz_and_normalises(tmp_path, gz_images):
+def test_mnist_reads_idx_raw_and_gz_and_normalises(tiny_release, tmp_path, gz_images):
     raw = tiny_idx(tmp_path / "mnist", gz_images)
     d = load_dataset({"name": "mnist"}, tmp_path)
     assert d.train_x.shape == (12, 1, 28, 28) and d.test_x.shape == (5, 1, 28, 28)
@@ -83,7 +95,7 @@ def test_mnist_reads_idx_raw_and_gz_and_normalises(tmp_path, gz_images):
 
 
 @pytest.mark.parametrize("sub", ["fashion-mnist", "fmnist", "."])
-def test_fmnist_folders_and_constants(tmp_path, sub):
+def test_fmnist_folders_and_constants(tiny_release, tmp_path, sub):
     raw = tiny_idx(tmp_path / sub)
     d = load_dataset({"name": "fmnist"}, tmp_path)
     assert d.info.name == "fmnist"
@@ -113,7 +125,7 @@ def test_missing_files_error_names_files_and_folder(tmp_path, name, folder):
 
 # ---- CIFAR-10 ----
 
-def test_cifar10_binary_batches(tmp_path):
+def test_cifar10_binary_batches(tiny_release, tmp_path):
     write_cifar(tmp_path / "cifar10" / cifar.BIN_DIR)
     d = load_dataset({"name": "cifar10"}, tmp_path)
     assert d.train_x.shape == (10, 3, 32, 32) and d.test_x.shape == (2, 3, 32, 32)
@@ -123,7 +135,7 @@ def test_cifar10_binary_batches(tmp_path):
         assert torch.allclose(d.train_x[1, c], torch.full((32, 32), want), atol=1e-6)
 
 
-def test_cifar10_tarball_and_folder_agree(tmp_path):
+def test_cifar10_tarball_and_folder_agree(tiny_release, tmp_path):
     write_cifar(tmp_path / "src" / cifar.BIN_DIR)
     (tmp_path / "tar").mkdir()
     with tarfile.open(tmp_path / "tar" / cifar.BIN_TAR, "w:gz") as t:
@@ -132,7 +144,7 @@ def test_cifar10_tarball_and_folder_agree(tmp_path):
     assert torch.equal(a.train_x, b.train_x) and torch.equal(a.test_y, b.test_y)
 
 
-def test_cifar10_never_unpickles_unless_allowed(tmp_path):
+def test_cifar10_never_unpickles_unless_allowed(tiny_release, tmp_path):
     folder = tmp_path / cifar.PY_DIR
     folder.mkdir()
     for name in cifar.TRAIN + cifar.TEST:
@@ -145,7 +157,7 @@ def test_cifar10_never_unpickles_unless_allowed(tmp_path):
     assert d.train_x.shape == (10, 3, 32, 32) and d.test_y.tolist() == [1, 2]
 
 
-def test_cifar10_truncated_batch_is_an_error(tmp_path):
+def test_cifar10_truncated_batch_is_an_error(tiny_release, tmp_path):
     write_cifar(tmp_path)
     (tmp_path / "test_batch.bin").write_bytes(b"\x01" * 100)
     with pytest.raises(DprunError, match="3073-byte"):
@@ -158,7 +170,7 @@ def imdb_cfg(tmp_path, **kw):
     return {"name": "imdb", "vocab_size": 300, "seq_len": 16, **kw}
 
 
-def test_imdb_folder_shapes_labels_padding(tmp_path):
+def test_imdb_folder_shapes_labels_padding(tiny_release, tmp_path):
     write_aclimdb(tmp_path / "imdb", TRAIN_TEXT, TEST_TEXT)
     d = load_dataset(imdb_cfg(tmp_path), tmp_path)
     assert d.info.kind == "text" and d.info.vocab_size == 300 and d.info.input_shape == (16,)
@@ -176,7 +188,7 @@ def test_imdb_folder_shapes_labels_padding(tmp_path):
     assert "<br" not in tok.decode(d.train_x[2].tolist())  # HTML line breaks removed
 
 
-def test_imdb_tokenizer_sees_the_training_split_only(tmp_path):
+def test_imdb_tokenizer_sees_the_training_split_only(tiny_release, tmp_path):
     other_test = [(0, "xylophone xylophone xylophone quokka quokka " * 20), (1, "quokka xylophone")]
     write_aclimdb(tmp_path / "a" / "imdb", TRAIN_TEXT, TEST_TEXT)
     write_aclimdb(tmp_path / "b" / "imdb", TRAIN_TEXT, other_test)
@@ -186,7 +198,7 @@ def test_imdb_tokenizer_sees_the_training_split_only(tmp_path):
     assert torch.equal(a.train_x, b.train_x)
 
 
-def test_imdb_tarball_matches_folder_and_skips_unsup(tmp_path):
+def test_imdb_tarball_matches_folder_and_skips_unsup(tiny_release, tmp_path):
     src = write_aclimdb(tmp_path / "src", TRAIN_TEXT, TEST_TEXT, unsup=[(0, "unlabeled review text")])
     (tmp_path / "tar" / "imdb").mkdir(parents=True)
     with tarfile.open(tmp_path / "tar" / "imdb" / "aclImdb_v1.tar.gz", "w:gz") as t:
@@ -196,7 +208,7 @@ def test_imdb_tarball_matches_folder_and_skips_unsup(tmp_path):
     assert torch.equal(a.train_x, b.train_x) and torch.equal(a.test_x, b.test_x) and len(b.train_y) == 4
 
 
-def test_imdb_cache_is_reused_and_keyed_by_vocab_and_seq_len(tmp_path, monkeypatch):
+def test_imdb_cache_is_reused_and_keyed_by_vocab_and_seq_len(tiny_release, tmp_path, monkeypatch):
     write_aclimdb(tmp_path / "imdb", TRAIN_TEXT, TEST_TEXT)
     first = load_dataset(imdb_cfg(tmp_path), tmp_path)
     assert Path(first.extras["cache"]).parent == tmp_path / "imdb"
@@ -204,6 +216,7 @@ def test_imdb_cache_is_reused_and_keyed_by_vocab_and_seq_len(tmp_path, monkeypat
     def no_training(*a, **k):
         raise AssertionError("tokenizer retrained despite a cache")
 
+    real_training = imdb.train_tokenizer
     monkeypatch.setattr(imdb, "train_tokenizer", no_training)
     again = load_dataset(imdb_cfg(tmp_path), tmp_path)
     assert torch.equal(first.train_x, again.train_x)
@@ -212,12 +225,12 @@ def test_imdb_cache_is_reused_and_keyed_by_vocab_and_seq_len(tmp_path, monkeypat
     assert longer.extras["cache"] != first.extras["cache"]
     with pytest.raises(AssertionError, match="retrained"):
         load_dataset(imdb_cfg(tmp_path, vocab_size=320), tmp_path)
-    monkeypatch.undo()
+    monkeypatch.setattr(imdb, "train_tokenizer", real_training)  # not undo(): that would undo tiny_release too
     other = load_dataset(imdb_cfg(tmp_path, cache_dir=str(tmp_path / "c")), tmp_path)
     assert Path(other.extras["cache"]).parent == tmp_path / "c"
 
 
-def test_imdb_cache_avoids_a_read_only_data_folder(tmp_path, monkeypatch):
+def test_imdb_cache_avoids_a_read_only_data_folder(tiny_release, tmp_path, monkeypatch):
     write_aclimdb(tmp_path / "imdb", TRAIN_TEXT, TEST_TEXT)
     monkeypatch.setenv("DPRUN_DATA_DIR", str(tmp_path / "user-cache"))
     (tmp_path / "imdb").chmod(0o555)  # read-only, even for root (write bits are checked)
@@ -229,7 +242,7 @@ def test_imdb_cache_avoids_a_read_only_data_folder(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "imdb").iterdir()) == ["aclImdb"]
 
 
-def test_imdb_too_small_vocab_is_an_error(tmp_path):
+def test_imdb_too_small_vocab_is_an_error(tiny_release, tmp_path):
     write_aclimdb(tmp_path / "imdb", TRAIN_TEXT, TEST_TEXT)
     with pytest.raises(DprunError, match="vocab_size=100"):
         load_dataset(imdb_cfg(tmp_path, vocab_size=100), tmp_path)
@@ -268,7 +281,7 @@ def test_fetch_unreachable_is_one_line_and_tries_every_mirror(tmp_path, monkeypa
     assert "\n" not in str(e.value) and str(tmp_path) in str(e.value)
 
 
-def test_mnist_download_true_fetches_and_loads(tmp_path, monkeypatch):
+def test_mnist_download_true_fetches_and_loads(tiny_release, tmp_path, monkeypatch):
     tiny_idx(tmp_path / "mirror", gz_images=True)
     for stem in ("train-labels-idx1-ubyte", "t10k-labels-idx1-ubyte"):  # the mirror serves .gz only
         p = tmp_path / "mirror" / stem

@@ -134,3 +134,20 @@ def test_private_runs_state_that_train_metrics_are_outside_the_accounting(tmp_pa
     _, summary = read(tmp_path)
     assert summary["accountant_certified"] is True
     assert any("outside the privacy accounting" in n for n in summary["privacy_notes"])
+
+
+def test_dataset_privacy_notes_reach_the_summary(tmp_path, monkeypatch):
+    """Preprocessing that looked at private data (e.g. IMDB's tokenizer) is stated in summary.json."""
+    import runner.train as train_module
+
+    real = train_module.load_dataset
+
+    def noted(*args, **kwargs):
+        data = real(*args, **kwargs)
+        data.privacy_notes = ["tokenizer trained on the private training split: outside the privacy accounting"]
+        return data
+
+    monkeypatch.setattr(train_module, "load_dataset", noted)
+    train(compose_config(DIGITS + ["method=reweight", "epochs=1", "max_steps_per_epoch=2"]), tmp_path)
+    _, summary = read(tmp_path)
+    assert "tokenizer trained on the private training split: outside the privacy accounting" in summary["privacy_notes"]

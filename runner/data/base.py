@@ -41,6 +41,9 @@ class Dataset:
     test_y: torch.Tensor
     source: str = "real"  # "real" | "synthetic" (a column of the result tables)
     extras: dict[str, Any] = field(default_factory=dict)
+    # what the data pipeline does with private data outside the privacy accounting (e.g. a tokenizer fit to the
+    # training split): the training loop copies these into summary.json; empty when nothing is outside
+    privacy_notes: list[str] = field(default_factory=list)
 
     def to(self, device: torch.device | str) -> "Dataset":
         return replace(self, train_x=self.train_x.to(device), train_y=self.train_y.to(device),

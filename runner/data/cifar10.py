@@ -10,7 +10,9 @@ cifar-10-binary.tar.gz (read without extracting); with allow_pickle=true also ci
 cifar-10-python.tar.gz. A binary record is 1 label byte then 3,072 pixel bytes (1,024 R, 1,024 G, 1,024 B, rows
 of 32). Normalisation: the per-channel mean/std of the CIFAR-10 training set, (0.4914, 0.4822, 0.4465) /
 (0.2470, 0.2435, 0.2616) -- the population std over all training pixels, not the mean of per-image stds
-(0.2023, 0.1994, 0.2010) that some code bases copy.
+(0.2023, 0.1994, 0.2010) that some code bases copy. These are the published constants, fixed here, not statistics
+of the files that are loaded. Integrity: every batch must hold 10,000 images, a tarball must decompress to its end
+(gzip CRC) and read as a tar archive; each failure is one line naming the file (runner/data/integrity.py).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 
 from runner.data.base import DATASETS, DataInfo, Dataset
 from runner.data.download import fetch, missing_files
+from runner.data.integrity import GZIP_ERRORS, check_count, check_gzip_stream
 from runner.errors import DprunError
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -35,6 +38,8 @@ BIN_TAR, PY_TAR = "cifar-10-binary.tar.gz", "cifar-10-python.tar.gz"
 BIN_MD5 = "c32a1d4ab5d03f1284b67883e8d87530"
 MIRRORS = ["https://www.cs.toronto.edu/~kriz/"]
 RECORD = 1 + 3 * 32 * 32  # bytes per image in the binary version
+PER_BATCH = 10000  # images in each of the 5 training batches and the test batch
+FIX = "delete it and download cifar-10-binary.tar.gz again (dataset.download=true) or extract it again"
 
 
 def parse_binary(raw: bytes, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -58,9 +63,14 @@ def folder_reader(folder: Path, suffix: str) -> Callable[[str], bytes] | None:
 
 
 def tar_reader(path: Path, inner: str, suffix: str) -> Callable[[str], bytes]:
-    with tarfile.open(path) as tar:  # read every batch once; the binary tarball is 163 MB
-        files = {m.name.rsplit("/", 1)[-1]: tar.extractfile(m).read() for m in tar.getmembers()
-                 if m.isfile() and m.name.startswith(inner + "/")}
+    check_gzip_stream(path, FIX)  # tarfile stops without an error at a garbled header: check the CRC first
+    try:
+        with tarfile.open(path) as tar:  # read every batch once; the binary tarball is 163 MB
+            files = {m.name.rsplit("/", 1)[-1]: tar.extractfile(m).read() for m in tar.getmembers()
+                     if m.isfile() and m.name.startswith(inner + "/")}
+    except (tarfile.TarError, *GZIP_ERRORS) as e:
+        reason = f"{type(e).__name__}: {(str(e) or 'corrupt').splitlines()[0]}"
+        raise DprunError(f"{path} is a damaged tar archive ({reason}); {FIX}") from None
     missing = [n + suffix for n in TRAIN + TEST if n + suffix not in files]
     if missing:
         raise DprunError(f"{path} lacks {inner}/{missing[0]}: not the official CIFAR-10 tarball")
@@ -109,7 +119,10 @@ def load_cifar10(cfg, root) -> Dataset:
     reader, parse, where = source
 
     def split(names):  # -> (N, 3, 32, 32) float32 standardised per channel, (N,) int64
-        parts = [parse(reader(n), f"{where}/{n}") for n in names]
+        suffix = ".bin" if parse is parse_binary else ""  # name the file itself in errors
+        parts = [parse(reader(n), f"{where}/{n}{suffix}") for n in names]
+        for n, (images, _) in zip(names, parts):
+            check_count(f"{where}/{n}{suffix}", "images", len(images), PER_BATCH, FIX)
         x = torch.from_numpy(np.concatenate([p[0] for p in parts]).astype(np.float32)) / 255.0
         y = torch.from_numpy(np.concatenate([p[1] for p in parts]).astype(np.int64))
         if y.numel() and int(y.max()) > 9:

@@ -6,13 +6,22 @@
 
 Sources tried, in <data_dir>/imdb then <data_dir>: the folder aclImdb/{train,test}/{pos,neg}/*.txt (or the folder
 itself holding train/ and test/), then the tarballs aclImdb_v1.tar.gz and aclImdb_labeled_text.tar.gz (read in
-place). Reviews are ordered by (label, review id) in each split; the 50k unlabeled reviews are not used.
+place), then any other aclImdb*.tar.gz. Reviews are ordered by (label, review id) in each split; the 50k unlabeled
+reviews are not used.
+
+Integrity (runner/data/integrity.py): a tarball with a standard name must have its known sha256; any tarball must
+decompress to its end with a good gzip CRC and read as a tar archive; every source must hold 12,500 reviews per
+split and class. Each failure is one line naming the file; nothing is cached from data that failed a check.
 
 Tokenizer: byte-level BPE (the `tokenizers` library) trained on the TRAINING split only, vocab_size tokens in all
 (default 8,185, the size of the JL paper's subwords8k), id 0 = "<pad>"; text is lower-cased, NFKC-normalised and
 "<br />" becomes a space. Byte-level means no unknown token. Sequences keep their first seq_len tokens and are
 zero-padded at the end. The trained tokenizer and the encoded tensors are cached in <data_dir>/imdb/ (or
-dataset.cache_dir; the per-user cache when that folder is read-only), keyed by (source, vocab_size, seq_len).
+dataset.cache_dir; the per-user cache when that folder is read-only), keyed by (source content, vocab_size,
+seq_len): a tarball's sha256, or a folder's list of review files with their sizes and modification times.
+
+Privacy: the tokenizer is fit to the private training split (the public unlabeled reviews are not shipped), so
+it is outside the privacy accounting; the Dataset says so in `privacy_notes`.
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ import torch
 
 from runner.data.base import DATASETS, DataInfo, Dataset, default_data_dir
 from runner.data.download import fetch, missing_files
+from runner.data.integrity import GZIP_ERRORS, check_count, check_gzip_stream, check_known, sha256_file
 from runner.errors import DprunError
 
 TARBALLS = ("aclImdb_v1.tar.gz", "aclImdb_labeled_text.tar.gz")
@@ -36,7 +46,12 @@ V1_MD5 = "7c2ac02c03563afcf9b574c7e56c153a"
 BR = re.compile(r"<br\s*/?>")  # the reviews' HTML line breaks
 WORD = re.compile(r"\S+")
 REVIEW = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/(\d+)_\d+\.txt$")
-CACHE_VERSION = 1  # bump when the tokenizer recipe or the tensor layout changes
+CLASSES = ((0, "neg"), (1, "pos"))
+PER_CLASS = {"train": 12500, "test": 12500}  # reviews per class in each split of the aclImdb release
+CACHE_VERSION = 2  # bump when the tokenizer recipe, the tensor layout or the cache key changes
+# 2: keyed by the source's content, so caches written from unchecked (possibly damaged) data are never reused
+TOKENIZER_NOTE = ("imdb tokenizer (BPE vocabulary) trained on the private training split: outside the privacy "
+                  "accounting")
 MIN_VOCAB = 257  # 256 byte symbols + padding
 
 
@@ -48,26 +63,68 @@ def find_source(root: Path) -> Path | None:
         for name in TARBALLS:
             if (base / name).is_file():
                 return base / name
+        if others := sorted(p for p in base.glob("aclImdb*.tar.gz") if p.is_file()):
+            return others[0]  # e.g. a user's own repack: no known checksum, its structure and counts are checked
     return None
 
 
-def read_reviews(source: Path) -> dict[str, tuple[list[str], list[int]]]:
-    """-> {"train": (texts, labels), "test": (texts, labels)}, ordered by (label, review id)."""
-    found: dict[str, list[tuple[int, int, str]]] = {"train": [], "test": []}
+def fix_for(source: Path) -> str:
+    """What to do about a damaged source, for the one-line errors."""
     if source.is_dir():
-        for split in found:
-            for label, cls in ((0, "neg"), (1, "pos")):
-                for p in (source / split / cls).glob("*.txt"):
-                    found[split].append((label, int(p.name.split("_")[0]), p.read_text(encoding="utf-8")))
-    else:
+        return f"extract aclImdb_v1.tar.gz ({MIRRORS[0]}) again into {source.parent}"
+    if source.name == TARBALLS[0]:
+        return f"delete it and download it again ({MIRRORS[0]} or dataset.download=true) into {source.parent}"
+    return (f"delete it and put a good copy there, or download {TARBALLS[0]} ({MIRRORS[0]} or dataset.download=true) "
+            f"into {source.parent}")
+
+
+def folder_files(source: Path) -> dict[tuple[str, str], list[Path]]:
+    """(split, class) -> the review files of an extracted folder, after checking their number."""
+    files = {(split, cls): sorted((source / split / cls).glob("*.txt")) for split in PER_CLASS for _, cls in CLASSES}
+    for (split, cls), paths in files.items():
+        check_count(source / split / cls, "reviews", len(paths), PER_CLASS[split], fix_for(source))
+    return files
+
+
+def read_folder(source: Path) -> dict[str, list[tuple[int, int, str]]]:
+    found: dict[str, list[tuple[int, int, str]]] = {"train": [], "test": []}
+    for (split, cls), paths in folder_files(source).items():
+        label = int(cls == "pos")
+        for p in paths:
+            try:
+                found[split].append((label, int(p.name.split("_")[0]), p.read_text(encoding="utf-8")))
+            except (UnicodeDecodeError, ValueError) as e:  # every review of the release is UTF-8, named <id>_<rating>
+                raise DprunError(f"{p} is not an aclImdb review ({type(e).__name__}); {fix_for(source)}") from None
+    return found
+
+
+def read_tarball(source: Path) -> dict[str, list[tuple[int, int, str]]]:
+    fix = fix_for(source)
+    with open(source, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    if gzipped:
+        check_gzip_stream(source, fix)  # tarfile stops without an error at a garbled header: check the CRC first
+    found: dict[str, list[tuple[int, int, str]]] = {"train": [], "test": []}
+    try:
         with tarfile.open(source) as tar:
             for m in tar:
                 if m.isfile() and (r := REVIEW.search(m.name)):
                     text = tar.extractfile(m).read().decode("utf-8")
                     found[r.group(1)].append((int(r.group(2) == "pos"), int(r.group(3)), text))
+    except (tarfile.TarError, UnicodeDecodeError, *GZIP_ERRORS) as e:
+        reason = f"{type(e).__name__}: {(str(e) or 'corrupt').splitlines()[0]}"
+        raise DprunError(f"{source} is a damaged tar archive ({reason}); {fix}") from None
     for split, rows in found.items():
-        if not rows:
-            raise DprunError(f"{source} has no aclImdb/{split}/{{pos,neg}}/*.txt reviews: not the aclImdb release")
+        for label, cls in CLASSES:
+            got = sum(r[0] == label for r in rows)
+            check_count(source, f"aclImdb/{split}/{cls} reviews", got, PER_CLASS[split], fix)
+    return found
+
+
+def read_reviews(source: Path) -> dict[str, tuple[list[str], list[int]]]:
+    """-> {"train": (texts, labels), "test": (texts, labels)}, ordered by (label, review id); counts checked."""
+    found = read_folder(source) if source.is_dir() else read_tarball(source)
+    for rows in found.values():
         rows.sort(key=lambda r: r[:2])
     return {s: ([r[2] for r in rows], [r[0] for r in rows]) for s, rows in found.items()}
 
@@ -115,10 +172,21 @@ def cache_folder(cfg, root: Path) -> Path:
 
 
 def fingerprint(source: Path) -> str:
-    """Short hash naming the source's path, size and modification time (a changed source -> a new cache)."""
-    st = source.stat()
-    key = f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_VERSION}"
-    return hashlib.sha1(key.encode()).hexdigest()[:8]
+    """Short hash naming the source's content (a changed or damaged source -> a new cache key). A tarball: its
+    sha256, checked against the known one when its name is standard. A folder: its review files' names, sizes and
+    modification times, after checking their number (hashing 50,000 files at every load would be slow)."""
+    if source.is_dir():
+        files = folder_files(source)
+        h = hashlib.sha256()
+        for paths in files.values():
+            for p in paths:
+                st = p.stat()
+                h.update(f"{p.relative_to(source)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        content = h.hexdigest()
+    else:
+        content = sha256_file(source)
+        check_known(source, "imdb", fix_for(source), digest=content)
+    return hashlib.sha1(f"{content}|{CACHE_VERSION}".encode()).hexdigest()[:8]
 
 
 def atomic_write(path: Path, write) -> None:
@@ -175,5 +243,5 @@ def load_imdb(cfg, root) -> Dataset:
     xtr, xte = t["train_x"].long(), t["test_x"].long()  # (N, seq_len) int64
     info = DataInfo("imdb", (seq_len,), 2, kind="text", vocab_size=vocab_size,
                     train_size=len(t["train_y"]), test_size=len(t["test_y"]))
-    return Dataset(info, xtr, t["train_y"], xte, t["test_y"], source="real",
+    return Dataset(info, xtr, t["train_y"], xte, t["test_y"], source="real", privacy_notes=[TOKENIZER_NOTE],
                    extras={"source": str(source), "tokenizer": str(tok_path), "cache": str(data_path)})

@@ -10,7 +10,6 @@ Folders searched, in order: <data_dir>/mnist (fmnist: <data_dir>/fashion-mnist, 
 """
 from __future__ import annotations
 
-import gzip
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 
 from runner.data.base import DATASETS, DataInfo, Dataset
 from runner.data.download import fetch, missing_files
+from runner.data.integrity import check_count, check_known, gunzip
 from runner.errors import DprunError
 
 FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -35,18 +35,31 @@ SPECS = {
 }
 
 
-def read_idx(path: Path) -> np.ndarray:
-    """An idx file of unsigned bytes (gzip detected from its magic bytes) -> uint8 array of its dims."""
+# idx magic numbers: 0x0000 then type 0x08 (unsigned byte) then the number of dims (3 images, 1 labels)
+MAGIC = {"images": b"\x00\x00\x08\x03", "labels": b"\x00\x00\x08\x01"}
+COUNTS = {"train": 60000, "t10k": 10000}  # examples per split in both releases
+
+
+def read_idx(path: Path, name: str = "mnist", fix: str = "") -> np.ndarray:
+    """An idx file of unsigned bytes (gzip detected from its magic bytes) -> uint8 array of its dims, after
+    checking the gzip CRC, the idx magic for its kind (images/labels), the data length, the standard content
+    (sha256, when the file has a standard name) and the example count of its split. Each failure: one line."""
+    fix = fix or f"delete it and download it again (dataset.download=true) or copy the original into {path.parent}"
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
-    ndim = raw[3] if len(raw) >= 4 else 0
-    if raw[:3] != b"\x00\x00\x08" or not 1 <= ndim <= 3:
-        raise DprunError(f"{path} is not an idx file of unsigned bytes (header {raw[:4].hex()}, expected 000008nn)")
+        raw = gunzip(path, fix)
+    kind = "images" if "-images-" in path.name else "labels"
+    if raw[:4] != MAGIC[kind]:
+        raise DprunError(f"{path} is not an idx file of unsigned bytes holding {kind} (header {raw[:4].hex()}, "
+                         f"expected {MAGIC[kind].hex()}); {fix}")
+    ndim = raw[3]
     dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
     offset = 4 + 4 * ndim
     if len(raw) - offset != int(np.prod(dims)):
-        raise DprunError(f"{path} holds {len(raw) - offset} bytes of data, its header says {dims}: truncated file?")
+        raise DprunError(f"{path} holds {len(raw) - offset} bytes of data, its header says {dims}: truncated "
+                         f"file; {fix}")
+    check_count(path, kind, dims[0], COUNTS[path.name.split("-")[0]], fix)  # first: the clearer message
+    check_known(path, name, fix, raw=raw)
     return np.frombuffer(raw, np.uint8, offset=offset).reshape(dims)
 
 
@@ -74,7 +87,7 @@ def load_idx_dataset(name: str, cfg, root: Path) -> Dataset:
                 fetch(stem + ".gz", mirrors, folder, md5=md5)
     if folder is None:
         raise missing_files(name, [s + "[.gz]" for s in FILES], root / subdirs[0])
-    xtr, ytr, xte, yte = (read_idx(find_file(folder, stem)) for stem in FILES)
+    xtr, ytr, xte, yte = (read_idx(find_file(folder, stem), name) for stem in FILES)
     if xtr.shape[1:] != (28, 28) or len(xtr) != len(ytr) or len(xte) != len(yte):
         raise DprunError(f"{name} files in {folder} have images {xtr.shape}/{xte.shape} and labels "
                          f"{ytr.shape}/{yte.shape}; expected (N, 28, 28) images with N labels")
