@@ -1,4 +1,9 @@
-"""SGD and Adam. On a privatized gradient they are DP-SGD and DP-Adam (the noise is already in p.grad)."""
+"""SGD and Adam. On a privatized gradient they are DP-SGD and DP-Adam (the noise is already in p.grad).
+
+`optimizer.impl`: foreach (default: one multi-tensor kernel per update term instead of one per parameter, on CPU
+and CUDA), fused (one fused kernel; CUDA, and CPU for SGD/Adam in recent torch) or forloop (torch's per-parameter
+reference loop). The update is the same to float rounding.
+"""
 from __future__ import annotations
 
 import torch
@@ -7,14 +12,23 @@ from runner.errors import DprunError
 from runner.registry import unknown_name_message
 
 OPTIMIZERS = ("sgd", "adam")
+IMPLS = ("foreach", "fused", "forloop")
+
+
+def impl_kwargs(cfg) -> dict:
+    impl = str(cfg.get("impl", "foreach") or "foreach")
+    if impl not in IMPLS:
+        raise DprunError(f"unknown optimizer.impl {impl!r}; valid: {', '.join(IMPLS)}")
+    return {"foreach": True} if impl == "foreach" else {"fused": True} if impl == "fused" else {"foreach": False}
 
 
 def build_optimizer(cfg, params, lr: float) -> torch.optim.Optimizer:
     name = str(cfg.name)
     wd = float(cfg.get("weight_decay", 0.0))
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=float(cfg.get("momentum", 0.0)), weight_decay=wd)
+        return torch.optim.SGD(params, lr=lr, momentum=float(cfg.get("momentum", 0.0)), weight_decay=wd,
+                               **impl_kwargs(cfg))
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, betas=tuple(cfg.get("betas", (0.9, 0.999))),
-                                eps=float(cfg.get("eps", 1e-8)), weight_decay=wd)
+                                eps=float(cfg.get("eps", 1e-8)), weight_decay=wd, **impl_kwargs(cfg))
     raise DprunError(unknown_name_message("optimizer", name, list(OPTIMIZERS)))

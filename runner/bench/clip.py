@@ -7,7 +7,8 @@
 One process, one model per workload (a fresh copy per method, same seed), the same warm-up for every method,
 interleaved repeats; a step is Method.step (privatize + noise + optimizer step). Columns: median step time,
 ratio to non-private, ratio to Opacus's fastest mode on the same workload, peak step memory and its ratio to
-non-private (runner/bench/common.py defines the memory measure on CPU and CUDA). Inputs are synthetic tensors
+non-private (runner/bench/common.py defines the memory measure on CPU and CUDA), and the aten operators
+dispatched per step (runner/bench/opcount.py: all, and leaves ~ kernel launches). Inputs are synthetic tensors
 of the datasets' shapes (speed does not depend on pixel values). Methods or models not registered yet, or that
 reject a model (a one-line DprunError), are rows with a note. Saves outputs/bench/clip_<device>.csv.
 """
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from runner.bench.common import interleaved_times, median, step_memory_bytes, select_workloads
+from runner.bench.opcount import op_counts
 from runner.data.base import DataInfo
 from runner.errors import DprunError, NotImplementedYet
 from runner.methods import METHODS
@@ -47,7 +49,7 @@ FIG6 = ["nonprivate", "nxbp", "reweight-twopass", "reweight-bk"]  # L&K figure 6
 MNIST = DataInfo("mnist", (1, 28, 28), 10, "image", None, 60000, 10000)
 IMDB = DataInfo("imdb", (150,), 2, "text", 8185, 25000, 25000)
 COLUMNS = ["workload", "model", "batch", "method", "step_ms", "x_nonprivate", "x_opacus_best", "step_mem_mb",
-           "mem_x_nonprivate", "steps_timed", "note"]
+           "mem_x_nonprivate", "aten_ops", "leaf_ops", "steps_timed", "note"]
 
 
 @dataclass
@@ -103,7 +105,7 @@ def contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n:
         method = METHODS.build(name, cfg=options, clip=1.0, sigma=1.0)
         own = copy.deepcopy(base)
         model = method.prepare(own) or own
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)  # one multi-tensor update, as dprun's
         gen = torch.Generator(device=x.device).manual_seed(0)
         step = lambda: method.step(model, loss_fn, x, y, opt, sample_rate=expected_batch / n,  # noqa: E731
                                    expected_batch_size=expected_batch, generator=gen)
@@ -133,6 +135,7 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
     contenders = {k: c for k, c in contenders.items() if c is not None}
     times = interleaved_times({k: c.step for k, c in contenders.items()}, device, repeats, warmup, budget_s)
     memory = {label: step_memory_bytes(c.step, device, before=c.zero_grad) for label, c in contenders.items()}
+    ops = {label: op_counts(c.step, before=c.zero_grad) for label, c in contenders.items()}
     t = {label: median(ts) for label, ts in times.items()}
     opacus = [t[k] for k in t if k.startswith("opacus")]
     for r in rows:
@@ -146,6 +149,7 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
                  x_opacus_best=t[label] / min(opacus) if opacus else math.nan,
                  step_mem_mb=memory[label] / 2**20,
                  mem_x_nonprivate=memory[label] / memory["nonprivate"] if memory.get("nonprivate") else math.nan,
+                 **ops[label],
                  note=f"estimated from {len(times[label])} of {repeats} steps (slow)" if fewer else "")
     return rows
 

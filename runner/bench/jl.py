@@ -12,6 +12,7 @@ model copy per contender (same seed), the same warm-up, interleaved repeats, med
 `--chunk K` bounds the directions per vmap call (memory of the tangents ~ K forwards). Wall time (`step_ms`, the
 paper's measure) and process CPU time (`cpu_ms`: robust on a shared machine; use `--threads 1` there) per step.
 After the table, one line per workload and jvp mode fits CPU time = a + b r: the marginal cost of a direction.
+`aten_ops` / `leaf_ops`: operators dispatched per step (runner/bench/opcount.py; leaves ~ kernel launches).
 Saves outputs/bench/jl_<device>.csv (jl_<device>_quick.csv with --quick).
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from runner.bench.clip import loss_fn, synthetic_batch
 from runner.bench.common import interleaved_times, median, step_memory_bytes, select_workloads
+from runner.bench.opcount import op_counts
 from runner.data.base import DataInfo
 from runner.errors import DprunError, NotImplementedYet
 from runner.methods import METHODS
@@ -40,7 +42,7 @@ CIFAR10 = DataInfo("cifar10", (3, 32, 32), 10, "image", None, 50000, 10000)
 IMDB = DataInfo("imdb", (150,), 2, "text", 8185, 25000, 25000)
 MODES = ("forward", "double_vjp")
 COLUMNS = ["workload", "model", "batch", "optimizer", "method", "jvp", "r", "step_ms", "x_nonprivate", "x_reweight",
-           "cpu_ms", "cpu_x_nonprivate", "cpu_x_reweight", "step_mem_mb", "steps_timed", "note"]
+           "cpu_ms", "cpu_x_nonprivate", "cpu_x_reweight", "step_mem_mb", "aten_ops", "leaf_ops", "steps_timed", "note"]
 
 
 @dataclass
@@ -77,7 +79,7 @@ def contender(method_name: str, options: dict, r: int, base, w: Workload, x, y):
         own = copy.deepcopy(base)
         model = method.prepare(own) or own
         opt_cls = torch.optim.Adam if w.optimizer == "adam" else torch.optim.SGD
-        opt = opt_cls(model.parameters(), lr=w.lr)
+        opt = opt_cls(model.parameters(), lr=w.lr, foreach=True)  # one multi-tensor update, as dprun's
         gen = torch.Generator(device=x.device).manual_seed(0)
         step = lambda: method.step(model, loss_fn, x, y, opt, sample_rate=w.batch / w.info.train_size,  # noqa: E731
                                    expected_batch_size=float(w.batch), generator=gen)
@@ -119,6 +121,7 @@ def bench_workload(w: Workload, rs: list[int], chunk: int, device, repeats: int,
     t = {k: median(ts) for k, ts in times.items()}
     ct = {k: median(cpu[k][-len(ts):]) for k, ts in times.items()}  # the timed steps' CPU seconds
     mem = {k: step_memory_bytes(c[0], device, before=c[1]) for k, c in live.items()} if memory else {}
+    ops = {k: op_counts(c[0], before=c[1]) for k, c in live.items()}
     for row in rows:
         label = row.pop("label")
         if label not in live:
@@ -131,7 +134,7 @@ def bench_workload(w: Workload, rs: list[int], chunk: int, device, repeats: int,
                    cpu_ms=1e3 * ct[label],
                    cpu_x_nonprivate=ct[label] / ct["nonprivate"] if "nonprivate" in ct else math.nan,
                    cpu_x_reweight=ct[label] / ct["reweight"] if "reweight" in ct else math.nan,
-                   step_mem_mb=mem[label] / 2**20 if label in mem else math.nan,
+                   step_mem_mb=mem[label] / 2**20 if label in mem else math.nan, **ops[label],
                    note=f"estimated from {len(times[label])} of {repeats} steps (slow)" if fewer else "")
     return rows
 
