@@ -25,6 +25,7 @@ from runner.errors import DprunError
 from runner.metrics import (StepTimer, device_name, package_versions, peak_memory_bytes, reset_peak_memory,
                             write_csv, write_json)
 from runner.optimizers import build_optimizer
+from runner.methods.compiled import build_step, physical_batch
 from runner.progress import progress_bar
 
 log = logging.getLogger("dprun")
@@ -105,6 +106,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                          f"{method.mechanism(sampler.sample_rate).kind}; try accountant={method.default_accountant}")
 
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), float(cfg.lr))
+    step_fn = build_step(method, cfg.get("compile", "off"), device,  # compile=...: runner/methods/compiled.py
+                         physical_batch(sampler.sample_rate * sampler.n))
     loss_fn = per_example_cross_entropy
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {
@@ -138,8 +141,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                 idx = next(batches)
                 x, y = data.train_x[idx], data.train_y[idx]
                 with StepTimer(device) as t:
-                    out = method.step(model, loss_fn, x, y, optimizer, sample_rate=sampler.sample_rate,
-                                      expected_batch_size=sampler.sample_rate * sampler.n, indices=idx)
+                    out = step_fn(model, loss_fn, x, y, optimizer, sample_rate=sampler.sample_rate,
+                                  expected_batch_size=sampler.sample_rate * sampler.n, indices=idx)
                 if step >= int(cfg.warmup_steps) or steps_per_epoch <= int(cfg.warmup_steps):
                     step_times.append(t.seconds)
                 if accountant is not None:

@@ -14,7 +14,7 @@ gradient is the mean over the real rows. Padded rows repeat the first real row (
 zeros for an empty batch). A batch larger than `physical` is not truncated: it runs at its own size (a new graph).
 Dropout draws masks for the padded rows too, so with dropout the random stream (not the distribution) differs.
 
-Methods with a per-example loss and a SUM of clipped gradients support it (PADDABLE); others run unpadded.
+Methods that call loss_fn once on the whole batch support it (PADDABLE); others run unpadded.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 
 from runner.methods.base import StepOutput
 
-PADDABLE = ("nonprivate", "reweight", "jl", "nxbp", "multiloss")
+PADDABLE = ("nonprivate", "reweight", "jl")  # nxbp and multiloss call loss_fn on slices of the batch
 
 
 def pad_batch(x: torch.Tensor, y: torch.Tensor, physical: int):

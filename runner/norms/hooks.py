@@ -31,7 +31,7 @@ from runner.norms.coverage import Plan
 class Call:
     inp: torch.Tensor  # detached input (shares the version counter with the original)
     out: torch.Tensor | None  # the output, still in the graph (None after backprops)
-    versions: tuple[int, int]
+    versions: tuple[int, int] | None  # None: recorded while compiling (no check)
     grad: torch.Tensor | None = None
     modified: bool = False  # set by backprops, which then drops `out` (memory)
 
@@ -54,7 +54,10 @@ class Recorder:
 
     def _hook(self, module, args, kwargs, out):
         inp = args[0] if args else next(iter(kwargs.values()))
-        self.calls[id(module)].append(Call(inp.detach(), out, (inp._version, out._version)))
+        # inside torch.compile the version counters are the tracer's, not the run's: no check there (the compiled
+        # step's first step runs eager and makes it, runner/methods/compiled.py)
+        versions = None if torch.compiler.is_compiling() else (inp._version, out._version)
+        self.calls[id(module)].append(Call(inp.detach(), out, versions))
 
     def backprops(self, loss: torch.Tensor, retain_graph: bool) -> None:
         calls = [c for cs in self.calls.values() for c in cs if c.out.requires_grad]
@@ -64,7 +67,7 @@ class Recorder:
                 c.grad = g
         for cs in self.calls.values():  # memory: check in-place use now and drop the outputs (only grads are needed)
             for c in cs:
-                c.modified = (c.inp._version, c.out._version) != c.versions
+                c.modified = c.versions is not None and (c.inp._version, c.out._version) != c.versions
                 if c.grad is None:
                     c.grad = torch.zeros_like(c.out)
                 c.out = None
@@ -85,7 +88,8 @@ class Recorder:
 
     @staticmethod
     def _check(path, module, c) -> None:
-        modified = c.modified if c.out is None else (c.inp._version, c.out._version) != c.versions
+        modified = c.modified if c.out is None else (
+            c.versions is not None and (c.inp._version, c.out._version) != c.versions)
         if modified:
             raise DprunError(f"{path} ({type(module).__name__}): its input or output was modified in place "
                              f"after the call, so its recorded gradient is wrong; use inplace=False "
