@@ -3,6 +3,8 @@
     python -m runner.bench.clip                       # all workloads, this machine's best device
     python -m runner.bench.clip --device cpu --repeats 5 --workloads cnn_mnist,fig6_b128
     python -m runner.bench.clip --quick               # every code path, small batches, 2 repeats (a smoke run)
+    python -m runner.bench.clip --device cuda --suite gpu --compile reduce-overhead   # issue 12's GPU workloads
+                                                      # (make bench-gpu), plus compiled nonprivate / reweight-bk rows
 
 One process, one model per workload (a fresh copy per method, same seed), the same warm-up for every method,
 interleaved repeats; a step is Method.step (privatize + noise + optimizer step). Columns: median step time,
@@ -48,7 +50,11 @@ ALL = list(METHOD_VARIANTS)
 FIG6 = ["nonprivate", "nxbp", "reweight-twopass", "reweight-bk"]  # L&K figure 6: nxBP vs ReweightGP over B
 MNIST = DataInfo("mnist", (1, 28, 28), 10, "image", None, 60000, 10000)
 IMDB = DataInfo("imdb", (150,), 2, "text", 8185, 25000, 25000)
-COLUMNS = ["workload", "model", "batch", "method", "step_ms", "x_nonprivate", "x_opacus_best", "step_mem_mb",
+CIFAR10 = DataInfo("cifar10", (3, 32, 32), 10, "image", None, 50000, 10000)
+IMAGENET256 = DataInfo("imagenet256", (3, 256, 256), 1000, "image", None, 1281167, 50000)
+GPU = ["nonprivate", "reweight-twopass", "reweight-bk", "opacus-hooks", "opacus-ghost", "opacus-functorch"]
+COLUMNS = ["workload", "model", "batch", "method", "step_ms", "x_nonprivate", "x_nonprivate_compiled",
+           "x_opacus_best", "step_mem_mb",
            "mem_x_nonprivate", "aten_ops", "leaf_ops", "steps_timed", "note"]
 
 
@@ -71,6 +77,19 @@ def workloads(quick: bool = False) -> list[Workload]:
            Workload("transformer_imdb", "transformer", IMDB, scale(32), model_kwargs={"dropout": 0.0})]
     out += [Workload(f"fig6_b{b}", "cnn", MNIST, scale(b), FIG6) for b in (16, 32, 64, 128)]
     return out
+
+
+def gpu_workloads(quick: bool = False) -> list[Workload]:
+    """Issue 12's GPU table: the JL paper's CNNs, transformer and BiLSTM at B=256, VGG-11 and ResNet-18 on CIFAR-10
+    at B=128, ResNet-101 at 256 px, B=32; non-private, reweight and the Opacus modes (no nxBP: minutes a step)."""
+    scale = (lambda b: max(2, b // 8)) if quick else (lambda b: b)
+    return [Workload("cnn_mnist", "bu_cnn", MNIST, scale(256), GPU),
+            Workload("papernot_cifar10", "papernot_cnn", CIFAR10, scale(256), GPU),
+            Workload("transformer_imdb", "transformer", IMDB, scale(256), GPU, {"dropout": 0.0}),
+            Workload("bilstm_imdb", "bilstm", IMDB, scale(256), GPU),
+            Workload("vgg11_cifar10", "vgg11", CIFAR10, scale(128), GPU),
+            Workload("resnet18_cifar10", "resnet18", CIFAR10, scale(128), GPU),
+            Workload("resnet101_256px", "resnet101", IMAGENET256, scale(32), GPU)]
 
 
 def loss_fn(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -96,9 +115,11 @@ class Contender(NamedTuple):
     zero_grad: Callable[[], object]  # frees the last step's gradients (the memory measurement's baseline)
 
 
-def contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n: int):
-    """One method's Contender on its own copy of the model, or None and a note why there is none."""
-    name, options = METHOD_VARIANTS[label]
+def contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n: int, compile_mode: str = ""):
+    """One method's Contender on its own copy of the model, or None and a note why there is none. A label ending
+    in "+compile" steps through runner/methods/compiled.py with `compile_mode` (its first steps compile: warm-up)."""
+    variant, _, compiled = label.partition("+")
+    name, options = METHOD_VARIANTS[variant]
     if name not in METHODS:
         return None, f"skipped: method={name} not registered yet"
     try:
@@ -107,9 +128,18 @@ def contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n:
         model = method.prepare(own) or own
         opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)  # one multi-tensor update, as dprun's
         gen = torch.Generator(device=x.device).manual_seed(0)
-        step = lambda: method.step(model, loss_fn, x, y, opt, sample_rate=expected_batch / n,  # noqa: E731
+        method_step = method.step
+        if compiled:
+            from runner.methods.compiled import CompiledStep
+
+            method_step = CompiledStep(method, compile_mode, x.device, physical=None)
+        step = lambda: method_step(model, loss_fn, x, y, opt, sample_rate=expected_batch / n,  # noqa: E731
                                    expected_batch_size=expected_batch, generator=gen)
         step()  # fails here, not in the timing loop, if the method rejects the model
+        if compiled:
+            step()  # the compiled step's first step is eager; this one compiles
+            if method_step.compiled is None:
+                return None, f"n/a: compile={compile_mode} fell back to eager (see the log line)"
         return Contender(step, lambda: opt.zero_grad(set_to_none=True)), ""
     except NotImplementedYet as e:
         return None, f"skipped: {e}"
@@ -119,8 +149,12 @@ def contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n:
         return None, f"error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
-def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int, budget_s: float) -> list[dict]:
-    rows = [dict(workload=w.name, model=w.model, batch=w.batch, method=label) for label in w.methods]
+def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int, budget_s: float,
+                   compile_mode: str = "") -> list[dict]:
+    labels = list(w.methods)
+    if compile_mode:
+        labels += [f"{m}+compile" for m in ("nonprivate", "reweight-bk") if m in w.methods]
+    rows = [dict(workload=w.name, model=w.model, batch=w.batch, method=label) for label in labels]
     if w.model not in MODELS:
         print(f"[bench-clip] {w.name}: skipped, model={w.model} not registered yet")
         return [dict(r, note=f"skipped: model={w.model} not registered yet") for r in rows]
@@ -128,8 +162,9 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
     base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
     x, y = synthetic_batch(w.info, w.batch, device)
     contenders, notes = {}, {}
-    for label in w.methods:
-        contenders[label], notes[label] = contender(label, base, x, y, float(w.batch), w.info.train_size)
+    for label in labels:
+        contenders[label], notes[label] = contender(label, base, x, y, float(w.batch), w.info.train_size,
+                                                    compile_mode)
         if notes[label]:
             print(f"[bench-clip] {w.name} {label}: {notes[label]}")
     contenders = {k: c for k, c in contenders.items() if c is not None}
@@ -146,6 +181,7 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
         fewer = len(times[label]) < repeats
         r.update(step_ms=1e3 * t[label], steps_timed=len(times[label]),
                  x_nonprivate=t[label] / t["nonprivate"] if "nonprivate" in t else math.nan,
+                 x_nonprivate_compiled=t[label] / t["nonprivate+compile"] if "nonprivate+compile" in t else math.nan,
                  x_opacus_best=t[label] / min(opacus) if opacus else math.nan,
                  step_mem_mb=memory[label] / 2**20,
                  mem_x_nonprivate=memory[label] / memory["nonprivate"] if memory.get("nonprivate") else math.nan,
@@ -165,21 +201,27 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
     ap.add_argument("--quick", action="store_true", help="batches / 8 and 2 repeats: a smoke run of every code path")
     ap.add_argument("--workloads", default="", help="comma-separated subset of: " +
-                    ", ".join(w.name for w in workloads()))
+                    ", ".join(w.name for w in workloads()) + "; with --suite gpu: " +
+                    ", ".join(w.name for w in gpu_workloads()))
     ap.add_argument("--budget", type=float, default=60.0,
                     help="seconds of timed steps per method; slower methods (nxbp) are timed on fewer steps")
+    ap.add_argument("--suite", default="default", choices=["default", "gpu"],
+                    help="default: the CPU workloads below; gpu: issue 12's GPU table (make bench-gpu)")
+    ap.add_argument("--compile", default="", help="also time nonprivate and reweight-bk under compile=MODE "
+                    "(default | reduce-overhead | cudagraphs; runner/methods/compiled.py)")
     ap.add_argument("--out", default="outputs/bench", help="folder for clip_<device>.csv")
     args = ap.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
     repeats = 2 if args.quick else args.repeats
-    chosen = select_workloads(workloads(args.quick), args.workloads, "bench-clip")
+    suite = gpu_workloads(args.quick) if args.suite == "gpu" else workloads(args.quick)
+    chosen = select_workloads(suite, args.workloads, "bench-clip")
     print(f"[bench-clip] {device_name(device)}, torch {torch.__version__}, {repeats} repeats, median step time")
     rows: list[dict] = []
     for w in chosen:
         print(f"[bench-clip] {w.name}: model={w.model} B={w.batch} ...", flush=True)
-        rows += bench_workload(w, device, repeats, args.warmup, args.budget)
+        rows += bench_workload(w, device, repeats, args.warmup, args.budget, args.compile)
     df = table(rows)
     path = Path(args.out) / f"clip_{device.type}{'_quick' if args.quick else ''}.csv"
     write_csv(path, df.to_dict("records"))

@@ -62,6 +62,20 @@ def workloads(quick: bool = False) -> list[Workload]:
             Workload("bilstm_imdb", "bilstm", IMDB, b, "adam", 0.001)]
 
 
+def gpu_workloads(quick: bool = False) -> list[Workload]:
+    """Issue 12's GPU table (make bench-gpu): the three above plus the transformer on IMDB, VGG-11 and ResNet-18 on
+    CIFAR-10 (B=128) and ResNet-101 at 256 px (B=32)."""
+    scale = (lambda b: max(2, b // 8)) if quick else (lambda b: b)
+    big = DataInfo("imagenet256", (3, 256, 256), 1000, "image", None, 1281167, 50000)
+    return [Workload("cnn_mnist", "bu_cnn", MNIST, scale(256), "sgd", 0.25),
+            Workload("papernot_cifar10", "papernot_cnn", CIFAR10, scale(256), "sgd", 0.1),
+            Workload("transformer_imdb", "transformer", IMDB, scale(256), "adam", 0.001),
+            Workload("bilstm_imdb", "bilstm", IMDB, scale(256), "adam", 0.001),
+            Workload("vgg11_cifar10", "vgg11", CIFAR10, scale(128), "sgd", 0.1),
+            Workload("resnet18_cifar10", "resnet18", CIFAR10, scale(128), "sgd", 0.1),
+            Workload("resnet101_256px", "resnet101", big, scale(32), "sgd", 0.1)]
+
+
 def variants(rs: list[int], chunk: int) -> dict[str, tuple[str, dict, int, str]]:
     """label -> (method, options, r, jvp)."""
     out = {"nonprivate": ("nonprivate", {}, 1, ""), "reweight": ("reweight", {}, 1, "")}
@@ -170,6 +184,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--memory", action="store_true", help="also measure each contender's peak step memory")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default); 1 on a "
                     "shared CPU, where idle spinning threads make wall times of multi-threaded steps meaningless")
+    ap.add_argument("--suite", default="default", choices=["default", "gpu"],
+                    help="default: the three workloads below; gpu: issue 12's GPU table (make bench-gpu)")
     ap.add_argument("--out", default="outputs/bench", help="folder for jl_<device>.csv")
     args = ap.parse_args(argv)
     if args.device == "auto":
@@ -179,7 +195,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else args.repeats
     rs = [1, 4] if args.quick else [int(v) for v in args.r.split(",")]
-    chosen = select_workloads(workloads(args.quick), args.workloads, "bench-jl")
+    suite = gpu_workloads(args.quick) if args.suite == "gpu" else workloads(args.quick)
+    chosen = select_workloads(suite, args.workloads, "bench-jl")
     print(f"[bench-jl] {device_name(device)}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{repeats} repeats, median step time; r = {rs}, chunk = {args.chunk}")
     path = Path(args.out) / f"jl_{device.type}{'_quick' if args.quick else ''}.csv"
