@@ -29,6 +29,11 @@ bench-clip: ## exact clipping methods vs non-private and Opacus, side by side (B
 bench-jl: ## DP-SGD-JL step time vs r (forward-mode vs double-vjp) vs non-private and ReweightGP (BENCH_ARGS="--quick")
 	$(PY) -m runner.bench.jl $(BENCH_ARGS)
 
+.PHONY: bench-gpu
+bench-gpu: ## issue 12's GPU table: bench-clip (+ Opacus, + compile=reduce-overhead rows) and bench-jl on CUDA -> outputs/bench/{clip,jl}_cuda.csv
+	$(PY) -m runner.bench.clip --device cuda --suite gpu --compile reduce-overhead $(BENCH_ARGS)
+	$(PY) -m runner.bench.jl --device cuda --suite gpu --memory --r 1,4 $(BENCH_ARGS)
+
 # --- figures and tables ---
 # make figures SCALE=smoke (default; CPU minutes) | SCALE=paper (the papers' hyperparameters, for a GPU).
 # Each fig-<name>: the preset's Hydra sweeps (runner/figures/sweep.py), dprun-report, then the plot (docs/figures.md).

@@ -26,6 +26,7 @@ from runner.errors import DprunError
 from runner.metrics import (StepTimer, device_name, package_versions, peak_memory_bytes, reset_peak_memory,
                             write_csv, write_json, write_json_last_resort)
 from runner.optimizers import build_optimizer
+from runner.methods.compiled import build_step, physical_batch
 from runner.progress import progress_bar
 from runner.run_dir import ensure_fresh
 from runner.validate import validate_config
@@ -117,6 +118,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         accountant.check(method.mechanism(sampler.sample_rate))  # e.g. jl at q = 1, pld at tiny sigma: before training
 
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), float(cfg.lr))
+    step_fn = build_step(method, cfg.get("compile", "off"), device,  # compile=...: runner/methods/compiled.py
+                         physical_batch(sampler.sample_rate * sampler.n))
     loss_fn = per_example_cross_entropy
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {
@@ -153,8 +156,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                 idx = next(batches)
                 x, y = data.train_x[idx], data.train_y[idx]
                 with StepTimer(device) as t:
-                    out = method.step(model, loss_fn, x, y, optimizer, sample_rate=sampler.sample_rate,
-                                      expected_batch_size=sampler.sample_rate * sampler.n, indices=idx)
+                    out = step_fn(model, loss_fn, x, y, optimizer, sample_rate=sampler.sample_rate,
+                                  expected_batch_size=sampler.sample_rate * sampler.n, indices=idx)
                 if step >= int(cfg.warmup_steps) or steps_per_epoch <= int(cfg.warmup_steps):
                     step_times.append(t.seconds)
                 if accountant is not None:

@@ -88,3 +88,10 @@ def test_batchnorm_refused_in_one_line(name):
     with pytest.raises(DprunError, match="method.attach") as e:  # stepping a model attach never saw: refused too
         step(method, model, torch.randn(B, 1, 2, 3), torch.zeros(B, dtype=torch.long), torch.arange(B))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", METHODS.names())
+def test_unknown_constructor_arguments_are_refused_not_dropped(name):
+    """r= (now method.r) or any misspelt knob given to the constructor must not be silently ignored."""
+    with pytest.raises(DprunError, match="unknown argument"):
+        METHODS.build(name, cfg={}, clip=1.0, sigma=1.0, r=4)

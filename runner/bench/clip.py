@@ -3,13 +3,16 @@
     python -m runner.bench.clip                       # all workloads, this machine's best device
     python -m runner.bench.clip --device cpu --repeats 5 --workloads cnn_mnist,fig6_b128
     python -m runner.bench.clip --quick               # every code path, small batches, 2 repeats (a smoke run)
+    python -m runner.bench.clip --device cuda --suite gpu --compile reduce-overhead   # issue 12's GPU workloads
+                                                      # (make bench-gpu), plus compiled nonprivate / reweight-bk rows
 
 One process, one model per workload (a fresh copy per method, same seed), the same warm-up for every method,
 interleaved repeats; a step is Method.step (privatize + noise + optimizer step). Columns: median step time,
 ratio to non-private, ratio to Opacus's fastest mode on the same workload, peak step memory and its ratio to
-non-private (runner/bench/common.py defines the memory measure on CPU and CUDA). Inputs are synthetic tensors
-of the datasets' shapes (speed does not depend on pixel values). Methods that reject a model (a one-line DprunError)
-are rows with a note. Saves outputs/bench/clip_<device>.csv.
+non-private (runner/bench/common.py defines the memory measure on CPU and CUDA), and the aten operators
+dispatched per step (runner/bench/opcount.py: all, and leaves ~ kernel launches). Inputs are synthetic tensors
+of the datasets' shapes (speed does not depend on pixel values). Methods that reject a model (a one-line
+DprunError) are rows with a note. Saves outputs/bench/clip_<device>.csv.
 """
 from __future__ import annotations
 
@@ -20,9 +23,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from runner.bench.common import (IMDB, MNIST, arguments, bench_device, contender, interleaved_times, median, select_workloads,
-                                 step_memory_bytes, synthetic_batch, timing_columns)
+from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, contender, interleaved_times,
+                                 median, select_workloads, step_memory_bytes, synthetic_batch, timing_columns)
 from runner.bench import common
+from runner.bench.opcount import op_counts
+from runner.data.base import DataInfo
 from runner.metrics import device_name, write_csv
 from runner.models import MODELS
 
@@ -39,8 +44,10 @@ METHOD_VARIANTS = {
 }
 ALL = list(METHOD_VARIANTS)
 FIG6 = ["nonprivate", "nxbp", "reweight-twopass", "reweight-bk"]  # L&K figure 6: nxBP vs ReweightGP over B
-COLUMNS = ["workload", "model", "batch", "method", "step_ms", "x_nonprivate", "x_opacus_best", "step_mem_mb",
-           "mem_x_nonprivate", "steps_timed", "note"]
+IMAGENET256 = DataInfo("imagenet256", (3, 256, 256), 1000, "image", None, 1281167, 50000)
+GPU = ["nonprivate", "reweight-twopass", "reweight-bk", "opacus-hooks", "opacus-ghost", "opacus-functorch"]
+COLUMNS = ["workload", "model", "batch", "method", "step_ms", "x_nonprivate", "x_nonprivate_compiled",
+           "x_opacus_best", "step_mem_mb", "mem_x_nonprivate", "aten_ops", "leaf_ops", "steps_timed", "note"]
 
 
 @dataclass
@@ -60,26 +67,48 @@ def workloads(quick: bool = False) -> list[Workload]:
     return out
 
 
-def method_contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n: int):
-    """One method variant's Contender (runner/bench/common.py), or None and a note why there is none."""
-    name, options = METHOD_VARIANTS[label]
-    return contender(name, options, base, x, y, lambda ps: torch.optim.SGD(ps, lr=0.01), expected_batch / n,
-                     expected_batch)
+def gpu_workloads(quick: bool = False) -> list[Workload]:
+    """Issue 12's GPU table: the JL paper's CNNs, transformer and BiLSTM at B=256, VGG-11 and ResNet-18 on CIFAR-10
+    at B=128, ResNet-101 at 256 px, B=32; non-private, reweight and the Opacus modes (no nxBP: minutes a step)."""
+    scale = (lambda b: max(2, b // 8)) if quick else (lambda b: b)
+    return [Workload("cnn_mnist", "bu_cnn", MNIST, scale(256), GPU),
+            Workload("papernot_cifar10", "papernot_cnn", CIFAR10, scale(256), GPU),
+            Workload("transformer_imdb", "transformer", IMDB, scale(256), GPU, {"dropout": 0.0}),
+            Workload("bilstm_imdb", "bilstm", IMDB, scale(256), GPU),
+            Workload("vgg11_cifar10", "vgg11", CIFAR10, scale(128), GPU),
+            Workload("resnet18_cifar10", "resnet18", CIFAR10, scale(128), GPU),
+            Workload("resnet101_256px", "resnet101", IMAGENET256, scale(32), GPU)]
 
 
-def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int, budget_s: float) -> list[dict]:
-    rows = [dict(workload=w.name, model=w.model, batch=w.batch, method=label) for label in w.methods]
+def method_contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n: int,
+                     compile_mode: str = ""):
+    """One method variant's Contender (runner/bench/common.py), or None and a note why there is none. A label
+    ending in "+compile" steps through runner/methods/compiled.py with `compile_mode`."""
+    variant, _, compiled = label.partition("+")
+    name, options = METHOD_VARIANTS[variant]
+    return contender(name, options, base, x, y, lambda ps: torch.optim.SGD(ps, lr=0.01, foreach=True),
+                     expected_batch / n, expected_batch, compile_mode=compile_mode if compiled else "")
+
+
+def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int, budget_s: float,
+                   compile_mode: str = "") -> list[dict]:
+    labels = list(w.methods)
+    if compile_mode:
+        labels += [f"{m}+compile" for m in ("nonprivate", "reweight-bk") if m in w.methods]
+    rows = [dict(workload=w.name, model=w.model, batch=w.batch, method=label) for label in labels]
     torch.manual_seed(0)
     base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
     x, y = synthetic_batch(w.info, w.batch, device)
     contenders, notes = {}, {}
-    for label in w.methods:
-        contenders[label], notes[label] = method_contender(label, base, x, y, float(w.batch), w.info.train_size)
+    for label in labels:
+        contenders[label], notes[label] = method_contender(label, base, x, y, float(w.batch), w.info.train_size,
+                                                           compile_mode)
         if notes[label]:
             print(f"[bench-clip] {w.name} {label}: {notes[label]}")
     contenders = {k: c for k, c in contenders.items() if c is not None}
     times = interleaved_times({k: c.step for k, c in contenders.items()}, device, repeats, warmup, budget_s)
     memory = {label: step_memory_bytes(c.step, device, before=c.zero_grad) for label, c in contenders.items()}
+    ops = {label: op_counts(c.step, before=c.zero_grad) for label, c in contenders.items()}
     t = {label: median(ts) for label, ts in times.items()}
     opacus = [t[k] for k in t if k.startswith("opacus")]
     for r in rows:
@@ -88,9 +117,11 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
             r.update(note=notes[label])
             continue
         r.update(**timing_columns(label, times, repeats),
+                 x_nonprivate_compiled=t[label] / t["nonprivate+compile"] if "nonprivate+compile" in t else math.nan,
                  x_opacus_best=t[label] / min(opacus) if opacus else math.nan,
                  step_mem_mb=memory[label] / 2**20,
-                 mem_x_nonprivate=memory[label] / memory["nonprivate"] if memory.get("nonprivate") else math.nan)
+                 mem_x_nonprivate=memory[label] / memory["nonprivate"] if memory.get("nonprivate") else math.nan,
+                 **ops[label])
     return rows
 
 
@@ -101,16 +132,22 @@ def table(rows: list[dict]) -> pd.DataFrame:
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap = arguments("python -m runner.bench.clip", __doc__, repeats=10, warmup=2, budget=60.0,
                    quick="batches / 8 and 2 repeats: a smoke run of every code path",
-                   workloads=[w.name for w in workloads()], out="clip_<device>.csv")
+                   workloads=[w.name for w in workloads()] + [w.name + " (--suite gpu)" for w in gpu_workloads()],
+                   out="clip_<device>.csv")
+    ap.add_argument("--suite", default="default", choices=["default", "gpu"],
+                    help="default: the CPU workloads; gpu: issue 12's GPU table (make bench-gpu)")
+    ap.add_argument("--compile", default="", help="also time nonprivate and reweight-bk under compile=MODE "
+                    "(default | reduce-overhead | cudagraphs; runner/methods/compiled.py)")
     args = ap.parse_args(argv)
     device = bench_device(args.device)
     repeats = 2 if args.quick else args.repeats
-    chosen = select_workloads(workloads(args.quick), args.workloads, "bench-clip")
+    suite = gpu_workloads(args.quick) if args.suite == "gpu" else workloads(args.quick)
+    chosen = select_workloads(suite, args.workloads, "bench-clip")
     print(f"[bench-clip] {device_name(device)}, torch {torch.__version__}, {repeats} repeats, median step time")
     rows: list[dict] = []
     for w in chosen:
         print(f"[bench-clip] {w.name}: model={w.model} B={w.batch} ...", flush=True)
-        rows += bench_workload(w, device, repeats, args.warmup, args.budget)
+        rows += bench_workload(w, device, repeats, args.warmup, args.budget, args.compile)
     df = table(rows)
     path = Path(args.out) / f"clip_{device.type}{'_quick' if args.quick else ''}.csv"
     write_csv(path, df.to_dict("records"))

@@ -76,17 +76,27 @@ class Contender(NamedTuple):
 
 
 def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimizer, sample_rate: float,
-              expected_batch_size: float) -> tuple[Contender | None, str]:
+              expected_batch_size: float, compile_mode: str = "") -> tuple[Contender | None, str]:
     """One method's Contender on its own copy of the model (Method.attach: validated and prepared, as in a run),
-    or None and a note why there is none (the method rejects the model: "n/a: ..."; a bug: "error: ...")."""
+    or None and a note why there is none (the method rejects the model: "n/a: ..."; a bug: "error: ...").
+    compile_mode: step through runner/methods/compiled.py (its first steps compile: they are the warm-up)."""
     try:
         method = METHODS.build(name, cfg=options, clip=1.0, sigma=1.0)
         model = method.attach(copy.deepcopy(base))
         opt = make_optimizer(model.parameters())
         gen = torch.Generator(device=x.device).manual_seed(0)
-        step = lambda: method.step(model, loss_fn, x, y, opt, sample_rate=sample_rate,  # noqa: E731
+        method_step = method.step
+        if compile_mode:
+            from runner.methods.compiled import CompiledStep
+
+            method_step = CompiledStep(method, compile_mode, x.device, physical=None)
+        step = lambda: method_step(model, loss_fn, x, y, opt, sample_rate=sample_rate,  # noqa: E731
                                    expected_batch_size=expected_batch_size, generator=gen)
         step()  # fails here, not in the timing loop, if the method rejects the model
+        if compile_mode:
+            step()  # the compiled step's first step is eager; this one compiles
+            if method_step.compiled is None:
+                return None, f"n/a: compile={compile_mode} fell back to eager (see the log line)"
         return Contender(step, lambda: opt.zero_grad(set_to_none=True)), ""
     except DprunError as e:
         return None, f"n/a: {e}"

@@ -12,6 +12,7 @@ model copy per contender (same seed), the same warm-up, interleaved repeats, med
 `--chunk K` bounds the directions per vmap call (memory of the tangents ~ K forwards). Wall time (`step_ms`, the
 paper's measure) and process CPU time (`cpu_ms`: robust on a shared machine; use `--threads 1` there) per step.
 After the table, one line per workload and jvp mode fits CPU time = a + b r: the marginal cost of a direction.
+`aten_ops` / `leaf_ops`: operators dispatched per step (runner/bench/opcount.py; leaves ~ kernel launches).
 Saves outputs/bench/jl_<device>.csv (jl_<device>_quick.csv with --quick).
 """
 from __future__ import annotations
@@ -25,15 +26,17 @@ import numpy as np
 import pandas as pd
 import torch
 
-from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, contender, interleaved_times, median, select_workloads,
-                                 step_memory_bytes, synthetic_batch, timing_columns)
+from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, contender, interleaved_times,
+                                 median, select_workloads, step_memory_bytes, synthetic_batch, timing_columns)
 from runner.bench import common
+from runner.bench.opcount import op_counts
+from runner.data.base import DataInfo
 from runner.metrics import device_name, write_csv
 from runner.models import MODELS
 
 MODES = ("forward", "double_vjp")
 COLUMNS = ["workload", "model", "batch", "optimizer", "method", "jvp", "r", "step_ms", "x_nonprivate", "x_reweight",
-           "cpu_ms", "cpu_x_nonprivate", "cpu_x_reweight", "step_mem_mb", "steps_timed", "note"]
+           "cpu_ms", "cpu_x_nonprivate", "cpu_x_reweight", "step_mem_mb", "aten_ops", "leaf_ops", "steps_timed", "note"]
 
 
 @dataclass
@@ -49,6 +52,20 @@ def workloads(quick: bool = False) -> list[Workload]:
             Workload("bilstm_imdb", "bilstm", IMDB, b, "adam", 0.001)]
 
 
+def gpu_workloads(quick: bool = False) -> list[Workload]:
+    """Issue 12's GPU table (make bench-gpu): the three above plus the transformer on IMDB, VGG-11 and ResNet-18 on
+    CIFAR-10 (B=128) and ResNet-101 at 256 px (B=32)."""
+    scale = (lambda b: max(2, b // 8)) if quick else (lambda b: b)
+    big = DataInfo("imagenet256", (3, 256, 256), 1000, "image", None, 1281167, 50000)
+    return [Workload("cnn_mnist", "bu_cnn", MNIST, scale(256), "sgd", 0.25),
+            Workload("papernot_cifar10", "papernot_cnn", CIFAR10, scale(256), "sgd", 0.1),
+            Workload("transformer_imdb", "transformer", IMDB, scale(256), "adam", 0.001),
+            Workload("bilstm_imdb", "bilstm", IMDB, scale(256), "adam", 0.001),
+            Workload("vgg11_cifar10", "vgg11", CIFAR10, scale(128), "sgd", 0.1),
+            Workload("resnet18_cifar10", "resnet18", CIFAR10, scale(128), "sgd", 0.1),
+            Workload("resnet101_256px", "resnet101", big, scale(32), "sgd", 0.1)]
+
+
 def variants(rs: list[int], chunk: int) -> dict[str, tuple[str, dict, int, str]]:
     """label -> (method, options, r, jvp)."""
     out = {"nonprivate": ("nonprivate", {}, 1, ""), "reweight": ("reweight", {}, 1, "")}
@@ -60,7 +77,7 @@ def variants(rs: list[int], chunk: int) -> dict[str, tuple[str, dict, int, str]]
 def jl_contender(method_name: str, options: dict, r: int, base, w: Workload, x, y):
     """(step, zero_grad) on the method's own model copy (runner/bench/common.py), or None and the reason."""
     opt_cls = torch.optim.Adam if w.optimizer == "adam" else torch.optim.SGD
-    return contender(method_name, {**options, "r": r}, base, x, y, lambda ps: opt_cls(ps, lr=w.lr),
+    return contender(method_name, {**options, "r": r}, base, x, y, lambda ps: opt_cls(ps, lr=w.lr, foreach=True),
                      w.batch / w.info.train_size, float(w.batch))
 
 
@@ -92,6 +109,7 @@ def bench_workload(w: Workload, rs: list[int], chunk: int, device, repeats: int,
     t = {k: median(ts) for k, ts in times.items()}
     ct = {k: median(cpu[k][-len(ts):]) for k, ts in times.items()}  # the timed steps' CPU seconds
     mem = {k: step_memory_bytes(c[0], device, before=c[1]) for k, c in live.items()} if memory else {}
+    ops = {k: op_counts(c[0], before=c[1]) for k, c in live.items()}
     for row in rows:
         label = row.pop("label")
         if label not in live:
@@ -102,7 +120,7 @@ def bench_workload(w: Workload, rs: list[int], chunk: int, device, repeats: int,
                    cpu_ms=1e3 * ct[label],
                    cpu_x_nonprivate=ct[label] / ct["nonprivate"] if "nonprivate" in ct else math.nan,
                    cpu_x_reweight=ct[label] / ct["reweight"] if "reweight" in ct else math.nan,
-                   step_mem_mb=mem[label] / 2**20 if label in mem else math.nan)
+                   step_mem_mb=mem[label] / 2**20 if label in mem else math.nan, **ops[label])
     return rows
 
 
@@ -131,13 +149,16 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--memory", action="store_true", help="also measure each contender's peak step memory")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default); 1 on a "
                     "shared CPU, where idle spinning threads make wall times of multi-threaded steps meaningless")
+    ap.add_argument("--suite", default="default", choices=["default", "gpu"],
+                    help="default: the three CPU workloads; gpu: issue 12's GPU table (make bench-gpu)")
     args = ap.parse_args(argv)
     device = bench_device(args.device)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else args.repeats
     rs = [1, 4] if args.quick else [int(v) for v in args.r.split(",")]
-    chosen = select_workloads(workloads(args.quick), args.workloads, "bench-jl")
+    suite = gpu_workloads(args.quick) if args.suite == "gpu" else workloads(args.quick)
+    chosen = select_workloads(suite, args.workloads, "bench-jl")
     print(f"[bench-jl] {device_name(device)}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{repeats} repeats, median step time; r = {rs}, chunk = {args.chunk}")
     path = Path(args.out) / f"jl_{device.type}{'_quick' if args.quick else ''}.csv"

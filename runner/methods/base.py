@@ -68,7 +68,10 @@ class Method:
     summary: ClassVar[str] = ""  # one line for the method table (JL paper Table 1)
     sampling: ClassVar[str | None] = None  # set: the sampling the method needs, overriding cfg.sampling (sbcd)
 
-    def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, **_: Any):
+    def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, **unknown: Any):
+        if unknown:  # e.g. r=4: method options live in cfg (conf/method/<name>.yaml), never silently dropped
+            raise DprunError(f"method={self.name} got unknown argument(s) {', '.join(sorted(unknown))}; pass method "
+                             f"options in cfg, e.g. METHODS.build({self.name!r}, cfg={{'r': 4}}, clip=1.0, sigma=1.0)")
         self.cfg = cfg if cfg is not None else {}
         self.clip = float(clip)
         self.sigma = float(sigma)

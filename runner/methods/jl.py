@@ -14,7 +14,8 @@ The model is a black box: no norm rules, any architecture torch.func can differe
                            shares the forward, but a double backward per chunk of directions
     method.jvp=auto        forward; if an operator has no forward-mode formula (CPU nn.LSTM's mkldnn kernel),
                            log it once and use double_vjp from then on
-    method.chunk=K         directions per pass (0 = all r at once); K=1: one dual-tensor pass per direction
+    method.chunk=K         directions per pass (0 = all r at once); K=1: one dual-tensor pass per direction.
+                           Out of memory: K is halved (logged) down to 1, the step retried (keeps forward mode)
 
     dprun method=jl r=4 dataset=synthetic dataset.like=cifar10 epochs=1 max_steps_per_epoch=20
     dprun method=jl r=1 dataset=synthetic dataset.like=imdb optimizer=adam lr=0.001     # DP-Adam-JL
@@ -190,10 +191,31 @@ class JL(Method):
 
     def projections(self, model, loss_fn, x, y, directions: Directions):
         """losses, outputs, P (B, r), backward(nu); under jvp=auto the first unsupported operator switches to
-        double_vjp for good (logged once)."""
+        double_vjp for good (logged once). Out of memory with several directions per pass: halve method.chunk
+        (logged) and retry with the same directions and RNG state, down to one direction per pass, whose memory
+        is a forward with its graph plus one tangent: JL(r) then fits where non-private nearly fits, at any r."""
+        while True:
+            state = rng_state(x.device)
+            try:
+                return self._projections(model, loss_fn, x, y, directions)
+            except torch.OutOfMemoryError:
+                r = next(iter(directions.values())).shape[0]
+                per_pass = self.chunk if 0 < self.chunk < r else r
+                if per_pass <= 1:
+                    raise
+                self.chunk = per_pass // 2
+                log.warning("method=jl: out of memory with %d directions per pass; using method.chunk=%d from now "
+                            "on", per_pass, self.chunk)
+                if x.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                set_rng_state(state, x.device)
+
+    def _projections(self, model, loss_fn, x, y, directions: Directions):
         if self.mode == "auto" and self.active == "forward":
             try:
                 return forward_projections(model, loss_fn, x, y, directions, self.chunk)
+            except torch.OutOfMemoryError:
+                raise
             except (NotImplementedError, RuntimeError) as e:
                 first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 log.warning("method=jl: forward-mode AD failed (%s); using method.jvp=double_vjp from now on",

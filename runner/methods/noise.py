@@ -4,6 +4,10 @@ After privatize(), each p.grad holds sum_i clip(g_i). DP-SGD releases
     (sum_i clip(g_i) + N(0, (sigma*C)^2 I)) / B_expected
 Dividing by the EXPECTED batch size (q*N), not the realised Poisson batch size, keeps the released quantity a
 fixed function of the noisy sum (dividing by the realised size would leak the batch size).
+
+Few launches: ONE torch.randn over all trainable parameters of a (device, dtype) group, split into views, then
+one _foreach_add_ and one _foreach_div_ over the gradients (instead of a randn, an add and a div per parameter).
+The noise is still i.i.d. N(0, (sigma*C)^2) on every coordinate; no host synchronisation.
 DP-SBCD adds its per-layer noise to the weights with add_gaussian (below), from the same generator.
 """
 from __future__ import annotations
@@ -14,16 +18,20 @@ import torch
 @torch.no_grad()
 def add_noise_and_scale(model: torch.nn.Module, noise_std: float, expected_batch_size: float,
                         generator: torch.Generator | None = None) -> None:
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
         if p.grad is None:  # a parameter unused by this batch (or empty batch) still gets noise
             p.grad = torch.zeros_like(p)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for (device, dtype), grads in groups.items():
         if noise_std > 0:
-            # generator must live on p's device; None draws from torch's global RNG (seeded by the run)
-            noise = torch.randn(p.shape, generator=generator, device=p.device, dtype=p.dtype)
-            p.grad.add_(noise, alpha=noise_std)
-        p.grad.div_(expected_batch_size)
+            # generator must live on the device; None draws from torch's global RNG (seeded by the run)
+            flat = torch.randn(sum(g.numel() for g in grads), generator=generator, device=device, dtype=dtype)
+            noise = [n.view(g.shape) for n, g in zip(flat.split([g.numel() for g in grads]), grads)]
+            torch._foreach_add_(grads, noise, alpha=noise_std)
+        torch._foreach_div_(grads, float(expected_batch_size))
 
 
 def add_gaussian(t: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -57,18 +57,22 @@ class ReweightGP(Method):
         twopass = self.mode == "twopass"
         rec.backprops(losses.sum(), retain_graph=twopass)
 
-        layers = list(rec.layers())  # (path, module, rule, a, g): a, g (B, T, ...) over all calls
-        stashes = [None if twopass else {} for _ in layers]  # bk: per-example grads kept for the clipped sums
+        # Memory (issue 12): one layer at a time. Its (a, g) (a conv's unfolded input) and any ghost Gram matrices
+        # are freed before the next layer; only a per-example gradient small enough to keep (norms/outer.py) waits
+        # for the clipped sums, which use the raw records and free each layer's as soon as it is summed.
+        stashes = {}
         norms_sq = losses.new_zeros(len(y)).detach()
-        for (_, module, rule, a, g), stash in zip(layers, stashes):
+        for _, module, rule, a, g in rec.layers():
+            stash = None if twopass else stashes.setdefault(id(module), {})
             norms_sq = norms_sq + rule.norm_sq(module, a, g, self.how, stash)
+            del a, g
         norms = norms_sq.clamp_min(0).sqrt()  # (B,)
         nu = clip_factors(norms, self.clip)  # (B,)
 
         if twopass:
             self.second_backward(params, (nu * losses).sum())
         else:
-            self.book_keeping(params, layers, stashes, nu)
+            self.book_keeping(params, rec, stashes, nu)
         if not plan.matches(model):
             raise DprunError("the model's trainable parameters changed during the step; every trainable "
                              "parameter must be covered by a norm rule")
@@ -82,12 +86,15 @@ class ReweightGP(Method):
             p.grad = torch.zeros_like(p) if g is None else g
 
     @staticmethod
-    def book_keeping(params, layers, stashes, nu):
-        """Each layer's clipped sum from its recorded inputs and output-gradients; no second backward."""
+    def book_keeping(params, rec, stashes, nu):
+        """Each layer's clipped sum from its recorded inputs and output-gradients; no second backward. A layer's
+        records are freed as soon as its sum is formed."""
         sums = {}
-        for (_, module, rule, a, g), stash in zip(layers, stashes):
-            for name, s in rule.clipped_sums(module, a, g, nu, stash).items():
+        for _, module, rule, calls in rec.raw_layers():
+            for name, s in rule.clipped_sums_calls(module, calls, nu, stashes.pop(id(module), None)).items():
                 sums[id(getattr(module, name))] = s
+            del calls
+            rec.release(module)
         for p in params:  # a covered module that was not called this step contributes zero
             p.grad = sums.pop(id(p), None)
             if p.grad is None:

@@ -54,6 +54,16 @@ class NormRule:
         raise NotImplementedError
 
 
+    def clipped_sums_calls(self, layer: nn.Module, calls: list, nu: torch.Tensor,
+                           stash: dict | None = None) -> dict[str, torch.Tensor]:
+        """clipped_sums from the recorded [(input, output-gradient)] calls; a rule may override it to avoid
+        building `sequence`'s (a, g) again (a conv's unfolded input)."""
+        parts = [self.sequence(layer, inp, grad) for inp, grad in calls]
+        a = torch.cat([p[0] for p in parts], 1) if len(parts) > 1 else parts[0][0]
+        g = torch.cat([p[1] for p in parts], 1) if len(parts) > 1 else parts[0][1]
+        return self.clipped_sums(layer, a, g, nu, stash)
+
+
 def register(*types: type) -> Callable[[type], type]:
     """Class decorator: instantiate the rule and register it for each module type (exact type match)."""
 

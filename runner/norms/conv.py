@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.norms import outer
-from runner.norms.base import NormRule, register, trains
+from runner.norms.base import NormRule, register, trains  # noqa: F401
 
 
 def unfold(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +80,40 @@ class ConvRule(NormRule):
         if trains(layer.bias):
             sums["bias"] = torch.einsum("b,blgo->go", nu, g).reshape(-1)  # (C_out,)
         return sums
+
+
+def weight_grad(layer: nn.Module, inp: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """sum over the batch of the conv weight gradient, by the convolution's own weight-backward kernel (no unfold)."""
+    pads = layer._reversed_padding_repeated_twice
+    if any(pads):
+        inp = F.pad(inp, pads, mode="constant" if layer.padding_mode == "zeros" else layer.padding_mode)
+    zeros = [0] * (inp.dim() - 2)
+    _, gw, _ = torch.ops.aten.convolution_backward(
+        grad_out, inp, layer.weight, None, list(layer.stride), zeros, list(layer.dilation), False, zeros,
+        layer.groups, [False, True, False])
+    return gw
+
+
+def _clipped_sums_calls(self, layer, calls, nu, stash=None):
+    """Memory: clipped sums from the raw (input, output-gradient) calls, never the unfolded input: the weight's
+    from a kept per-example gradient when there is one, else by the conv weight-gradient kernel on the
+    nu-weighted output-gradient (the non-private backward's own kernel); the bias's from the weighted gradient."""
+    sums: dict[str, torch.Tensor] = {}
+    B, G = nu.shape[0], layer.groups
+    shape = (-1,) + (1,) * (calls[0][1].dim() - 1)
+    weighted = [grad * nu.view(shape) for _, grad in calls]  # each (B, C_out, *spatial)
+    if trains(layer.weight) and stash is not None and "weight" in stash:  # per-example (B*G, o_g, k_g) kept
+        per_example = stash.pop("weight")
+        per_example = per_example.view(B, G, *per_example.shape[1:])
+        sums["weight"] = weight_order(layer, torch.einsum("b,bgok->gok", nu, per_example))
+    elif trains(layer.weight):
+        sums["weight"] = sum(weight_grad(layer, inp, wg) for (inp, _), wg in zip(calls, weighted))
+    if trains(layer.bias):
+        sums["bias"] = sum(wg.sum([0, *range(2, wg.dim())]) for wg in weighted)
+    return sums
+
+
+ConvRule.clipped_sums_calls = _clipped_sums_calls
 
 
 def fold(t: torch.Tensor) -> torch.Tensor:

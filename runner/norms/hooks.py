@@ -12,6 +12,10 @@ backward visits the calls in (reverse call order for a recurrent cell), and (3) 
 per-example losses, row i of every output-gradient belongs to example i alone. A call whose input or output
 was later modified in place (e.g. nn.ReLU(inplace=True) on a Linear's output) would give a wrong gradient:
 that raises DprunError instead.
+
+Memory: backprops drops the recorded outputs (only their gradients are needed); `raw_layers()` gives the
+recorded (input, output-gradient) pairs without any rule-specific copy (a conv's unfolded input), and
+`release(module)` frees a module's records as soon as its contribution has been used.
 """
 from __future__ import annotations
 
@@ -26,9 +30,10 @@ from runner.norms.coverage import Plan
 @dataclass
 class Call:
     inp: torch.Tensor  # detached input (shares the version counter with the original)
-    out: torch.Tensor  # the output, still in the graph
-    versions: tuple[int, int]
+    out: torch.Tensor | None  # the output, still in the graph (None after backprops)
+    versions: tuple[int, int] | None  # None: recorded while compiling (no check)
     grad: torch.Tensor | None = None
+    modified: bool = False  # set by backprops, which then drops `out` (memory)
 
 
 class Recorder:
@@ -49,15 +54,46 @@ class Recorder:
 
     def _hook(self, module, args, kwargs, out):
         inp = args[0] if args else next(iter(kwargs.values()))
-        self.calls[id(module)].append(Call(inp.detach(), out, (inp._version, out._version)))
+        # inside torch.compile the version counters are the tracer's, not the run's: no check there (the compiled
+        # step's first step runs eager and makes it, runner/methods/compiled.py)
+        versions = None if torch.compiler.is_compiling() else (inp._version, out._version)
+        self.calls[id(module)].append(Call(inp.detach(), out, versions))
 
     def backprops(self, loss: torch.Tensor, retain_graph: bool) -> None:
         calls = [c for cs in self.calls.values() for c in cs if c.out.requires_grad]
-        if not calls:  # no covered layer reached the loss: every output-gradient is zero
-            return
-        grads = torch.autograd.grad(loss, [c.out for c in calls], allow_unused=True, retain_graph=retain_graph)
-        for c, g in zip(calls, grads):
-            c.grad = g
+        if calls:  # else no covered layer reached the loss: every output-gradient is zero
+            grads = torch.autograd.grad(loss, [c.out for c in calls], allow_unused=True, retain_graph=retain_graph)
+            for c, g in zip(calls, grads):
+                c.grad = g
+        for cs in self.calls.values():  # memory: check in-place use now and drop the outputs (only grads are needed)
+            for c in cs:
+                c.modified = c.versions is not None and (c.inp._version, c.out._version) != c.versions
+                if c.grad is None:
+                    c.grad = torch.zeros_like(c.out)
+                c.out = None
+
+    def release(self, module) -> None:
+        """Free a module's recorded inputs and output-gradients once its contribution has been used."""
+        self.calls[id(module)] = []
+
+    def raw_layers(self):
+        """(path, module, rule, [(input, output-gradient) per call]) per covered module that was called."""
+        for path, module, rule in self.plan.layers:
+            calls = self.calls[id(module)]
+            if calls:
+                for c in calls:
+                    self._check(path, module, c)
+                yield path, module, rule, [(c.inp, c.grad) for c in calls]
+            del calls
+
+    @staticmethod
+    def _check(path, module, c) -> None:
+        modified = c.modified if c.out is None else (
+            c.versions is not None and (c.inp._version, c.out._version) != c.versions)
+        if modified:
+            raise DprunError(f"{path} ({type(module).__name__}): its input or output was modified in place "
+                             f"after the call, so its recorded gradient is wrong; use inplace=False "
+                             f"(e.g. nn.ReLU(inplace=False)) after this layer")
 
     def layers(self):
         """(path, module, rule, a, g) per covered module that was called; a, g concatenated over calls (dim 1)."""
@@ -67,12 +103,10 @@ class Recorder:
                 continue
             parts = []
             for c in calls:
-                if (c.inp._version, c.out._version) != c.versions:
-                    raise DprunError(f"{path} ({type(module).__name__}): its input or output was modified in place "
-                                     f"after the call, so its recorded gradient is wrong; use inplace=False "
-                                     f"(e.g. nn.ReLU(inplace=False)) after this layer")
+                self._check(path, module, c)
                 grad = c.grad if c.grad is not None else torch.zeros_like(c.out)
                 parts.append(rule.sequence(module, c.inp, grad))
             a = torch.cat([p[0] for p in parts], 1) if len(parts) > 1 else parts[0][0]
             g = torch.cat([p[1] for p in parts], 1) if len(parts) > 1 else parts[0][1]
             yield path, module, rule, a, g
+            del a, g, parts  # memory: this layer's (a, g) must not outlive the caller's use of them

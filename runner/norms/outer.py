@@ -14,6 +14,11 @@ With a (N, T, k) layer inputs and g (N, T, o) output-gradients of N examples ove
 GEMM over the N*T rows; but materialising G_i is a bmm with inner dimension T, memory-bound when T is small,
 so ghost still wins when T^2*(k+o) < BK_GHOST*k*o (measured on CPU: an LSTM's h_proj at T=28, 128->512,
 ghost+GEMM 20 ms vs direct 54 ms; bu_cnn's conv2, T=25, 256->32, a tie; a transformer FF, T=256, direct).
+
+Memory (issue 12): a kept G_i lives until the clipped sums, next to every other layer's records, so it is kept
+only when it is no larger than the layer's own recorded a and g (o*k <= T*(k+o), `keeps`); otherwise the choice
+is the stash-free one (flops) and the clipped sum is one GEMM (or the conv weight-gradient kernel). Ghost's
+N*T^2 Gram matrices and a direct G_i that is not kept are transients, freed before the next layer.
 """
 from __future__ import annotations
 
@@ -30,6 +35,11 @@ def use_ghost(T: int, k: int, o: int, how: str, stash: bool = False) -> bool:
     return T * (k + o) < k * o  # N*T^2*(k+o) < N*T*k*o
 
 
+def keeps(T: int, k: int, o: int) -> bool:
+    """Book-keeping may keep the per-example gradient (N*o*k) only when it is no larger than a and g (N*T*(k+o))."""
+    return o * k <= T * (k + o)
+
+
 def sqnorm(t: torch.Tensor) -> torch.Tensor:
     """(N,) squared norm of each t[i], without materialising t**2 (a large temporary for per-example grads)."""
     return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square()
@@ -41,6 +51,8 @@ def norm_sq(a: torch.Tensor, g: torch.Tensor, how: str = "auto", stash: dict | N
     o = g.shape[-1]
     if T == 1:  # (N,): rank-one per-example gradient
         return sqnorm(g) * sqnorm(a)
+    if stash is not None and not keeps(T, k, o):
+        stash = None  # memory: do not keep G_i for the clipped sum (clipped_sum falls back to one GEMM)
     if use_ghost(T, k, o, how, stash is not None):
         aa = torch.bmm(a, a.transpose(1, 2))  # (N, T, T)
         gg = torch.bmm(g, g.transpose(1, 2))  # (N, T, T)

@@ -1,0 +1,93 @@
+"""Masked padding (runner/methods/padding.py) changes nothing: a Poisson batch padded to a fixed physical size with
+masked losses releases the same gradient as the unpadded batch. Oracle: nxBP on the unpadded batch (exact methods);
+jl against itself unpadded with the same projection seed; non-private against itself unpadded. float64, CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.methods import METHODS
+from runner.methods.padding import pad_batch, padded_step
+from tests.test_exact_methods import ConvGroupNormNet, SharedEmbeddingNet
+
+DT = torch.float64
+PHYSICAL = 5
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def mlp():
+    return nn.Sequential(nn.Flatten(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+FAMILIES = {  # name -> (model builder, inputs of n rows)
+    "mlp": (mlp, lambda n, g: torch.randn(n, 2, 4, generator=g, dtype=DT)),
+    "conv_groupnorm": (ConvGroupNormNet, lambda n, g: torch.randn(n, 2, 6, 6, generator=g, dtype=DT)),
+    "embedding_recurrent": (SharedEmbeddingNet, lambda n, g: torch.randint(0, 5, (n, 6), generator=g)),
+}
+CASES = [("nonprivate", {}), ("reweight", {"mode": "bk"}), ("reweight", {"mode": "twopass"}),
+         ("jl", {"jvp": "forward"}), ("jl", {"jvp": "double_vjp"})]
+
+
+def run(method_name, cfg, family, n, padded, sigma=0.0, clip=0.5, r=3):
+    build, inputs = FAMILIES[family]
+    torch.manual_seed(0)
+    model = build().to(DT)
+    g = torch.Generator().manual_seed(1)
+    x, y = inputs(n, g), torch.randint(0, 3, (n,), generator=g)
+    method = METHODS.build(method_name, cfg={**cfg, "r": r}, clip=clip, sigma=sigma)
+    model = method.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step leaves the released gradient in .grad
+    kw = dict(sample_rate=0.01, expected_batch_size=4.0, generator=torch.Generator().manual_seed(7))
+    torch.manual_seed(123)  # jl's projection directions: the same draw padded or not
+    if padded:
+        out = padded_step(method, model, loss_fn, x, y, opt, physical=PHYSICAL, **kw)
+    else:
+        out = method.step(model, loss_fn, x, y, opt, **kw)
+    grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    return out, grads
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("method_name,cfg", CASES, ids=lambda c: c if isinstance(c, str) else "-".join(c.values()))
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_padded_masked_step_equals_the_unpadded_batch(method_name, cfg, family, n):
+    oracle = "nxbp" if method_name == "reweight" else method_name  # jl, nonprivate: themselves unpadded
+    ref_out, ref = run(oracle, {} if oracle == "nxbp" else cfg, family, n, padded=False)
+    out, got = run(method_name, cfg, family, n, padded=True)
+    assert_same(got, ref)
+    assert out.losses.shape == (n,)
+    if n:  # (an unpadded empty batch returns default-dtype zeros)
+        torch.testing.assert_close(out.losses, ref_out.losses, rtol=1e-9, atol=1e-12)
+    if method_name != "nonprivate":
+        assert out.norms.shape == (n,)
+        if n:
+            torch.testing.assert_close(out.norms, ref_out.norms, rtol=1e-9, atol=1e-12)
+
+
+def test_padding_leaves_the_noise_and_expected_batch_scaling_unchanged():
+    """With noise (same generator), the padded release equals the unpadded one: same noise, same division."""
+    _, ref = run("reweight", {"mode": "bk"}, "mlp", 3, padded=False, sigma=1.3)
+    _, got = run("reweight", {"mode": "bk"}, "mlp", 3, padded=True, sigma=1.3)
+    assert_same(got, ref)
+
+
+def test_pad_batch_shapes_and_mask():
+    x, y = torch.randn(3, 2), torch.tensor([0, 1, 2])
+    xp, yp, mask = pad_batch(x, y, 5)
+    assert xp.shape == (5, 2) and yp.shape == (5,) and mask.tolist() == [True] * 3 + [False] * 2
+    assert torch.equal(xp[3], x[0])  # padding repeats a real row: finite losses, masked to zero
+    xp, yp, mask = pad_batch(x, y, 2)  # larger than the physical size: not truncated
+    assert xp.shape == (3, 2) and bool(mask.all())
+    xp, yp, mask = pad_batch(x[:0], y[:0], 4)
+    assert xp.shape == (4, 2) and not bool(mask.any())
