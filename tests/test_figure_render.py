@@ -181,3 +181,15 @@ def test_slow_computed_figures_render(name, tmp_path):
     result = render(name, RUNS, EPOCHS, "smoke", tmp_path / "f", tmp_path / "t", formats=("png",))
     assert not isinstance(result, str), result
     assert len(pd.read_csv(tmp_path / "t" / f"{name}.csv")) > 0
+
+
+def test_dprun_multirun_of_a_preset_with_extra_sweeps_names_the_make_target(monkeypatch):
+    from runner.cli import extra_sweeps_note
+
+    monkeypatch.delenv("DPRUN_FIGURE_SWEEP", raising=False)
+    note = extra_sweeps_note(["-m", "experiment=jl_table2", "scale=paper"])
+    assert note and "make fig-jl_table2 SCALE=paper" in note and "\n" not in note
+    assert extra_sweeps_note(["-m", "experiment=lk_fig6"]) is None  # no extra sweeps
+    assert extra_sweeps_note(["experiment=jl_table2"]) is None  # a single run
+    monkeypatch.setenv("DPRUN_FIGURE_SWEEP", "1")
+    assert extra_sweeps_note(["-m", "experiment=jl_table2"]) is None  # the figure sweep runs them itself

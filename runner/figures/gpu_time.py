@@ -46,5 +46,8 @@ PAPER_GPU_HOURS: dict[str, tuple[float, str]] = {
 
 def estimate(name: str) -> str:
     hours, basis = PAPER_GPU_HOURS.get(name, (float("nan"), "no estimate"))
-    when = ("shared" if basis.startswith("reads") else "no GPU") if hours == 0 else (f"~{hours * 60:.0f} min" if hours < 1 else f"~{hours:.1f} h")
+    if hours == 0:
+        when = "shared" if basis.startswith("reads") else "no GPU"
+    else:
+        when = f"~{hours * 60:.0f} min" if hours < 1 else f"~{hours:.1f} h"
     return f"{when:>9s}  ({basis})"

@@ -100,7 +100,7 @@ def trajectories(runs, epochs, scale) -> pd.DataFrame:
     (warm-up excluded) x the expected steps per epoch, so a first epoch that carries the process warm-up, or a capped
     epoch, is not misplaced on the time axis."""
     cols = ["label", "method", "r", "epoch", "time_s", "test_acc", "epsilon", "run_dir", "dataset", "like", "model",
-            "batch_size", "sigma"]
+            "batch_size", "sigma", "time_basis"]
     if epochs.empty:
         return pd.DataFrame(columns=cols)
     runs = one_run_per_label(runs)
@@ -113,6 +113,7 @@ def trajectories(runs, epochs, scale) -> pd.DataFrame:
     else:
         ep["epoch_s"] = ep["epoch_time_s"]
     ep["time_s"] = ep.groupby("run_dir")["epoch_s"].cumsum()
+    ep["time_basis"] = "estimated"
     for col in ("dataset", "like", "model", "batch_size", "sigma"):
         if col not in ep or ep[col].isna().all():
             ep[col] = ep["run_dir"].map(info[col]) if col in info else None
@@ -143,7 +144,8 @@ def mark_chance(ax, chance: float, axis: str = "y"):
     """Say ON the panel that accuracy is chance by construction; show accuracy on its full 0-1 range."""
     (ax.axhline if axis == "y" else ax.axvline)(chance, color="tab:red", ls=":", lw=1)
     (ax.set_ylim if axis == "y" else ax.set_xlim)(0, 1)
-    ax.text(0.5, 0.62, f"SYNTHETIC RANDOM LABELS:\naccuracy = chance ({chance:g}) by construction.\n"
+    ax.text(0.5, 0.2 if chance >= 0.3 else 0.62,
+            f"SYNTHETIC RANDOM LABELS:\naccuracy = chance ({chance:g}) by construction.\n"
             "This panel checks the code path,\nnot the methods' accuracy.", transform=ax.transAxes, ha="center",
             va="center", fontsize=8, color="tab:red", bbox=dict(facecolor="white", edgecolor="tab:red", alpha=0.9))
 
@@ -173,6 +175,7 @@ def eps_panel(ax, points, eps_axis: str = "y"):
     their value; epsilon = inf (no finite guarantee) as red triangles on an "inf" band at the top (or right) of the
     epsilon axis; non-private (no epsilon) as a dashed grey line at its position."""
     finite = [e for _, e, _ in points if pd.notna(e) and np.isfinite(e)]
+    n_inf = 0
     top = max(finite) * 1.3 if finite else 1.0
     inf_at = top * 0.93
     for pos, eps, label in points:
@@ -188,8 +191,10 @@ def eps_panel(ax, points, eps_axis: str = "y"):
         xy = (pos, value) if eps_axis == "y" else (value, pos)
         if inf:
             ax.scatter(*xy, s=40, zorder=3, edgecolors="tab:red", linewidths=1.5, **method_style(label))
+            n_inf += 1
             ax.annotate(label + r" ($\epsilon=\infty$)", xy, fontsize=7, color="tab:red",
-                        xytext=(3, -9) if eps_axis == "y" else (-4, 3), ha="left" if eps_axis == "y" else "right",
+                        xytext=(3, -9 * n_inf) if eps_axis == "y" else (-4, 3 + 9 * (n_inf - 1)),
+                        ha="left" if eps_axis == "y" else "right",
                         textcoords="offset points")
         else:
             ax.scatter(*xy, zorder=3, s=40, label=label, **method_style(label))
@@ -220,12 +225,13 @@ def tradeoff_left(ax, fig, data, norm, cmap):
                        edgecolors=style["color"], s=30, zorder=2)
     ax.set_xscale("log")
     plain_log_axis(ax.xaxis)
-    ax.set_xlabel("training time (s, estimated: median step x steps per epoch)")
+    measured = "time_basis" in data and (data["time_basis"] == "measured").any()
+    ax.set_xlabel("training time (s, measured epoch times)" if measured else
+                  "training time (s, estimated: median step x steps per epoch)")
     ax.set_ylabel("test accuracy")
     from matplotlib.cm import ScalarMappable
 
-    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=r"$\epsilon$ ($\delta=10^{-5}$; red edge: "
-                 r"$\epsilon=\infty$, hollow: non-private)")
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=r"marker fill: $\epsilon$ ($\delta=10^{-5}$)")
     chance = chance_level(data)
     if chance is not None:
         mark_chance(ax, chance)
@@ -242,7 +248,8 @@ def draw_tradeoff(data, caption, scale, title, paper_acc):
     fig, (left, right) = panels(1, 2, title + "\n" + what_ran(data), 5.4, 4)
     norm, cmap = eps_norm(data)
     tradeoff_left(left, fig, data, norm, cmap)
-    left.set_title("accuracy vs training time (fill colour: epsilon)", fontsize=9)
+    left.set_title("accuracy vs training time\n(marker fill: $\\epsilon$; red edge: $\\epsilon=\\infty$; "
+                   "hollow: non-private)", fontsize=9)
     chance = chance_level(data)
     if chance is not None:  # no accuracy target on random labels: where each method ends instead
         last = data.sort_values("epoch").groupby("label").tail(1)
@@ -264,7 +271,7 @@ def draw_tradeoff(data, caption, scale, title, paper_acc):
         right.set_title(f"time and epsilon at accuracy {text}", fontsize=9)
     right.set_xscale("log")
     plain_log_axis(right.xaxis)
-    right.set_xlabel("training time (s, estimated)")
+    right.set_xlabel(left.get_xlabel().split(":")[0].rstrip(")") + ")")
     right.set_ylabel(r"$\epsilon$")
     right.grid(alpha=0.3)
     method_legend(fig, [left])
@@ -367,7 +374,7 @@ def draw_fig6(data, caption, scale):
     if chance is not None:
         mark_chance(axes[1], chance, axis="y")
         mark_chance(axes[2], chance, axis="y")
-        axes[0].text(0.5, 0.5, "fixed accuracy: not meaningful on random labels\n(every method sits at chance)",
+        axes[0].text(0.5, 0.45, "fixed accuracy: not meaningful on random labels\n(every method sits at chance)",
                      transform=axes[0].transAxes, ha="center", fontsize=8, color="tab:red")
     for ax in axes:
         ax.title.set_fontsize(8)
@@ -515,7 +522,7 @@ TABLE4_CONTENDERS = [("Non-DP SGD", "nonprivate", {}, 1), ("DP-SGD-Vanilla", "nx
                      ("DP-SGD-JL(10) (jvp)", "jl", {"jvp": "forward"}, 10),
                      ("DP-SGD-JL(1) (double vjp)", "jl", {"jvp": "double_vjp"}, 1),
                      ("DP-SGD-JL(10) (double vjp)", "jl", {"jvp": "double_vjp"}, 10)]
-TABLE4_BATCH = {"smoke": 64, "paper": 256}
+TABLE4_BATCH = {"smoke": 16, "paper": 256}
 TABLE4_STEPS = (1, 10)  # warm-up steps, timed steps
 
 

@@ -84,9 +84,11 @@ def draw_fig8(data, caption, scale):
 
 
 def draw_fig9(data, caption, scale):
-    title = "Lee & Kifer Figure 9: processing time by image resolution (ResNet-18, ImageNet stem at every size, B=32)"
-    if scale == "smoke":
-        title += "\nsmoke scale: 32-128 px only (conf/experiment/lk_fig9.yaml; 256 px at scale=paper)"
+    sizes = sorted(int(s) for s in set(data["image_size"].dropna()))
+    title = ("Lee & Kifer Figure 9: processing time by image resolution (ResNet-18, B=32)\n"
+             f"image sizes run: {', '.join(map(str, sizes))} px")
+    if scale == "smoke" and 256 not in sizes:
+        title += " (smoke: 256 px only at scale=paper)"
     fig, (ax, ratio) = panels(1, 2, title)
     line_panel(ax, data, "image_size", "s_per_epoch", "label", "seconds per epoch", order=LK_ORDER,
                xlabel="image size (pixels per side)")

@@ -42,6 +42,12 @@ def draw_hsa(data, caption, scale):
     ax.plot(data["epoch"], data["eps_hidden"], color="#e377c2", marker="*", label="hidden state (only the last model)")
     ax.set_yscale("log")
     plain_log_axis(ax.yaxis)
+    lo = min(data["eps_hidden"].min(), data["eps_composition"].min())
+    ax.set_ylim(bottom=min(ax.get_ylim()[0], lo / 1.5))
+    last = data.iloc[-1]
+    for col, name in (("eps_hidden", "hidden state"), ("eps_composition", "composition")):
+        ax.annotate(f"{name}: $\\epsilon$={last[col]:.3g}", (last["epoch"], last[col]), xytext=(-10, 6),
+                    textcoords="offset points", ha="right", fontsize=8)
     ax.set(xlabel="epochs trained", ylabel=r"$\epsilon$ (log)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)

@@ -99,7 +99,7 @@ def method_legend(fig, axes, **kw):
             seen.setdefault(label, handle)
     if seen:
         fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=min(len(seen), 6), fontsize=8,
-                   bbox_to_anchor=(0.5, 0.03), frameon=False, **kw)
+                   bbox_to_anchor=(0.5, 0.045), frameon=False, **kw)
         fig._dprun_legend_below = True  # finish() leaves room for it
     return seen
 
@@ -113,7 +113,7 @@ def panels(rows: int, cols: int, title: str, width: float = 4.2, height: float =
 def finish(fig, caption: str, top: float = 0.95):
     """Caption line at the bottom; `top` leaves room for the title (and a figure legend: method_legend)."""
     fig.text(0.01, 0.005, caption, fontsize=7, color="0.35", ha="left", va="bottom", wrap=True)
-    fig.tight_layout(rect=(0, 0.11 if getattr(fig, "_dprun_legend_below", False) else 0.05, 1, top))
+    fig.tight_layout(rect=(0, 0.13 if getattr(fig, "_dprun_legend_below", False) else 0.05, 1, top))
     return fig
 
 
