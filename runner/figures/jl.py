@@ -190,7 +190,7 @@ def eps_panel(ax, points, eps_axis: str = "y"):
         value = inf_at if inf else eps
         xy = (pos, value) if eps_axis == "y" else (value, pos)
         if inf:
-            ax.scatter(*xy, s=40, zorder=3, edgecolors="tab:red", linewidths=1.5, **method_style(label))
+            ax.scatter(*xy, s=40, zorder=3, edgecolors="tab:red", linewidths=1.5, label=label, **method_style(label))
             n_inf += 1
             ax.annotate(label + r" ($\epsilon=\infty$)", xy, fontsize=7, color="tab:red",
                         xytext=(3, -9 * n_inf) if eps_axis == "y" else (-4, 3 + 9 * (n_inf - 1)),
@@ -283,6 +283,7 @@ def draw_fig1(data, caption, scale):
                         "epsilon as colour\n" + what_ran(data), 7.5, 4.4)
     norm, cmap = eps_norm(data)
     tradeoff_left(ax, fig, data, norm, cmap)
+    ax.set_title("marker fill: $\\epsilon$; red edge: $\\epsilon=\\infty$; hollow: non-private", fontsize=9)
     ax.grid(alpha=0.3)
     method_legend(fig, [ax])
     return finish(fig, caption, top=0.9)
@@ -604,9 +605,14 @@ def table4(runs, epochs, scale) -> pd.DataFrame:
 def draw_table4(data, caption, scale):
     shown = data.drop(columns=["setting", "note"])
     setting = data["setting"].iloc[0] if len(data) else "?"
-    return table_figure(shown, "JL paper Table 4: time and memory, jvp vs double-vjp (ours: " + setting + ";\n"
-                        "step MB = peak memory of one step above its start; s/epoch = median of 10 steps x 60000/B)",
-                        caption + " | measured in one process (runner.bench), not from runs", col_width=1.7)
+    fig = table_figure(shown, "JL paper Table 4: time and memory, jvp vs double-vjp (ours: " + setting + ";\n"
+                       "step MB = peak memory of one step above its start; s/epoch = median of 10 steps x 60000/B)",
+                       caption + " | measured in one process (runner.bench), not from runs", col_width=2.2)
+    if setting.endswith("cpu"):
+        fig.text(0.5, 0.12, "On a CPU the memory columns are the result; the s/epoch column is this machine's "
+                 "(a shared, loaded CPU: not comparable with the paper's GPU seconds)", ha="center", fontsize=8,
+                 color="tab:red")
+    return fig
 
 
 add(Figure("jl_table4", "JL", "Memory and time of DP-SGD-JL with jvp vs double-vjp", "table", None, table4,
