@@ -53,8 +53,8 @@ def colour_of(art):
     if isinstance(art, Line2D):
         return to_rgba(art.get_color())
     if isinstance(art, PathCollection):
-        edge, face = art.get_edgecolor(), art.get_facecolor()
-        return tuple(edge[0]) if len(edge) else tuple(face[0])
+        face, edge = art.get_facecolor(), art.get_edgecolor()  # face: the method; a red edge marks epsilon = inf
+        return tuple(face[0]) if len(face) else tuple(edge[0])
     if isinstance(art, matplotlib.container.BarContainer):
         return art.patches[0].get_facecolor()
     return None
