@@ -11,7 +11,7 @@ install: ## install dprun (editable) with its test extras; keeps an already inst
 	$(PY) -m pip install -e ".[test]"
 
 demo: ## the built-in demo: non-private MLP on scikit-learn's digits, CPU, seconds
-	dprun
+	$(PY) -m runner.cli
 
 test: ## the default test suite (fast; slow sweeps are excluded)
 	$(PY) -m pytest -q
@@ -38,9 +38,9 @@ bench-gpu: ## issue 12's GPU table: bench-clip (+ Opacus, + compile=reduce-overh
 # make figures SCALE=smoke (default; CPU minutes) | SCALE=paper (the papers' hyperparameters, for a GPU).
 # Each fig-<name>: the preset's Hydra sweeps (runner/figures/sweep.py), dprun-report, then the plot (docs/figures.md).
 # SWEEP_ARGS go to every dprun of a sweep, e.g. SWEEP_ARGS="launcher=slurm" or "device=cuda data_dir=/data".
-FIGURES_TRAINED := jl_fig3 jl_table2 jl_fig4 jl_table3 jl_fig5 jl_fig6 lk_fig5 lk_fig6 lk_fig7 lk_fig8 lk_fig9 lk_memory
-FIGURES_COMPUTED := jl_table1 jl_fig2 jl_epsilon_r sbcd_hsa_vs_composition sbcd_epoch_contribution sbcd_adaptive_noise
-TABLES := jl_table1 jl_table2 jl_table3
+FIGURES_TRAINED := jl_fig3 jl_table2 jl_fig1 jl_fig4 jl_table3 jl_fig5 jl_fig6 lk_fig5 lk_fig6 lk_fig7 jl_table5 lk_fig8 lk_fig9 lk_memory
+FIGURES_COMPUTED := jl_table1 jl_fig2 jl_fig7 jl_table4 jl_epsilon_r sbcd_hsa_vs_composition sbcd_epoch_contribution sbcd_adaptive_noise
+TABLES := jl_table1 jl_table2 jl_table3 jl_table4 jl_table5
 SWEEP_ARGS ?=
 REPORT = $(PY) -m runner.report --quiet && $(PY) -m runner.report --epochs --quiet
 .PHONY: figures tables report plots figures-list memory-study
@@ -84,5 +84,5 @@ plots: ## redraw every figure from the existing tables (no training)
 	$(REPORT)
 	$(PY) -m runner.plots $(FIGURES_TRAINED) $(FIGURES_COMPUTED) --scale $(SCALE)
 
-figures-list: ## the figure names and the preset each reads
+figures-list: ## the figure names, the preset each reads, and its estimated GPU time at scale=paper
 	$(PY) -m runner.plots --list

@@ -65,7 +65,26 @@ def _hydra_main(cfg: DictConfig) -> None:
         sys.exit(code)
 
 
+def extra_sweeps_note(argv: list[str]) -> str | None:
+    """One line when `dprun -m experiment=X` runs only X's grid while X also lists `extra_sweeps` (arms outside the
+    grid, e.g. JL's r), which `make fig-X` runs as well; None otherwise (and inside runner.figures.sweep)."""
+    import os
+
+    if not {"-m", "--multirun"} & set(argv) or os.environ.get("DPRUN_FIGURE_SWEEP"):
+        return None
+    exp = next((a.partition("=")[2] for a in argv if a.startswith("experiment=")), None)
+    path = Path(CONF_DIR) / "experiment" / f"{exp}.yaml"
+    if not exp or not path.exists() or "extra_sweeps" not in OmegaConf.load(path):
+        return None
+    scale = next((a.partition("=")[2] for a in argv if a.startswith("scale=")), "smoke")
+    return (f"dprun: note: this runs experiment={exp}'s grid only; its extra_sweeps (arms outside the grid) run with "
+            f"`make fig-{exp} SCALE={scale}` (python -m runner.figures.sweep {exp} --scale {scale})")
+
+
 def main() -> None:
+    note = extra_sweeps_note(sys.argv[1:])
+    if note:
+        print(note, file=sys.stderr)
     try:
         check_group_choices(sys.argv[1:])
         check_reused_dirs(sys.argv[1:])

@@ -22,7 +22,8 @@ from runner.figures import FIGURES
 from runner.figures.style import caption_for
 from runner.report import RUN_KEY, latest
 
-COMPUTED_WITH = {"jl_table1": "the method registry", "jl_fig2": "scipy.stats.chi",
+COMPUTED_WITH = {"jl_table1": "the method registry", "jl_fig2": "scipy.stats.chi", "jl_fig7": "dprun's jl accountant",
+                 "jl_table4": "runner.bench on this machine",
                  "jl_epsilon_r": "dprun's jl and pld accountants"}
 
 
@@ -113,8 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="outputs/figures")
     args = p.parse_args(argv)
     if args.list:
+        from runner.figures.gpu_time import PAPER_GPU_HOURS, estimate
+
+        print("name                       kind   preset       paper: title\n"
+              "                           GPU time at scale=paper (estimate; basis: runner/figures/gpu_time.py)")
         for name, fig in FIGURES.items():
             print(f"{name:26s} {fig.kind:6s} {fig.experiment or '(computed)':12s} {fig.paper}: {fig.title}")
+            print(f"{'':26s} {estimate(name)}")
+        total = sum(h for n, (h, _) in PAPER_GPU_HOURS.items() if n in FIGURES.names())
+        print(f"total at scale=paper: ~{total:.0f} GPU hours (L&K Figures 5-7 at the paper's 100 epochs are "
+              f"{sum(PAPER_GPU_HOURS[n][0] for n in ('lk_fig5', 'lk_fig6', 'lk_fig7')):.0f} h of it; "
+              "SWEEP_ARGS=epochs=5 cuts them to about 11 h)")
         return 0
     names = FIGURES.names() if args.all else args.names
     if args.tables_only:

@@ -14,7 +14,7 @@ from runner.plots import render
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 RUNS = pd.read_csv(FIXTURES / "runs.csv")
 EPOCHS = pd.read_csv(FIXTURES / "runs_epochs.csv")
-SLOW_COMPUTED = {"jl_epsilon_r"}  # the JL accountant's numerical f-DP: seconds per (r, panel)
+SLOW_COMPUTED = {"jl_epsilon_r", "jl_fig7", "jl_table4"}  # the JL accountant (seconds per (r, panel)), the bench
 
 
 @pytest.mark.parametrize("name", [n for n in FIGURES.names() if n not in SLOW_COMPUTED])

@@ -23,6 +23,8 @@ PAPER = {
                   "model.name": "papernot_cnn", "optimizer.name": "sgd"},
     "jl_table3": {"batch_size": 256, "sigma": 0.6, "clip": 1.0, "lr": 0.001, "epochs": 20, "dataset.name": "imdb",
                   "model.name": "bilstm", "optimizer.name": "adam", "dataset.seq_len": 150},
+    "jl_table5": {"batch_size": 256, "sigma": 0.9, "clip": 3.0, "lr": 0.001, "epochs": 20, "dataset.name": "cifar10",
+                  "model.name": "vgg13", "optimizer.name": "sgd"},
     "lk_fig5": {"batch_size": 32, "lr": 0.001, "clip": 1.0, "optimizer.name": "adam", "dataset.name": "mnist"},
     "lk_fig6": {"lr": 0.001, "optimizer.name": "adam", "dataset.name": "mnist"},
     "lk_fig7": {"batch_size": 128, "model.name": "mlp", "optimizer.name": "adam"},
@@ -64,6 +66,21 @@ def test_smoke_scale_is_small(preset):
     small_data = cfg.dataset.name == "digits" or (cfg.dataset.get("train_size") or 10**9) <= 2048
     assert small_data and cfg.epochs <= 15
     assert cfg.dataset.name in ("digits", "synthetic")  # works offline on a fresh clone
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p not in ("jl_fig3", "lk_memory")])
+def test_smoke_timing_runs_time_at_least_ten_steps_after_warm_up(preset):
+    """Seconds per epoch at smoke scale come from >= 10 timed steps per run (warm-up steps excluded, per epoch), and
+    the data has enough examples for those steps (B / N sampling)."""
+    import math
+
+    for argv in sweep_commands(preset, "smoke", [])[0]:
+        overrides = [a for a in argv if a.split("=")[0] not in ("progress",) and "," not in a]
+        cfg = compose_config(overrides)
+        per_epoch = int(cfg.max_steps_per_epoch) - int(cfg.warmup_steps)
+        assert per_epoch * int(cfg.epochs) >= 10, (preset, argv)
+        n = cfg.dataset.get("train_size")
+        assert n is None or math.ceil(n / cfg.batch_size) >= int(cfg.max_steps_per_epoch), (preset, argv)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -11,11 +11,13 @@ import pandas as pd
 from scipy import stats
 
 from runner.figures.spec import Figure, add, newest_per, seconds_per_epoch, threshold
-from runner.figures.style import finish, jl_label, panels, plain_log_axis, table_figure
+from runner.figures.style import finish, jl_label, method_legend, method_style, panels, plain_log_axis, table_figure
 
 # The paper's seconds per epoch (Tesla P100), placed next to ours in Tables 2 and 3.
 PAPER_TABLE2 = {"Non-DP SGD": (12, 2.5), "DP-SGD-Vanilla": (None, 434), "DP-SGD-Outer": (17, None),
                 "DP-SGD-JL(1)": (78, 6.6), "DP-SGD-JL(10)": (657, 38)}  # (PyTorch, TensorFlow)
+PAPER_TABLE5 = {"Non-DP SGD": (13, 12), "DP-SGD-Vanilla": (None, 1625), "DP-SGD-Outer": ("out of memory", None),
+                "DP-SGD-JL(1)": (212, 20), "DP-SGD-JL(10)": (1946, 106)}  # VGG13, (PyTorch, TensorFlow)
 PAPER_TABLE3 = {"Non-DP Adam": 12, "DP-Adam-Vanilla": 13931, "DP-Adam-JL(1)": 38, "DP-Adam-JL(4)": 100,
                 "DP-Adam-JL(10)": 243, "DP-Adam-JL(30)": 669}
 # Table 1 of the paper: (privacy, speed, memory, generalizability), by our method name
@@ -87,15 +89,63 @@ def draw_fig2(data, caption, scale):
 
 
 # -- accuracy / time / epsilon figures (3, 4, 5) -------------------------------------------------------------
+CLASSES = {"mnist": 10, "fmnist": 10, "cifar10": 10, "imdb": 2, "digits": 10, "lsun": 10}
+
+
 def trajectories(runs, epochs, scale) -> pd.DataFrame:
-    """One row per run and epoch: label, cumulative training time, test accuracy, epsilon."""
+    """One row per run and epoch: label, cumulative training time, test accuracy, epsilon, and what ran (data, model,
+    B, sigma). The time is the tables' estimate (runner.figures.spec.seconds_per_epoch): each epoch's median step time
+    (warm-up excluded) x the expected steps per epoch, so a first epoch that carries the process warm-up, or a capped
+    epoch, is not misplaced on the time axis."""
+    cols = ["label", "method", "r", "epoch", "time_s", "test_acc", "epsilon", "run_dir", "dataset", "like", "model",
+            "batch_size", "sigma", "time_basis"]
     if epochs.empty:
-        return pd.DataFrame(columns=["label", "epoch", "time_s", "test_acc", "epsilon"])
+        return pd.DataFrame(columns=cols)
     runs = one_run_per_label(runs)
     ep = epochs[epochs["run_dir"].isin(set(runs["run_dir"]))].sort_values(["run_dir", "epoch"]).copy()
-    ep["time_s"] = ep.groupby("run_dir")["epoch_time_s"].cumsum()
+    info = runs.set_index("run_dir")
+    full_steps = 1.0 / pd.to_numeric(info.get("sample_rate", pd.Series(dtype=float)), errors="coerce")
+    if "step_time_s" in ep:
+        est = ep["step_time_s"] * ep["run_dir"].map(full_steps)
+        ep["epoch_s"] = est.where(est.notna(), ep["epoch_time_s"])
+    else:
+        ep["epoch_s"] = ep["epoch_time_s"]
+    ep["time_s"] = ep.groupby("run_dir")["epoch_s"].cumsum()
+    ep["time_basis"] = "estimated"
+    for col in ("dataset", "like", "model", "batch_size", "sigma"):
+        if col not in ep or ep[col].isna().all():
+            ep[col] = ep["run_dir"].map(info[col]) if col in info else None
     ep = labelled(ep)
-    return ep[["label", "method", "r", "epoch", "time_s", "test_acc", "epsilon", "run_dir"]].reset_index(drop=True)
+    return ep[cols].reset_index(drop=True)
+
+
+def what_ran(data: pd.DataFrame) -> str:
+    """"MLP on digits (real), B=64, sigma=1.3": the model, data and settings of the runs a panel draws."""
+    def one(col):
+        vals = sorted({str(v) for v in data.get(col, pd.Series(dtype=object)).dropna()})
+        return "/".join(vals) if vals else "?"
+    ds, like = one("dataset"), one("like")
+    where = f"synthetic {like}-shaped data (random labels)" if ds == "synthetic" else f"real {ds}"
+    b = one("batch_size").replace(".0", "")
+    return f"ran: {one('model')} on {where}, B={b}, sigma={one('sigma')}"
+
+
+def chance_level(data: pd.DataFrame) -> float | None:
+    """1/classes where the labels are random by construction (synthetic data), else None."""
+    if "dataset" not in data or not (data["dataset"] == "synthetic").all():
+        return None
+    like = data["like"].dropna().iloc[0] if "like" in data and data["like"].notna().any() else None
+    return 1.0 / CLASSES.get(str(like), 10)
+
+
+def mark_chance(ax, chance: float, axis: str = "y"):
+    """Say ON the panel that accuracy is chance by construction; show accuracy on its full 0-1 range."""
+    (ax.axhline if axis == "y" else ax.axvline)(chance, color="tab:red", ls=":", lw=1)
+    (ax.set_ylim if axis == "y" else ax.set_xlim)(0, 1)
+    ax.text(0.5, 0.2 if chance >= 0.3 else 0.62,
+            f"SYNTHETIC RANDOM LABELS:\naccuracy = chance ({chance:g}) by construction.\n"
+            "This panel checks the code path,\nnot the methods' accuracy.", transform=ax.transAxes, ha="center",
+            va="center", fontsize=8, color="tab:red", bbox=dict(facecolor="white", edgecolor="tab:red", alpha=0.9))
 
 
 def at_accuracy(traj: pd.DataFrame, target: float) -> pd.DataFrame:
@@ -123,11 +173,13 @@ def eps_panel(ax, points, eps_axis: str = "y"):
     their value; epsilon = inf (no finite guarantee) as red triangles on an "inf" band at the top (or right) of the
     epsilon axis; non-private (no epsilon) as a dashed grey line at its position."""
     finite = [e for _, e, _ in points if pd.notna(e) and np.isfinite(e)]
+    n_inf = 0
     top = max(finite) * 1.3 if finite else 1.0
     inf_at = top * 0.93
     for pos, eps, label in points:
         if pd.isna(eps):
-            (ax.axvline if eps_axis == "y" else ax.axhline)(pos, color="0.5", ls="--", lw=1)
+            (ax.axvline if eps_axis == "y" else ax.axhline)(pos, color=method_style(label)["color"], ls="--", lw=1,
+                                                            label=label)
             xy = (pos, top * 0.02) if eps_axis == "y" else (0.0, pos)
             ax.annotate(f"{label} (no privacy)", xy, fontsize=7, color="0.4", xytext=(2, 2),
                         textcoords="offset points", rotation=90 if eps_axis == "y" else 0)
@@ -136,69 +188,103 @@ def eps_panel(ax, points, eps_axis: str = "y"):
         value = inf_at if inf else eps
         xy = (pos, value) if eps_axis == "y" else (value, pos)
         if inf:
-            ax.scatter(*xy, marker="^", color="tab:red", s=36, zorder=3)
+            ax.scatter(*xy, s=40, zorder=3, edgecolors="tab:red", linewidths=1.5, label=label, **method_style(label))
+            n_inf += 1
             ax.annotate(label + r" ($\epsilon=\infty$)", xy, fontsize=7, color="tab:red",
-                        xytext=(3, -9) if eps_axis == "y" else (-4, 3), ha="left" if eps_axis == "y" else "right",
+                        xytext=(3, -9 * n_inf) if eps_axis == "y" else (-4, 3 + 9 * (n_inf - 1)),
+                        ha="left" if eps_axis == "y" else "right",
                         textcoords="offset points")
         else:
-            ax.scatter(*xy, zorder=3)
+            ax.scatter(*xy, zorder=3, s=40, label=label, **method_style(label))
             ax.annotate(label, xy, fontsize=7, xytext=(3, 3), textcoords="offset points")
     if any(pd.notna(e) and np.isinf(e) for _, e, _ in points):
         (ax.axhspan if eps_axis == "y" else ax.axvspan)(top * 0.88, top, color="tab:red", alpha=0.08)
     (ax.set_ylim if eps_axis == "y" else ax.set_xlim)(0, top)
 
 
-def draw_tradeoff(data, caption, scale, title, paper_acc):
-    import matplotlib.lines as mlines
-    from matplotlib import colors
-
-    fig, (left, right) = panels(1, 2, title, 5.2, 4)
-    vmax = finite_max(data["epsilon"])
-    norm = colors.Normalize(vmin=0, vmax=vmax if np.isfinite(vmax) and vmax > 0 else 1.0)
-    cmap = plt_cmap("viridis")
-    handles = {}
+def tradeoff_left(ax, fig, data, norm, cmap):
+    """Accuracy vs training time: one line per method in its colour and marker; each epoch's marker filled with its
+    epsilon's colour (red edge: epsilon = inf; hollow: non-private)."""
     for label in sorted(data["label"].unique(), key=label_order):
         sub = data[data["label"] == label]
-        left.plot(sub["time_s"], sub["test_acc"], "-", color="0.7", lw=0.8, zorder=1)
+        style = method_style(label)
+        ax.plot(sub["time_s"], sub["test_acc"], "-", color=style["color"], lw=1.2, zorder=1, label=label,
+                marker=style["marker"], markersize=0)
         e = pd.to_numeric(sub["epsilon"], errors="coerce")
-        finite = np.isfinite(e)
+        finite, inf = np.isfinite(e), np.isinf(e)
         if finite.any():
-            left.scatter(sub["time_s"][finite], sub["test_acc"][finite], c=e[finite], cmap=cmap, norm=norm, s=18,
-                         zorder=2)
-        if np.isinf(e).any():
-            left.scatter(sub["time_s"][np.isinf(e)], sub["test_acc"][np.isinf(e)], marker="^", color="tab:red",
-                         s=18, zorder=2)
-            handles["inf"] = mlines.Line2D([], [], color="tab:red", marker="^", ls="", label=INF_NOTE)
+            ax.scatter(sub["time_s"][finite], sub["test_acc"][finite], c=e[finite], cmap=cmap, norm=norm, s=30,
+                       marker=style["marker"], edgecolors=style["color"], linewidths=1.0, zorder=2)
+        if inf.any():
+            ax.scatter(sub["time_s"][inf], sub["test_acc"][inf], marker=style["marker"], facecolors="white",
+                       edgecolors="tab:red", linewidths=1.5, s=30, zorder=2)
         if e.isna().all():
-            left.scatter(sub["time_s"], sub["test_acc"], marker="x", color="k", s=18, zorder=2)
-            handles["nan"] = mlines.Line2D([], [], color="k", marker="x", ls="", label="non-private (no epsilon)")
-        left.annotate(label, (sub["time_s"].iloc[-1], sub["test_acc"].iloc[-1]), fontsize=7)
-    left.set_xscale("log")
-    plain_log_axis(left.xaxis)
-    left.set_xlabel("training time (s)")
-    left.set_ylabel("test accuracy")
-    left.set_title("accuracy vs training time (colour: epsilon)", fontsize=10)
-    if handles:
-        left.legend(handles=list(handles.values()), fontsize=6, loc="best")
+            ax.scatter(sub["time_s"], sub["test_acc"], marker=style["marker"], facecolors="none",
+                       edgecolors=style["color"], s=30, zorder=2)
+    ax.set_xscale("log")
+    plain_log_axis(ax.xaxis)
+    measured = "time_basis" in data and (data["time_basis"] == "measured").any()
+    ax.set_xlabel("training time (s, measured epoch times)" if measured else
+                  "training time (s, estimated: median step x steps per epoch)")
+    ax.set_ylabel("test accuracy")
     from matplotlib.cm import ScalarMappable
 
-    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=left, label=r"$\epsilon$ ($\delta=10^{-5}$)")
-    target, text = threshold(paper_acc, data.groupby("label")["test_acc"].max(), scale)
-    hits = at_accuracy(data, target)
-    reached = hits[hits["reached"]]
-    eps_panel(right, list(zip(reached["time_s"], pd.to_numeric(reached["epsilon"], errors="coerce"),
-                              reached["label"])))
-    missed = [r for r, ok in zip(hits["label"], hits["reached"]) if not ok]
-    if missed:
-        right.text(0.02, 0.02, "not reached: " + ", ".join(missed), transform=right.transAxes, fontsize=6)
-    if not np.isfinite(finite_max(reached["epsilon"])):
-        right.text(0.5, 0.5, "no method with a finite epsilon reached it", transform=right.transAxes, fontsize=7,
-                   ha="center", color="0.4")
-    right.set_xlabel("training time to reach it (s)")
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=r"marker fill: $\epsilon$ ($\delta=10^{-5}$)")
+    chance = chance_level(data)
+    if chance is not None:
+        mark_chance(ax, chance)
+
+
+def eps_norm(data):
+    from matplotlib import colors
+
+    vmax = finite_max(data["epsilon"])
+    return colors.Normalize(vmin=0, vmax=vmax if np.isfinite(vmax) and vmax > 0 else 1.0), plt_cmap("viridis")
+
+
+def draw_tradeoff(data, caption, scale, title, paper_acc):
+    fig, (left, right) = panels(1, 2, title + "\n" + what_ran(data), 5.4, 4)
+    norm, cmap = eps_norm(data)
+    tradeoff_left(left, fig, data, norm, cmap)
+    left.set_title("accuracy vs training time\n(marker fill: $\\epsilon$; red edge: $\\epsilon=\\infty$; "
+                   "hollow: non-private)", fontsize=9)
+    chance = chance_level(data)
+    if chance is not None:  # no accuracy target on random labels: where each method ends instead
+        last = data.sort_values("epoch").groupby("label").tail(1)
+        eps_panel(right, list(zip(last["time_s"], pd.to_numeric(last["epsilon"], errors="coerce"), last["label"])))
+        right.set_title("time and epsilon after the last epoch\n(no accuracy target: the labels are random)",
+                        fontsize=9)
+    else:
+        target, text = threshold(paper_acc, data.groupby("label")["test_acc"].max(), scale)
+        hits = at_accuracy(data, target)
+        reached = hits[hits["reached"]]
+        eps_panel(right, list(zip(reached["time_s"], pd.to_numeric(reached["epsilon"], errors="coerce"),
+                                  reached["label"])))
+        missed = [r for r, ok in zip(hits["label"], hits["reached"]) if not ok]
+        if missed:
+            right.text(0.02, 0.02, "not reached: " + ", ".join(missed), transform=right.transAxes, fontsize=6)
+        if not np.isfinite(finite_max(reached["epsilon"])):
+            right.text(0.5, 0.5, "no method with a finite epsilon reached it", transform=right.transAxes,
+                       fontsize=7, ha="center", color="0.4")
+        right.set_title(f"time and epsilon at accuracy {text}", fontsize=9)
+    right.set_xscale("log")
+    plain_log_axis(right.xaxis)
+    right.set_xlabel(left.get_xlabel().split(":")[0].rstrip(")") + ")")
     right.set_ylabel(r"$\epsilon$")
-    right.set_title(f"fixing accuracy at {text}", fontsize=9)
     right.grid(alpha=0.3)
-    return finish(fig, caption)
+    method_legend(fig, [left])
+    return finish(fig, caption, top=0.9)
+
+
+def draw_fig1(data, caption, scale):
+    fig, (ax,) = panels(1, 1, "JL paper Figure 1: accuracy vs training time, CIFAR-10 (Papernot et al. CNN); "
+                        "epsilon as colour\n" + what_ran(data), 7.5, 4.4)
+    norm, cmap = eps_norm(data)
+    tradeoff_left(ax, fig, data, norm, cmap)
+    ax.set_title("marker fill: $\\epsilon$; red edge: $\\epsilon=\\infty$; hollow: non-private", fontsize=9)
+    ax.grid(alpha=0.3)
+    method_legend(fig, [ax])
+    return finish(fig, caption, top=0.9)
 
 
 def plt_cmap(name: str):
@@ -223,7 +309,9 @@ def seconds_table(runs, paper: dict, two_columns: bool) -> pd.DataFrame:
     for label in sorted(set(runs["label"]) | set(paper), key=label_order):
         ours = runs.loc[runs["label"] == label, "s_per_epoch"]
         ref = paper.get(label)
-        row = {"method": label, "ours s/epoch": float(ours.iloc[0]) if len(ours) else None,
+        b = runs.loc[runs["label"] == label, "batch_size"] if "batch_size" in runs else pd.Series(dtype=float)
+        row = {"method": label, "ours B": int(b.iloc[0]) if len(b) and pd.notna(b.iloc[0]) else None,
+               "ours s/epoch": float(ours.iloc[0]) if len(ours) else None,
                "ours / non-private": float(ours.iloc[0]) / base if len(ours) else None}
         if two_columns:
             row["paper PyTorch"], row["paper TensorFlow"] = ref if ref else (None, None)
@@ -237,13 +325,36 @@ def table2(runs, epochs, scale):
     return seconds_table(runs, PAPER_TABLE2, two_columns=True)
 
 
+def draw_seconds(title: str):
+    """A seconds-per-epoch table; a private method timed faster than non-private is flagged ON the figure as timing
+    noise (a private step does at least the non-private step's work)."""
+    def draw(data, caption, scale):
+        fig = table_figure(data, title, caption)
+        ratio = pd.to_numeric(data.get("ours / non-private"), errors="coerce")
+        private = ~data["method"].str.startswith("Non")
+        bad = data.loc[private & (ratio < 1.0), "method"].tolist()
+        if bad:
+            import textwrap
+
+            note = ("TIMING NOISE: " + ", ".join(bad) + " timed faster than non-private, which a private step cannot "
+                    "be; these timings are not trustworthy (too few timed steps, or a loaded machine)")
+            fig.text(0.5, 0.09, "\n".join(textwrap.wrap(note, 80)), ha="center", fontsize=8, color="tab:red")
+        return fig
+    return draw
+
+
+def table5(runs, epochs, scale):
+    return seconds_table(runs, PAPER_TABLE5, two_columns=True)
+
+
 def table3(runs, epochs, scale):
     return seconds_table(runs, PAPER_TABLE3, two_columns=False)
 
 
 # -- Figure 6 (IMDB trade-offs at fixed accuracy, time, epsilon) ----------------------------------------------
 def draw_fig6(data, caption, scale):
-    fig, axes = panels(1, 3, "JL paper Figure 6: accuracy, privacy and training time trade-off (RNN on IMDB)")
+    fig, axes = panels(1, 3, "JL paper Figure 6: accuracy, privacy and training time trade-off (BiLSTM on IMDB)\n"
+                       + what_ran(data))
     data = data.assign(epsilon=pd.to_numeric(data["epsilon"], errors="coerce"))
     acc, acc_text = threshold(0.70, data.groupby("label")["test_acc"].max(), scale)
     hits = at_accuracy(data, acc)
@@ -266,7 +377,7 @@ def draw_fig6(data, caption, scale):
         private = sub[sub["epsilon"] <= eps_cap]
         if len(private):
             last = private.iloc[-1]
-            axes[2].scatter(last["time_s"], last["test_acc"])
+            axes[2].scatter(last["time_s"], last["test_acc"], s=40, label=label, **method_style(label))
             axes[2].annotate(label, (last["time_s"], last["test_acc"]), fontsize=7)
         else:
             left_out.append(label + (" (no privacy)" if sub["epsilon"].isna().all() else ""))
@@ -278,10 +389,17 @@ def draw_fig6(data, caption, scale):
     axes[1].set(xlabel=r"$\epsilon$", ylabel="test accuracy", title=f"fixing training time at {t_text} s")
     axes[2].set(ylabel="test accuracy", title=f"fixing epsilon at {e_text}")
     axes[2].set_xlabel("training time (s)" + (f"\n{never}" if left_out else ""), fontsize=10 if not left_out else 7)
+    chance = chance_level(data)
+    if chance is not None:
+        mark_chance(axes[1], chance, axis="y")
+        mark_chance(axes[2], chance, axis="y")
+        axes[0].text(0.5, 0.45, "fixed accuracy: not meaningful on random labels\n(every method sits at chance)",
+                     transform=axes[0].transAxes, ha="center", fontsize=8, color="tab:red")
     for ax in axes:
         ax.title.set_fontsize(8)
         ax.grid(alpha=0.3)
-    return finish(fig, caption)
+    method_legend(fig, axes)
+    return finish(fig, caption, top=0.88)
 
 
 # -- epsilon vs r (appendix C, Figure 8) -----------------------------------------------------------------------
@@ -319,13 +437,15 @@ def draw_epsilon_r(data, caption, scale):
     fig, axes = panels(1, 2, "JL paper Figure 8: privacy loss of DP-SGD-JL up to 5 epochs", 5.2, 4)
     for ax, ((n, b, s), sub) in zip(axes, data.groupby(["N", "B", "sigma"], sort=False)):
         for r, line in sub.groupby("r", sort=False):
+            name = "No JL (exact norms, pld)" if r == "No JL" else f"JL({r})"
+            style = {"color": "0.3", "marker": "o"} if r == "No JL" else method_style(name)
             if np.isinf(line["epsilon"]).all() and line["epsilon_lower_bound"].notna().any():
-                ax.plot(line["epoch"], line["epsilon_lower_bound"], marker="^", ls=":",
-                        label=f"r={r}: $\\epsilon=\\infty$ (lower bound shown)")
+                ax.plot(line["epoch"], line["epsilon_lower_bound"], ls=":", label=f"{name}: $\\epsilon=\\infty$ "
+                        "(certified lower bound shown)", **style)
                 continue
-            ax.plot(line["epoch"], line["epsilon"], marker="o", ls="--" if r == "No JL" else "-",
-                    label=r if r == "No JL" else f"r={r}")
-        ax.set(xlabel="epoch", ylabel=r"$\epsilon$ ($\delta=10^{-5}$)", title=f"N={n}, B={b}, $\\sigma$={s}")
+            ax.plot(line["epoch"], line["epsilon"], ls="--" if r == "No JL" else "-", label=name, **style)
+        ax.set(xlabel="epoch", ylabel=r"$\epsilon$ ($\delta=10^{-5}$, log)", title=f"N={n}, B={b}, $\\sigma$={s}")
+        ax.set_xticks(sorted(set(sub["epoch"])))
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -334,17 +454,164 @@ def draw_epsilon_r(data, caption, scale):
 
 add(Figure("jl_table1", "JL", "Summary of different methods for DP training", "table", None, table1, draw_table1))
 add(Figure("jl_fig2", "JL", "Distribution of sqrt(chi^2_r / r)", "figure", None, fig2, draw_fig2))
-make_tradeoff("jl_fig3", "JL paper Figure 3: 2-layer CNN on MNIST (left); time and epsilon at 95% accuracy (right)",
+make_tradeoff("jl_fig3", "JL paper Figure 3: 2-layer CNN on MNIST, DP-SGD; time and epsilon at 95% accuracy",
               "jl_fig3", 0.95)
 add(Figure("jl_table2", "JL", "Seconds per epoch, Papernot et al. CNN on CIFAR-10", "table", "jl_table2", table2,
-           lambda d, c, s: table_figure(d, "JL paper Table 2: seconds per epoch, CIFAR-10 (sigma=0.9, C=2, B=256)", c)))
+           draw_seconds("JL paper Table 2: seconds per epoch, CIFAR-10 (sigma=0.9, C=2; paper B=256)")))
 make_tradeoff("jl_fig4", "JL paper Figure 4: Papernot et al. CNN on CIFAR-10; time and epsilon at 55% accuracy",
               "jl_table2", 0.55)
 add(Figure("jl_table3", "JL", "Seconds per epoch, BiLSTM on IMDB", "table", "jl_table3", table3,
-           lambda d, c, s: table_figure(d, "JL paper Table 3: seconds per epoch, BiLSTM on IMDB (DP-Adam, B=256)", c)))
-make_tradeoff("jl_fig5", "JL paper Figure 5: performance of the RNN on IMDB with different Adam; at 70% accuracy",
+           draw_seconds("JL paper Table 3: seconds per epoch, BiLSTM on IMDB (DP-Adam; paper B=256)")))
+make_tradeoff("jl_fig5", "JL paper Figure 5: BiLSTM on IMDB, DP-Adam; time and epsilon at 70% accuracy",
               "jl_table3", 0.70)
 add(Figure("jl_fig6", "JL", "Accuracy, privacy and training time trade-off on IMDB", "figure", "jl_table3",
            trajectories, draw_fig6))
 add(Figure("jl_epsilon_r", "JL", "Privacy loss of DP-SGD-JL vs JL dimension", "figure", None, epsilon_r,
            draw_epsilon_r, needs=epsilon_needs))
+add(Figure("jl_table5", "JL", "Seconds per epoch, VGG13 on CIFAR-10", "table", "jl_table5", table5,
+           draw_seconds("JL paper Table 5: seconds per epoch, VGG13 on CIFAR-10 (sigma=0.9, C=3; paper B=256)")))
+add(Figure("jl_fig1", "JL", "Accuracy vs training time on CIFAR-10, epsilon as colour (= Figure 4, left)", "figure",
+           "jl_table2", trajectories, draw_fig1))
+
+
+# -- Figure 7 (duality of f-DP and (epsilon, delta)-DP) ------------------------------------------------------------
+FIG7_SETTING = (60000, 256, 1.3, 10, 1)  # N, B, sigma, r, epochs: DP-SGD-JL(10), one epoch of the MNIST setting
+FIG7_EPS = np.concatenate([np.linspace(0.0, 4.0, 41), np.linspace(4.5, 12.0, 16)])
+FIG7_TANGENT_DELTAS = (0.3, 0.1, 1e-2, 1e-5)  # tangents where delta(epsilon) crosses these (those in range)
+
+
+def fig7(runs, epochs, scale) -> pd.DataFrame:
+    """delta(epsilon) of the jl accountant's composed PLD, and the trade-off curve it certifies:
+    f(alpha) = sup_eps max(0, 1 - delta(eps) - e^eps alpha, e^-eps (1 - delta(eps) - alpha)) (Dong et al.)."""
+    from runner.accountants import ACCOUNTANTS, SubsampledJL
+
+    n, b, sigma, r, ep = FIG7_SETTING
+    acc = ACCOUNTANTS.build("jl")
+    acc.step(SubsampledJL(b / n, sigma, r), ep * round(n / b))
+    deltas = np.array([acc.delta(float(e)) for e in FIG7_EPS])
+    alpha = np.linspace(0.0, 1.0, 401)
+    lines = 1.0 - deltas[:, None] - np.exp(FIG7_EPS)[:, None] * alpha[None, :]
+    mirrored = np.exp(-FIG7_EPS)[:, None] * (1.0 - deltas[:, None] - alpha[None, :])
+    f = np.clip(np.maximum(lines, mirrored).max(axis=0), 0.0, 1.0)
+    curve = pd.DataFrame({"kind": "tradeoff", "alpha": alpha, "f": f})
+    dual = pd.DataFrame({"kind": "epsilon_delta", "epsilon": FIG7_EPS, "delta": deltas})
+    return pd.concat([curve, dual], ignore_index=True).assign(N=n, B=b, sigma=sigma, r=r, epochs=ep)
+
+
+def draw_fig7(data, caption, scale):
+    n, b, sigma, r, ep = FIG7_SETTING
+    curve, dual = data[data["kind"] == "tradeoff"], data[data["kind"] == "epsilon_delta"]
+    fig, (ax, dax) = panels(1, 2, "JL paper Figure 7: duality of f-DP and ($\\epsilon, \\delta$)-DP, from dprun's jl "
+                            f"accountant\nDP-SGD-JL(r={r}), N={n}, B={b}, $\\sigma$={sigma}, {ep} epoch", 5.2, 4.4)
+    ax.plot(curve["alpha"], curve["f"], color=method_style(f"JL({r})")["color"], lw=2, label=f"f (JL({r}))")
+    ax.plot([0, 1], [1, 0], color="0.6", ls=":", lw=1, label="no privacy lost (f = 1 - alpha)")
+    eps, dl = dual["epsilon"].to_numpy(float), dual["delta"].to_numpy(float)
+    tangents = [float(np.interp(-np.log(t), -np.log(dl), eps)) for t in FIG7_TANGENT_DELTAS if dl.min() < t < dl.max()]
+    for i, e in enumerate(tangents):
+        d = float(np.interp(e, eps, dl))
+        xs = np.linspace(0, 1, 50)
+        ax.plot(xs, 1 - d - np.exp(e) * xs, color=f"C{i + 1}", lw=0.9, ls="--",
+                label=f"tangent: slope $-e^{{{e:.2g}}}$, intercept 1-{d:.2g}: ($\\epsilon$={e:.2g}, $\\delta$={d:.2g})")
+        dax.scatter([e], [d], color=f"C{i + 1}", zorder=3, s=30)
+    ax.set(xlim=(0, 1), ylim=(0, 1.02), xlabel=r"type I error $\alpha$", ylabel=r"type II error $f(\alpha)$",
+           title="trade-off curve and tangents", aspect="equal")
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
+    ax.grid(alpha=0.3)
+    dax.plot(dual["epsilon"], dual["delta"], color=method_style(f"JL({r})")["color"], marker=".")
+    dax.axhline(1e-5, color="0.5", ls=":", lw=1)
+    dax.annotate(r"$\delta=10^{-5}$", (dual["epsilon"].max() * 0.7, 1e-5), fontsize=7, xytext=(0, 3),
+                 textcoords="offset points")
+    dax.set_yscale("log")
+    dax.set(xlabel=r"$\epsilon$", ylabel=r"$\delta(\epsilon)$ (log)", title="the same guarantee as ($\\epsilon$, "
+            "$\\delta(\\epsilon)$): one point per tangent")
+    dax.title.set_fontsize(9)
+    ax.title.set_fontsize(9)
+    dax.grid(alpha=0.3, which="both")
+    return finish(fig, caption, top=0.88)
+
+
+add(Figure("jl_fig7", "JL", "Duality of f-DP and (epsilon, delta)-DP (jl accountant)", "figure", None, fig7, draw_fig7,
+           needs=epsilon_needs))
+
+
+# -- Table 4 (memory and time of jvp vs double-vjp) ----------------------------------------------------------------
+# The paper's Table 4: (sec/epoch 2-layer CNN B=256, sec/epoch AlexNet B=64, memory % of 16 GB (AlexNet))
+PAPER_TABLE4 = {"Non-DP SGD": (1, 14, "12%"), "DP-SGD-Vanilla": (50, 332, "38%"), "DP-SGD-Outer": (12, 85, "75%"),
+                "DP-SGD-JL(1) (jvp)": (3, 43, "15%"), "DP-SGD-JL(10) (jvp)": (20, 182, "15%"),
+                "DP-SGD-JL(1) (double vjp)": (14, 26, "22%"), "DP-SGD-JL(10) (double vjp)": (22, 105, "22%")}
+TABLE4_CONTENDERS = [("Non-DP SGD", "nonprivate", {}, 1), ("DP-SGD-Vanilla", "nxbp", {}, 1),
+                     ("DP-SGD-Outer", "opacus", {}, 1),
+                     ("DP-SGD-JL(1) (jvp)", "jl", {"jvp": "forward"}, 1),
+                     ("DP-SGD-JL(10) (jvp)", "jl", {"jvp": "forward"}, 10),
+                     ("DP-SGD-JL(1) (double vjp)", "jl", {"jvp": "double_vjp"}, 1),
+                     ("DP-SGD-JL(10) (double vjp)", "jl", {"jvp": "double_vjp"}, 10)]
+TABLE4_BATCH = {"smoke": 16, "paper": 256}
+TABLE4_STEPS = (1, 10)  # warm-up steps, timed steps
+
+
+def table4(runs, epochs, scale) -> pd.DataFrame:
+    """Measured here, one process (runner.bench): the MNIST CNN (bu_cnn, MNIST-shaped synthetic batch), each
+    contender's median step time over 10 steps after a warm-up step and its peak memory above the step's start."""
+    import copy
+    import time
+
+    import torch
+
+    from runner.bench.clip import loss_fn, synthetic_batch
+    from runner.bench.common import step_memory_bytes
+    from runner.bench.jl import MNIST, Workload, contender
+    from runner.metrics import synchronize
+    from runner.models import MODELS
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    b = TABLE4_BATCH[scale]
+    w = Workload("cnn_mnist", "bu_cnn", MNIST, b, "sgd", 0.25)
+    torch.manual_seed(0)
+    base = MODELS.build(w.model, w.info).to(device)
+    x, y = synthetic_batch(w.info, b, device)
+    steps_per_epoch = w.info.train_size / b
+    rows = []
+    for label, method, options, r in TABLE4_CONTENDERS:
+        c, note = contender(method, options, r, copy.deepcopy(base), w, x, y)
+        paper = PAPER_TABLE4[label]
+        row = {"method": label, "ours s/epoch": None, "ours step MB": None, "note": note,
+               "paper s/epoch (CNN, TF/PyTorch)": paper[0], "paper s/epoch (AlexNet)": paper[1],
+               "paper memory (AlexNet, of 16 GB)": paper[2]}
+        if c is not None:
+            step, zero = c
+            for _ in range(TABLE4_STEPS[0]):
+                step()
+            times = []
+            for _ in range(TABLE4_STEPS[1]):
+                zero()
+                synchronize(device)
+                t0 = time.perf_counter()
+                step()
+                synchronize(device)
+                times.append(time.perf_counter() - t0)
+            row["ours s/epoch"] = float(np.median(times)) * steps_per_epoch
+            row["ours step MB"] = step_memory_bytes(step, device, before=zero) / 2**20
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    base_mb = out.loc[out["method"] == "Non-DP SGD", "ours step MB"]
+    out.insert(3, "ours memory / non-private", out["ours step MB"] / float(base_mb.iloc[0]) if len(base_mb) and
+               pd.notna(base_mb.iloc[0]) else None)
+    out["setting"] = f"bu_cnn, MNIST-shaped batch of {b}, {device.type}"
+    return out
+
+
+def draw_table4(data, caption, scale):
+    shown = data.drop(columns=["setting", "note"])
+    setting = data["setting"].iloc[0] if len(data) else "?"
+    fig = table_figure(shown, "JL paper Table 4: time and memory, jvp vs double-vjp (ours: " + setting + ";\n"
+                       "step MB = peak memory of one step above its start; s/epoch = median of 10 steps x 60000/B)",
+                       caption + " | measured in one process (runner.bench), not from runs", col_width=2.2)
+    if setting.endswith("cpu"):
+        fig.text(0.5, 0.12, "On a CPU the memory columns are the result; the s/epoch column is this machine's "
+                 "(a shared, loaded CPU: not comparable with the paper's GPU seconds)", ha="center", fontsize=8,
+                 color="tab:red")
+    return fig
+
+
+add(Figure("jl_table4", "JL", "Memory and time of DP-SGD-JL with jvp vs double-vjp", "table", None, table4,
+           draw_table4))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pandas as pd
 
 from runner.figures.spec import Figure, add, newest_per, seconds_per_epoch
-from runner.figures.style import LK_ORDER, bar_panel, finish, line_panel, lk_label, panels
+from runner.figures.style import LK_ORDER, bar_panel, finish, line_panel, lk_label, method_legend, panels, series_color
 
 DATA_TITLES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR10", "imdb": "IMDB", "lsun": "LSUN"}
 MODEL_TITLES = {"mlp": "MLP", "cnn": "CNN", "rnn": "RNN", "lstm": "LSTM", "transformer": "Transformer"}
@@ -40,7 +40,7 @@ def draw_fig5(data, caption, scale):
     for ax, d in zip(axes, sets):
         sub = data[data["data"] == d].assign(model=lambda t: t["model"].map(lambda m: MODEL_TITLES.get(m, m)))
         bar_panel(ax, sub, "model", "s_per_epoch", "label", DATA_TITLES.get(d, d), order=LK_ORDER)
-    axes[0].legend(fontsize=7)
+    method_legend(fig, axes)
     return finish(fig, caption)
 
 
@@ -54,7 +54,7 @@ def draw_fig6(data, caption, scale):
         ax.set_xticks(sorted(set(data.loc[data["model"] == m, "batch_size"].dropna())))
         ax.xaxis.set_major_formatter("{x:g}")
         ax.xaxis.set_minor_formatter("")
-    axes[0].legend(fontsize=7)
+    method_legend(fig, axes)
     return finish(fig, caption)
 
 
@@ -65,7 +65,7 @@ def draw_fig7(data, caption, scale):
     for ax, d in zip(axes, sets):
         line_panel(ax, data[data["data"] == d], "depth", "s_per_epoch", "label", DATA_TITLES[d], order=LK_ORDER,
                    xlabel="hidden layers")
-    axes[0].legend(fontsize=7)
+    method_legend(fig, axes)
     return finish(fig, caption)
 
 
@@ -79,17 +79,24 @@ def draw_fig8(data, caption, scale):
     for ax, size in zip(axes, sizes):
         bar_panel(ax, data[data["image_size"] == size], "model", "s_per_epoch", "label", f"{size}x{size}",
                   order=LK_ORDER)
-    axes[0].legend(fontsize=7)
+    method_legend(fig, axes)
     return finish(fig, caption)
 
 
 def draw_fig9(data, caption, scale):
-    fig, (ax, ratio) = panels(1, 2, "Lee & Kifer Figure 9: processing time by image resolution (ResNet-18, B=32)")
+    sizes = sorted(int(s) for s in set(data["image_size"].dropna()))
+    title = ("Lee & Kifer Figure 9: processing time by image resolution (ResNet-18, B=32)\n"
+             f"image sizes run: {', '.join(map(str, sizes))} px")
+    if scale == "smoke" and 256 not in sizes:
+        title += " (smoke: 256 px only at scale=paper)"
+    fig, (ax, ratio) = panels(1, 2, title)
     line_panel(ax, data, "image_size", "s_per_epoch", "label", "seconds per epoch", order=LK_ORDER,
                xlabel="image size (pixels per side)")
     line_panel(ratio, data[data["label"] != "nxBP"], "image_size", "speedup_vs_nxbp", "label", "speed-up over nxBP",
                order=LK_ORDER, xlabel="image size (pixels per side)", ylabel="nxBP time / method time")
-    ax.legend(fontsize=7)
+    ratio.axhline(1.0, color=series_color("nxBP"), ls="--", lw=0.8)
+    ratio.annotate("nxBP", (0.01, 1.0), xycoords=("axes fraction", "data"), fontsize=7, color=series_color("nxBP"))
+    method_legend(fig, [ax, ratio])
     return finish(fig, caption)
 
 

@@ -4,72 +4,114 @@ privacy loss, and adaptive vs constant noise.
 
     python -m runner.plots sbcd_hsa_vs_composition sbcd_epoch_contribution sbcd_adaptive_noise
 
-Each curve function of runner.sbcd_curves returns a DataFrame; one numeric x column (the first column) and one
-column per curve (wide), or x, a `curve` label column and a value column (long). Both draw as one line per curve.
+Every title states the setting the curves are computed for (N, B, epochs, sigma, delta: runner.sbcd_curves.CurveSetup).
 """
 from __future__ import annotations
 
 import pandas as pd
 
 from runner.figures.spec import Figure, add
-from runner.figures.style import finish, panels
+from runner.figures.style import finish, panels, plain_log_axis
 
-def _privacy_vs_epochs() -> pd.DataFrame:  # epoch, eps_hidden, eps_composition
-    from runner.sbcd_curves import CurveSetup, privacy_vs_epochs
-
-    return privacy_vs_epochs(CurveSetup())[["epoch", "eps_hidden", "eps_composition"]]
+ADAPTIVE_TARGET_EPSILON = 3.0
 
 
-def _epoch_contributions() -> pd.DataFrame:  # epoch, share of the final hidden-state RDP cost
-    from runner.sbcd_curves import CurveSetup, epoch_contributions
+def _setup():
+    from runner.sbcd_curves import CurveSetup
 
-    return epoch_contributions(CurveSetup())[["epoch", "share"]]
-
-
-def _constant_vs_adaptive() -> pd.DataFrame:  # epoch, then eps_hidden and sigma per schedule, equal final epsilon
-    from runner.sbcd_curves import CurveSetup, constant_vs_adaptive
-
-    long = constant_vs_adaptive(CurveSetup(), target_epsilon=3.0)
-    wide = long.pivot(index="epoch", columns="schedule", values=["eps_hidden", "sigma"])
-    wide.columns = [f"{value} ({schedule})" for value, schedule in wide.columns]
-    return wide.reset_index()
+    return CurveSetup()
 
 
-CURVES = {  # figure name -> (curve function, title, y label, log y); setup: runner.sbcd_curves.CurveSetup()
-    "sbcd_hsa_vs_composition": (_privacy_vs_epochs, "DP-SBCD: privacy loss under the hidden state assumption vs "
-                                "composition", r"privacy loss $\epsilon$", True),
-    "sbcd_epoch_contribution": (_epoch_contributions, "DP-SBCD: contribution of each epoch's noise to the final "
-                                "privacy loss (HSA)", "share of the final privacy loss", False),
-    "sbcd_adaptive_noise": (_constant_vs_adaptive, "DP-SBCD: adaptive vs constant noise at equal final epsilon",
-                            r"$\epsilon$ (hidden state) and noise multiplier $\sigma$", False),
-}
+def setting(s, sigma: str | None = None) -> str:
+    """N=60000, B=3000 (fixed disjoint batches), 50 epochs, sigma=2, delta=1e-05, D=1 hidden layer."""
+    return (f"N={s.n}, B={s.batch_size} (fixed disjoint batches), {s.epochs} epochs, "
+            f"$\\sigma$={sigma or f'{s.sigma:g}'}, $\\delta$={s.delta:g}, D={s.depth} hidden layer(s)")
 
 
-def make(name: str, curve, title: str, ylabel: str, log: bool) -> Figure:
-    def table(runs, epochs, scale) -> pd.DataFrame:
-        return curve()
+def hsa_table(runs, epochs, scale) -> pd.DataFrame:  # epoch, eps_hidden, eps_composition
+    from runner.sbcd_curves import privacy_vs_epochs
 
-    def draw(data, caption, scale):
-        fig, (ax,) = panels(1, 1, title, 6.5, 4)
-        x = data.columns[0]
-        label_col = next((c for c in ("curve", "series", "label", "method") if c in data), None)
-        if label_col:
-            y = [c for c in data.select_dtypes("number").columns if c != x][-1]
-            for label, sub in data.groupby(label_col, sort=False):
-                ax.plot(sub[x], sub[y], marker=".", label=str(label))
-        else:
-            for col in data.select_dtypes("number").columns:
-                if col != x:
-                    ax.plot(data[x], data[col], marker=".", label=str(col))
-        ax.set(xlabel=str(x), ylabel=ylabel)
-        if log:
-            ax.set_yscale("log")
+    return privacy_vs_epochs(_setup())[["epoch", "eps_hidden", "eps_composition", "sigma"]]
+
+
+def draw_hsa(data, caption, scale):
+    s = _setup()
+    fig, (ax,) = panels(1, 1, "DP-SBCD: privacy loss of the released model vs epochs\n" + setting(s), 7, 4.2)
+    ax.plot(data["epoch"], data["eps_composition"], color="0.3", ls="--", marker=".",
+            label="composition (every intermediate model released)")
+    ax.plot(data["epoch"], data["eps_hidden"], color="#e377c2", marker="*", label="hidden state (only the last model)")
+    ax.set_yscale("log")
+    plain_log_axis(ax.yaxis)
+    lo = min(data["eps_hidden"].min(), data["eps_composition"].min())
+    ax.set_ylim(bottom=min(ax.get_ylim()[0], lo / 1.5))
+    last = data.iloc[-1]
+    for col, name in (("eps_hidden", "hidden state"), ("eps_composition", "composition")):
+        ax.annotate(f"{name}: $\\epsilon$={last[col]:.3g}", (last["epoch"], last[col]), xytext=(-10, 6),
+                    textcoords="offset points", ha="right", fontsize=8)
+    ax.set(xlabel="epochs trained", ylabel=r"$\epsilon$ (log)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return finish(fig, caption, top=0.9)
+
+
+def contribution_table(runs, epochs, scale) -> pd.DataFrame:
+    from runner.sbcd_curves import epoch_contributions
+
+    return epoch_contributions(_setup())[["epoch", "share"]]
+
+
+def draw_contribution(data, caption, scale):
+    s = _setup()
+    fig, (ax,) = panels(1, 1, "DP-SBCD: share of the final privacy loss (HSA) spent on each epoch's noise\n"
+                        + setting(s), 7, 4.2)
+    # the last epoch holds almost everything: a linear axis shows one bar; a log axis with markers (no bars: a bar
+    # on a log axis has no baseline)
+    ax.plot(data["epoch"], data["share"], color="#e377c2", marker="*", ls="-", lw=0.8)
+    ax.set_yscale("log")
+    ax.set(xlabel="epoch", ylabel="share of the final privacy loss (log)")
+    last = data.iloc[-1]
+    ax.annotate(f"last epoch: {last['share']:.3g}", (last["epoch"], last["share"]), xytext=(-120, -5),
+                textcoords="offset points", fontsize=8, arrowprops=dict(arrowstyle="->", lw=0.6))
+    ax.grid(alpha=0.3, axis="y", which="both")
+    return finish(fig, caption, top=0.9)
+
+
+def adaptive_table(runs, epochs, scale) -> pd.DataFrame:
+    from runner.sbcd_curves import constant_vs_adaptive
+
+    return constant_vs_adaptive(_setup(), target_epsilon=ADAPTIVE_TARGET_EPSILON)
+
+
+def draw_adaptive(data, caption, scale):
+    s = _setup()
+    last = data.sort_values("epoch").groupby("schedule").tail(1).set_index("schedule")["sigma"]
+    sig = ", ".join(f"{k} {v:.3g}" for k, v in last.items())
+    fig, (eps_ax, sig_ax) = panels(1, 2, f"DP-SBCD: adaptive vs constant noise, calibrated to the same final "
+                                   f"$\\epsilon$={ADAPTIVE_TARGET_EPSILON:g}\n"
+                                   + setting(s, sigma=f"last epoch: {sig}"), 5.2, 4)
+    styles = {"constant": dict(color="0.3", ls="--", marker="."), "adaptive": dict(color="#e377c2", marker="*")}
+    for schedule, sub in data.groupby("schedule", sort=False):
+        eps_ax.plot(sub["epoch"], sub["eps_hidden"], label=schedule, **styles.get(schedule, {}))
+        sig_ax.plot(sub["epoch"], sub["sigma"], label=schedule, **styles.get(schedule, {}))
+    eps_ax.set(xlabel="epochs trained", ylabel=r"$\epsilon$ so far (hidden state)", title="privacy loss")
+    sig_ax.set(xlabel="epoch", ylabel=r"noise multiplier $\sigma$", title="noise added per epoch")
+    sig_ax.set_ylim(bottom=0)
+    eps_ax.set_ylim(bottom=0)
+    for ax in (eps_ax, sig_ax):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        return finish(fig, caption)
+        ax.legend(fontsize=8)
+        ax.title.set_fontsize(9)
+    fig.text(0.5, 0.075, "Utility is NOT tested here: these curves only show the noise each schedule adds for the "
+             "same final epsilon. The slides' 'better utility-privacy trade-off' needs trained runs "
+             "(dprun method=sbcd with each schedule).", ha="center", fontsize=8, color="tab:red", wrap=True)
+    fig.tight_layout(rect=(0, 0.12, 1, 0.9))
+    fig.text(0.01, 0.005, caption, fontsize=7, color="0.35", ha="left", va="bottom", wrap=True)
+    return fig
 
-    return add(Figure(name, "DP-SBCD", title, "figure", None, table, draw))
 
-
-for _name, _args in CURVES.items():
-    make(_name, *_args)
+add(Figure("sbcd_hsa_vs_composition", "DP-SBCD", "Privacy loss: hidden state assumption vs composition", "figure",
+           None, hsa_table, draw_hsa))
+add(Figure("sbcd_epoch_contribution", "DP-SBCD", "Contribution of each epoch's noise to the final privacy loss",
+           "figure", None, contribution_table, draw_contribution))
+add(Figure("sbcd_adaptive_noise", "DP-SBCD", "Adaptive vs constant noise at equal final epsilon", "figure", None,
+           adaptive_table, draw_adaptive))

@@ -57,9 +57,12 @@ def newest_per(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 def seconds_per_epoch(runs: pd.DataFrame) -> pd.Series:
-    """Measured mean epoch time for full epochs; the estimate from the median step time where steps were capped."""
-    capped = runs["max_steps_per_epoch"].notna() if "max_steps_per_epoch" in runs else False
-    return runs["epoch_time_est_s"].where(capped, runs["mean_epoch_time_s"])
+    """The estimated seconds of a full epoch: median step time (warm-up steps excluded) x expected steps per epoch
+    (`epoch_time_est_s`), the same for capped and full epochs and the same as the JL trajectories' time axis; the
+    measured mean epoch time only where a run has no step times."""
+    est = runs["epoch_time_est_s"] if "epoch_time_est_s" in runs else pd.Series(float("nan"), index=runs.index)
+    mean = runs["mean_epoch_time_s"] if "mean_epoch_time_s" in runs else pd.Series(float("nan"), index=runs.index)
+    return est.where(est.notna(), mean)
 
 
 def threshold(paper_value: float, observed: pd.Series, scale: str) -> tuple[float, str]:

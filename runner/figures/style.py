@@ -20,6 +20,36 @@ LK_LABELS = {"nonprivate": "Non-private", "nxbp": "nxBP", "multiloss": "multiLos
 LK_ORDER = ["Non-private", "nxBP", "multiLoss", "ReweightGP"]
 
 
+# One colour and marker per method in every figure (both papers' names map to the same key). JL arms get one colour
+# per r. Epsilon, where a figure encodes it as colour, fills the marker; the method keeps its edge colour and shape.
+METHOD_STYLE = {
+    "nonprivate": ("#444444", "o"), "nxbp": ("#d62728", "s"), "opacus": ("#8c564b", "D"),
+    "multiloss": ("#ff7f0e", "v"), "reweight": ("#2ca02c", "P"), "sbcd": ("#e377c2", "*"),
+    "jl(1)": ("#1f77b4", "^"), "jl(2)": ("#4e9ad0", "^"), "jl(4)": ("#17becf", "^"), "jl(6)": ("#6b8fd6", "^"),
+    "jl(8)": ("#3d5a99", "^"), "jl(10)": ("#9467bd", "^"), "jl(20)": ("#5c3d8f", "^"), "jl(30)": ("#bcbd22", "^"),
+}
+_ALIASES = {"non": "nonprivate", "nxbp": "nxbp", "vanilla": "nxbp", "outer": "opacus", "opacus": "opacus",
+            "multiloss": "multiloss", "multiple": "multiloss", "reweight": "reweight", "sbcd": "sbcd"}
+
+
+def method_key(label: str) -> str | None:
+    """The METHOD_STYLE key of a series label in either paper's naming ("DP-SGD-JL(10)", "JL(10)", "nxBP",
+    "DP-Adam-Vanilla", "Non-private", "Non-DP SGD"), or None for a series that is not a method."""
+    low = str(label).lower()
+    if "jl(" in low:
+        return "jl(" + low.split("jl(")[-1].split(")")[0] + ")"
+    for key, name in _ALIASES.items():
+        if key in low.replace("-", "").replace(" ", "") or (key == "non" and low.startswith("non")):
+            return name
+    return None
+
+
+def method_style(label: str) -> dict:
+    """matplotlib keywords (color, marker) of a method label; a grey dot for anything unknown."""
+    color, marker = METHOD_STYLE.get(method_key(label) or "", ("0.5", "."))
+    return {"color": color, "marker": marker}
+
+
 def jl_label(method: str, r, optimizer: str = "sgd") -> str:
     opt = "Adam" if str(optimizer).lower() == "adam" else "SGD"
     return JL_LABELS.get(method, method).format(opt=opt, r=int(r) if pd.notna(r) else "?")
@@ -45,21 +75,33 @@ def caption_for(runs: pd.DataFrame, scale: str, computed: str | None = None) -> 
 
 
 def series_color(name: str, order=None):
-    """One colour per series across all panels of a figure (its position in `order`), so a panel that leaves a
-    series out (the speed-up over nxBP, a missing bar) does not shift the colours of the others."""
-    return f"C{list(order).index(name)}" if order and name in order else None
+    """The method's colour from METHOD_STYLE (the same in every figure and panel)."""
+    return method_style(name)["color"]
 
 
 def plain_log_axis(axis):
-    """Log-axis tick labels as plain numbers (0.3, 2, 10) rather than 3x10^-1 on crowded minor ticks."""
+    """Log-axis tick labels as plain numbers at 1, 2 and 5 x 10^k (0.2, 0.5, 1, 2, 5, 10), never crowded minor
+    labels or 3x10^-1; unlabelled minor ticks stay."""
     from matplotlib import ticker
 
-    class Plain(ticker.LogFormatter):
-        def _num_to_string(self, x, vmin, vmax):
-            return f"{x:g}"
+    axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    axis.set_minor_locator(ticker.LogLocator(base=10, subs=tuple(range(1, 10))))
+    axis.set_minor_formatter(ticker.NullFormatter())
 
-    axis.set_major_formatter(Plain(labelOnlyBase=False, minor_thresholds=(1.5, 0.6)))
-    axis.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(1.5, 0.6)))
+
+def method_legend(fig, axes, **kw):
+    """One legend for the whole figure holding every labelled series of every panel (each method once), so a
+    panel that leaves a method out never leaves its colour unexplained."""
+    seen = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    if seen:
+        fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=min(len(seen), 6), fontsize=8,
+                   bbox_to_anchor=(0.5, 0.045), frameon=False, **kw)
+        fig._dprun_legend_below = True  # finish() leaves room for it
+    return seen
 
 
 def panels(rows: int, cols: int, title: str, width: float = 4.2, height: float = 3.4):
@@ -68,48 +110,72 @@ def panels(rows: int, cols: int, title: str, width: float = 4.2, height: float =
     return fig, axes.ravel()
 
 
-def finish(fig, caption: str):
+def finish(fig, caption: str, top: float = 0.95):
+    """Caption line at the bottom; `top` leaves room for the title (and a figure legend: method_legend)."""
     fig.text(0.01, 0.005, caption, fontsize=7, color="0.35", ha="left", va="bottom", wrap=True)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.13 if getattr(fig, "_dprun_legend_below", False) else 0.05, 1, top))
     return fig
 
 
-def bar_panel(ax, data: pd.DataFrame, x: str, y: str, series: str, title: str, order=None, log=True,
+def dominated(values) -> bool:
+    """True where one value dominates the others (max / min > 10): a log axis then shows them all."""
+    v = pd.to_numeric(pd.Series(list(values)), errors="coerce")
+    v = v[(v > 0) & v.notna()]
+    return len(v) > 1 and float(v.max() / v.min()) > 10
+
+
+def bar_panel(ax, data: pd.DataFrame, x: str, y: str, series: str, title: str, order=None, log=None,
               ylabel="seconds per epoch"):
-    """Grouped bars: one group per x value, one bar per series; a missing bar is marked n/a."""
+    """Grouped values: one group per x value, one per series; a missing value is marked n/a. Linear bars from zero,
+    unless one value dominates (log=None: max/min > 10) or log=True: then a log axis with markers only, since a bar
+    on a log axis has no baseline and its length misstates the ratio."""
     xs = list(dict.fromkeys(data[x]))
     names = order or list(dict.fromkeys(data[series]))
     names = [n for n in names if n in set(data[series])]
+    log = dominated(data[y]) if log is None else log
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
         sub = data[data[series] == name].set_index(x)[y]
         vals = [sub.get(v, float("nan")) for v in xs]
         pos = [j + (i - (len(names) - 1) / 2) * width for j in range(len(xs))]
-        ax.bar(pos, vals, width, label=name, color=series_color(name, order))
+        style = method_style(name)
+        if log:
+            ax.scatter(pos, vals, s=36, label=name, zorder=3, **style)
+            ax.vlines(pos, [v * 0.92 if pd.notna(v) else float("nan") for v in vals], vals, color=style["color"],
+                      lw=0.6, alpha=0.5)
+        else:
+            ax.bar(pos, vals, width, label=name, color=style["color"])
         for p, v in zip(pos, vals):
             if pd.isna(v):
                 ax.text(p, 0.02, "n/a", rotation=90, fontsize=6, ha="center", va="bottom", transform=ax.get_xaxis_transform())
     ax.set_xticks(range(len(xs)), [str(v) for v in xs])
     ax.set_title(title, fontsize=10)
-    ax.set_ylabel(ylabel)
+    ax.set_ylabel(ylabel + (" (log)" if log else ""))
     if log:
         ax.set_yscale("log")
         plain_log_axis(ax.yaxis)
-    ax.grid(axis="y", alpha=0.3)
+        ax.grid(axis="y", which="both", alpha=0.3)
+    else:
+        ax.set_ylim(bottom=0)
+        ax.grid(axis="y", alpha=0.3)
 
 
-def line_panel(ax, data: pd.DataFrame, x: str, y: str, series: str, title: str, order=None, log=True,
+def line_panel(ax, data: pd.DataFrame, x: str, y: str, series: str, title: str, order=None, log=None,
                xlabel=None, ylabel="seconds per epoch"):
+    """One line per series in its method style; a log y axis where one value dominates (log=None) or log=True."""
     names = [n for n in (order or list(dict.fromkeys(data[series]))) if n in set(data[series])]
     for name in names:
         sub = data[data[series] == name].sort_values(x)
-        ax.plot(sub[x], sub[y], marker="o", label=name, color=series_color(name, order))
+        ax.plot(sub[x], sub[y], label=name, **method_style(name))
+    log = dominated(data[y]) if log is None else log
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel or x)
-    ax.set_ylabel(ylabel)
+    ax.set_ylabel(ylabel + (" (log)" if log else ""))
     if log:
         ax.set_yscale("log")
         plain_log_axis(ax.yaxis)
+    else:
+        ax.set_ylim(bottom=0, top=max(1e-12, float(pd.to_numeric(data[y], errors="coerce").max()) * 1.08))
     ax.grid(alpha=0.3)
 
 

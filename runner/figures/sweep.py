@@ -14,6 +14,7 @@ Arguments after `--` go to every dprun command (e.g. launcher=joblib, device=cud
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             print("sweep: dprun -m " + " ".join(cmd), flush=True)
             if args.dry_run:
                 continue
-            rc = subprocess.call([sys.executable, "-m", "runner.cli", "-m", *cmd])
+            env = dict(os.environ, DPRUN_FIGURE_SWEEP="1")  # dprun: no "extra_sweeps not run" note here
+            rc = subprocess.call([sys.executable, "-m", "runner.cli", "-m", *cmd], env=env)
             if rc != 0:
                 failed += 1
                 print(f"sweep: a job of `dprun -m {' '.join(cmd)}` failed (exit {rc}); the others ran, "

@@ -1,0 +1,195 @@
+"""Each figure, drawn from the fixture tables, is checked as a reader would look at it (not only "a file exists"):
+every plotted method is in a legend, a method has the one colour of runner.figures.style.METHOD_STYLE in every
+figure, no axis is narrower than the data drawn on it, no bars on a log axis, chance-level panels say so, and every
+DP-SBCD figure states N, B, sigma and delta."""
+from __future__ import annotations
+
+import matplotlib
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.collections import PathCollection
+from matplotlib.colors import to_rgba
+from matplotlib.lines import Line2D
+
+from runner.figures import FIGURES
+from runner.figures.style import METHOD_STYLE, method_key
+from runner.plots import select_runs
+
+from pathlib import Path
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+RUNS = pd.read_csv(FIXTURES / "runs.csv")
+EPOCHS = pd.read_csv(FIXTURES / "runs_epochs.csv")
+
+SLOW = {"jl_epsilon_r", "jl_fig7", "jl_table4"}  # accountant / bench: seconds to minutes; covered with -m slow
+FIGS = [n for n in FIGURES.names() if FIGURES.get(n).kind == "figure" and n not in SLOW]
+
+
+def draw(name):
+    fig = FIGURES.get(name)
+    runs = select_runs(RUNS, fig.experiment, "smoke", fig.keep_failed) if fig.experiment else RUNS.iloc[0:0]
+    epochs = EPOCHS[EPOCHS["run_dir"].isin(set(runs["run_dir"]))] if fig.experiment else EPOCHS.iloc[0:0]
+    return fig.draw(fig.table(runs, epochs, "smoke"), "caption", "smoke")
+
+
+def plotted(figure):
+    """(axes, artist, label) of every labelled artist drawn in data coordinates."""
+    out = []
+    for ax in figure.axes:
+        for art in [*ax.lines, *ax.collections, *ax.containers]:
+            label = art.get_label() if hasattr(art, "get_label") else None
+            if label and not label.startswith("_"):
+                out.append((ax, art, label))
+    return out
+
+
+def legend_texts(figure) -> set[str]:
+    legends = list(figure.legends) + [ax.get_legend() for ax in figure.axes if ax.get_legend()]
+    return {t.get_text() for lg in legends for t in lg.get_texts()}
+
+
+def colour_of(art):
+    if isinstance(art, Line2D):
+        return to_rgba(art.get_color())
+    if isinstance(art, PathCollection):
+        face, edge = art.get_facecolor(), art.get_edgecolor()  # face: the method; a red edge marks epsilon = inf
+        return tuple(face[0]) if len(face) else tuple(edge[0])
+    if isinstance(art, matplotlib.container.BarContainer):
+        return art.patches[0].get_facecolor()
+    return None
+
+
+@pytest.fixture(scope="module")
+def drawn():
+    figures = {name: draw(name) for name in FIGS}
+    yield figures
+    import matplotlib.pyplot as plt
+
+    for f in figures.values():
+        plt.close(f)
+
+
+@pytest.mark.parametrize("name", FIGS)
+def test_legend_holds_every_plotted_method(name, drawn):
+    methods = {label for _, _, label in plotted(drawn[name]) if method_key(label)}
+    assert methods <= legend_texts(drawn[name]), methods - legend_texts(drawn[name])
+
+
+def test_a_method_has_one_colour_in_every_figure(drawn):
+    seen: dict[str, set] = {}
+    for name, figure in drawn.items():
+        for _, art, label in plotted(figure):
+            key, colour = method_key(label), colour_of(art)
+            if key and colour is not None:
+                seen.setdefault(key, set()).add((np.round(colour[:3], 3).tobytes(), name))
+    assert seen, "no method drawn at all"
+    for key, colours in seen.items():
+        distinct = {c for c, _ in colours}
+        assert len(distinct) == 1, f"{key} has {len(distinct)} colours: {sorted(n for _, n in colours)}"
+        assert distinct == {np.round(to_rgba(METHOD_STYLE[key][0])[:3], 3).tobytes()}, key
+
+
+@pytest.mark.parametrize("name", FIGS)
+def test_no_axis_spans_less_than_its_data(name, drawn):
+    for ax in drawn[name].axes:
+        (x0, x1), (y0, y1) = sorted(ax.get_xlim()), sorted(ax.get_ylim())
+        for art in [*ax.lines, *ax.collections]:
+            if isinstance(art, Line2D) and art.get_transform() is ax.transData:
+                xy = np.column_stack([np.asarray(art.get_xdata(), float), np.asarray(art.get_ydata(), float)])
+            elif isinstance(art, PathCollection) and art.get_offset_transform() is ax.transData:
+                xy = np.asarray(art.get_offsets(), float).reshape(-1, 2)
+            else:
+                continue
+            xy = xy[np.isfinite(xy).all(axis=1)]
+            if not len(xy):
+                continue
+            tol_x, tol_y = 1e-6 * max(1.0, abs(x1)), 1e-6 * max(1.0, abs(y1))
+            assert xy[:, 0].min() >= x0 - tol_x and xy[:, 0].max() <= x1 + tol_x, (ax.get_title(), art.get_label())
+            assert xy[:, 1].min() >= y0 - tol_y and xy[:, 1].max() <= y1 + tol_y, (ax.get_title(), art.get_label())
+
+
+@pytest.mark.parametrize("name", FIGS)
+def test_no_bars_on_a_log_axis(name, drawn):
+    for ax in drawn[name].axes:
+        if ax.get_yscale() == "log":
+            assert not any(isinstance(c, matplotlib.container.BarContainer) for c in ax.containers), ax.get_title()
+
+
+def all_text(figure) -> str:
+    texts = [t.get_text() for t in figure.texts] + [figure._suptitle.get_text() if figure._suptitle else ""]
+    for ax in figure.axes:
+        texts += [ax.get_title(), *[t.get_text() for t in ax.texts]]
+    return "\n".join(texts)
+
+
+@pytest.mark.parametrize("name", ["jl_fig1", "jl_fig4", "jl_fig5", "jl_fig6"])
+def test_chance_level_panels_say_so(name, drawn):
+    """The fixture's JL Table 2/3 runs are synthetic (random labels): the panels must say accuracy is chance."""
+    text = all_text(drawn[name])
+    assert "chance" in text and "synthetic" in text.lower()
+    assert "ran:" in text  # the title names what actually ran
+
+
+def test_real_data_panels_do_not_claim_chance(drawn):
+    assert "chance" not in all_text(drawn["jl_fig3"])  # digits: real labels
+
+
+@pytest.mark.parametrize("name", [n for n in FIGS if n.startswith("sbcd_")])
+def test_every_sbcd_figure_states_n_b_sigma_delta(name, drawn):
+    text = all_text(drawn[name])
+    for needle in ("N=", "B=", "sigma", "delta"):
+        assert needle in text, needle
+
+
+def test_sbcd_adaptive_noise_has_separate_axes_and_says_utility_is_not_tested(drawn):
+    figure = drawn["sbcd_adaptive_noise"]
+    labels = [ax.get_ylabel() for ax in figure.axes]
+    assert any("epsilon" in lab for lab in labels) and any("sigma" in lab for lab in labels)
+    assert not any("epsilon" in lab and "sigma" in lab for lab in labels)
+    assert "Utility is NOT tested" in all_text(figure)
+
+
+def test_log_ticks_are_plain_and_few(drawn):
+    for name, figure in drawn.items():
+        figure.canvas.draw()
+        for ax in figure.axes:
+            for axis in (ax.xaxis, ax.yaxis):
+                if axis.get_scale() != "log":
+                    continue
+                labels = [t.get_text() for t in axis.get_ticklabels() if t.get_text()]
+                labels += [t.get_text() for t in axis.get_minorticklabels() if t.get_text()]
+                assert len(labels) <= 12, (name, labels)
+                assert not any("times" in lab for lab in labels), (name, labels)
+
+
+def test_figures_list_gives_a_paper_scale_gpu_estimate_for_every_target(capsys):
+    from runner.figures.gpu_time import PAPER_GPU_HOURS
+    from runner.plots import main
+
+    assert set(FIGURES.names()) <= set(PAPER_GPU_HOURS)
+    assert main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU time at scale=paper" in out and "total at scale=paper" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SLOW))
+def test_slow_computed_figures_render(name, tmp_path):
+    from runner.plots import render
+
+    result = render(name, RUNS, EPOCHS, "smoke", tmp_path / "f", tmp_path / "t", formats=("png",))
+    assert not isinstance(result, str), result
+    assert len(pd.read_csv(tmp_path / "t" / f"{name}.csv")) > 0
+
+
+def test_dprun_multirun_of_a_preset_with_extra_sweeps_names_the_make_target(monkeypatch):
+    from runner.cli import extra_sweeps_note
+
+    monkeypatch.delenv("DPRUN_FIGURE_SWEEP", raising=False)
+    note = extra_sweeps_note(["-m", "experiment=jl_table2", "scale=paper"])
+    assert note and "make fig-jl_table2 SCALE=paper" in note and "\n" not in note
+    assert extra_sweeps_note(["-m", "experiment=lk_fig6"]) is None  # no extra sweeps
+    assert extra_sweeps_note(["experiment=jl_table2"]) is None  # a single run
+    monkeypatch.setenv("DPRUN_FIGURE_SWEEP", "1")
+    assert extra_sweeps_note(["-m", "experiment=jl_table2"]) is None  # the figure sweep runs them itself
