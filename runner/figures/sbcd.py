@@ -38,14 +38,14 @@ def draw_hsa(data, caption, scale):
     s = _setup()
     fig, (ax,) = panels(1, 1, "DP-SBCD: privacy loss of the released model vs epochs\n" + setting(s), 7, 4.2)
     ax.plot(data["epoch"], data["eps_composition"], color="0.3", ls="--", marker=".",
-            label="composition (every intermediate model released)")
-    ax.plot(data["epoch"], data["eps_hidden"], color="#e377c2", marker="*", label="hidden state (only the last model)")
+            label="composition: certified, what a run publishes as epsilon")
+    ax.plot(data["epoch"], data["eps_hidden"], color="#e377c2", marker="*", label="hidden-state bound: assumes a Lipschitz step that\ndprun's sbcd does not meet (docs/sbcd.md): NOT certified")
     ax.set_yscale("log")
     plain_log_axis(ax.yaxis)
     lo = min(data["eps_hidden"].min(), data["eps_composition"].min())
     ax.set_ylim(bottom=min(ax.get_ylim()[0], lo / 1.5))
     last = data.iloc[-1]
-    for col, name in (("eps_hidden", "hidden state"), ("eps_composition", "composition")):
+    for col, name in (("eps_hidden", "hidden-state bound (assumed)"), ("eps_composition", "composition")):
         ax.annotate(f"{name}: $\\epsilon$={last[col]:.3g}", (last["epoch"], last[col]), xytext=(-10, 6),
                     textcoords="offset points", ha="right", fontsize=8)
     ax.set(xlabel="epochs trained", ylabel=r"$\epsilon$ (log)")
@@ -93,7 +93,8 @@ def draw_adaptive(data, caption, scale):
     for schedule, sub in data.groupby("schedule", sort=False):
         eps_ax.plot(sub["epoch"], sub["eps_hidden"], label=schedule, **styles.get(schedule, {}))
         sig_ax.plot(sub["epoch"], sub["sigma"], label=schedule, **styles.get(schedule, {}))
-    eps_ax.set(xlabel="epochs trained", ylabel=r"$\epsilon$ so far (hidden state)", title="privacy loss")
+    eps_ax.set(xlabel="epochs trained", ylabel=r"$\epsilon$ so far (hidden-state bound, assumed)",
+               title="privacy loss under the hidden-state assumption (NOT certified: docs/sbcd.md)")
     sig_ax.set(xlabel="epoch", ylabel=r"noise multiplier $\sigma$", title="noise added per epoch")
     sig_ax.set_ylim(bottom=0)
     eps_ax.set_ylim(bottom=0)
