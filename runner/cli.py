@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from runner.confdir import find_conf_dir
 from runner.data.base import default_data_dir
 from runner.errors import DprunError
 from runner.registry import unknown_name_message
@@ -34,7 +35,7 @@ def register_resolvers() -> None:
 
 
 register_resolvers()
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = find_conf_dir()  # runner/conf in a wheel, the repository's conf/ in a checkout
 
 
 def run(cfg: DictConfig) -> dict:
@@ -69,6 +70,17 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 CONFIG_GROUPS = ("dataset", "model", "method", "accountant", "optimizer", "experiment", "launcher")
+LAUNCHER_PLUGINS = {"joblib": "hydra_plugins.hydra_joblib_launcher", "submitit_local": "hydra_plugins.hydra_submitit_launcher",
+                    "slurm": "hydra_plugins.hydra_submitit_launcher"}  # the `launchers` extra
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # its parent package (hydra_plugins) is absent
+        return False
 
 
 def check_group_choices(argv: list[str]) -> None:
@@ -83,6 +95,10 @@ def check_group_choices(argv: list[str]) -> None:
         for choice in value.split(","):
             if choice not in valid:
                 raise DprunError(unknown_name_message(key, choice, valid))
+            if key == "launcher" and choice in LAUNCHER_PLUGINS:
+                if not _importable(LAUNCHER_PLUGINS[choice]):
+                    raise DprunError(f"launcher={choice} needs its Hydra plugin: pip install 'dprun[launchers]' "
+                                     "(or -e '.[launchers]' in a checkout)")
 
 
 def main() -> None:

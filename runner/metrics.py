@@ -82,8 +82,8 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 def package_versions() -> dict[str, str]:
     from importlib import metadata
 
-    out = {"python": sys.version.split()[0]}
-    for name in ("torch", "dprun", "hydra-core", "dp-accounting", "opacus", "numpy"):
+    out = {"python": sys.version.split()[0], "torch": torch.__version__}  # with its build tag (+cpu, +cu130)
+    for name in ("dprun", "hydra-core", "dp-accounting", "opacus", "numpy"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -9,12 +9,17 @@ import numpy as np
 import torch
 
 from runner.data.base import DATASETS, DataInfo, Dataset
+from runner.errors import DprunError
 
 
 @DATASETS.register("digits")
 def load_digits(cfg, root) -> Dataset:
-    from sklearn.datasets import load_digits as sk_digits
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_digits as sk_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as e:
+        raise DprunError("dataset=digits needs scikit-learn: pip install 'dprun[demo]' (or -e '.[demo]' in a "
+                         "checkout)") from e
 
     bunch = sk_digits()
     x = bunch.images.astype(np.float32) / 16.0  # (1797, 8, 8)
