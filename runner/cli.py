@@ -107,6 +107,9 @@ def main() -> None:
     except DprunError as e:
         print(f"dprun: {e}", file=sys.stderr)
         sys.exit(2)
+    from runner.checkpoint import resume_argv
+
+    sys.argv[1:] = resume_argv(sys.argv[1:])  # resume=<dir>: that run's overrides, continued in its folder
     _hydra_main()
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from runner import accountants, methods, models
+from runner import accountants, checkpoint, methods, models
 from runner.data import load_dataset
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
@@ -107,6 +107,15 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), float(cfg.lr))
     loss_fn = per_example_cross_entropy
     rows: list[dict[str, Any]] = []
+    start_epoch = 0
+    can_checkpoint = checkpoint.supported(method)  # None: the model + optimizer hold all of the method's state
+    if cfg.get("resume"):  # runner/checkpoint.py: same batches, noise and epsilon as an uninterrupted run
+        if can_checkpoint:
+            raise DprunError(f"resume: {can_checkpoint}")
+        checkpoint.check_config(cfg.resume, OmegaConf.to_container(cfg, resolve=True))
+        start_epoch, rows = checkpoint.restore(checkpoint.load(cfg.resume), model=model, optimizer=optimizer,
+                                               sampler=sampler, method=method, accountant=accountant)
+        log.info("resumed %s after epoch %d", cfg.resume, start_epoch)
     summary: dict[str, Any] = {
         "status": "running",
         "config": OmegaConf.to_container(cfg, resolve=True),
@@ -128,7 +137,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
 
     model.train()
     try:
-        for epoch in range(1, int(cfg.epochs) + 1):
+        for epoch in range(start_epoch + 1, int(cfg.epochs) + 1):
             reset_peak_memory(device)
             step_times, loss_sum, correct, seen = [], 0.0, 0, 0
             epoch_start = time.perf_counter()
@@ -168,6 +177,9 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                 **(accountant.extra_metrics(float(cfg.delta)) if accountant is not None else {}),
             })
             write_csv(out_dir / "metrics.csv", rows)
+            if cfg.get("checkpoint", True) and can_checkpoint is None:
+                checkpoint.save(out_dir, epoch=epoch, model=model, optimizer=optimizer, sampler=sampler, method=method,
+                                accountant=accountant, rows=rows)
             log.info("epoch %d: test_acc=%.4f epoch_time=%.2fs epsilon=%s", epoch, test_acc, epoch_time, eps)
         summary["status"] = "finished"
     except KeyboardInterrupt:
