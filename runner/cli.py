@@ -32,6 +32,20 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("dprun_data_dir", default_data_dir)
         OmegaConf.register_new_resolver("dprun_uid", lambda: uuid.uuid4().hex[:6], use_cache=True)
         OmegaConf.register_new_resolver("dprun_paper_model", lambda like: PAPER_MODEL.get(str(like), "mlp"))
+        OmegaConf.register_new_resolver("dprun_dirname", safe_dirname)
+
+
+def safe_dirname(overrides: str) -> str:
+    """A multirun subfolder name: the job's values of the keys swept on the command line (`-m r=1,4 epochs=2`
+    -> `r=4`), all of hydra.job.override_dirname if none was (a preset's sweep); characters other than letters,
+    digits and `=,.+-_` become `_`, at most 100 characters; `run` when nothing was overridden."""
+    import re
+
+    swept = {a.lstrip("+~").split("=", 1)[0] for a in sys.argv[1:]
+             if "=" in a and re.search(r",|^[^=]*=\s*(range|choice|glob)\(", a)}
+    items = [i for i in str(overrides).split(",") if i.split("=", 1)[0].lstrip("+~") in swept]
+    name = ",".join(items) if items else str(overrides)
+    return re.sub(r"[^A-Za-z0-9=,.+_-]", "_", name)[:100] or "run"
 
 
 register_resolvers()
@@ -42,14 +56,45 @@ def run(cfg: DictConfig) -> dict:
     from runner.train import train
 
     out_dir = cfg.out_dir or HydraConfig.get().runtime.output_dir
-    summary = train(cfg, out_dir)
-    print_result(summary, out_dir)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    log_file = logging.FileHandler(Path(out_dir) / "dprun.log")  # the run's log (Slurm jobs have no terminal)
+    log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.getLogger().addHandler(log_file)
+    try:
+        summary = train(cfg, out_dir)
+    finally:
+        logging.getLogger().removeHandler(log_file)
+        log_file.close()
+    print_result(summary, out_dir, table=_interactive())
     return summary
 
 
-def print_result(summary: dict, out_dir) -> None:
+def _interactive() -> bool:
+    """A single run on a terminal: a progress bar while it trains, then the per-epoch table (and no per-epoch log
+    lines on the terminal, so the epochs are printed once). Otherwise (a sweep, a log file): one line per epoch as
+    it finishes, with the ETA, and no table at the end. dprun.log has the lines either way."""
+    try:
+        single = HydraConfig.get().mode != RunMode.MULTIRUN
+    except ValueError:  # not under Hydra (run() called directly)
+        single = True
+    return single and sys.stderr.isatty()
+
+
+class _NoEpochLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "epoch_line", False)
+
+
+def print_result(summary: dict, out_dir, table: bool = True) -> None:
     import pandas as pd
 
+    if not table:
+        final = summary.get("final") or {}
+        eps = final.get("epsilon")
+        eps_text = f", epsilon {float(eps):.4g}" if eps not in (None, "") else ""
+        acc_text = f": test_acc {final['test_acc']:.4f}" if "test_acc" in final else ""
+        print(f"dprun: {summary['method']} on {summary['config']['dataset']['name']}{acc_text}{eps_text} -> {out_dir}")
+        return
     table = pd.read_csv(Path(out_dir) / "metrics.csv")
     cols = [c for c in ("epoch", "train_loss", "test_acc", "epoch_time_s", "step_time_s") if c in table]
     cols += [c for c in table.columns if c.startswith("epsilon") and table[c].notna().any()]  # + hsa's baseline
@@ -60,6 +105,10 @@ def print_result(summary: dict, out_dir) -> None:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="[dprun] %(message)s", force=True)
+    logging.getLogger("dprun").disabled = False  # hydra/job_logging=disabled disables existing loggers per job
+    if _interactive():
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_NoEpochLines())
     try:
         run(cfg)
     except DprunError as e:

@@ -25,7 +25,7 @@ from runner.errors import DprunError
 from runner.metrics import (StepTimer, device_name, package_versions, peak_memory_bytes, reset_peak_memory,
                             write_csv, write_json)
 from runner.optimizers import build_optimizer
-from runner.progress import progress_bar
+from runner.progress import format_eta, progress_bar
 
 log = logging.getLogger("dprun")
 
@@ -45,8 +45,11 @@ def per_example_cross_entropy(outputs: torch.Tensor, y: torch.Tensor) -> torch.T
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[float, float]:
-    """Mean loss and accuracy over (x, y), in eval mode."""
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int,
+             max_batches: int | None = None) -> tuple[float, float]:
+    """Mean loss and accuracy over (x, y), in eval mode; max_batches: only the first batches (timing runs)."""
+    if max_batches:
+        x, y = x[:batch_size * int(max_batches)], y[:batch_size * int(max_batches)]
     model.eval()
     loss, correct = 0.0, 0
     for i in range(0, len(y), batch_size):
@@ -161,7 +164,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
             for _ in batches:  # finish the epoch's generator (capped epochs)
                 pass
             epoch_time = time.perf_counter() - epoch_start
-            test_loss, test_acc = evaluate(model, data.test_x, data.test_y, int(cfg.eval_batch_size))
+            test_loss, test_acc = evaluate(model, data.test_x, data.test_y, int(cfg.eval_batch_size),
+                                           cfg.get("max_eval_batches"))
             eps = accountant.epsilon(float(cfg.delta)) if accountant is not None else None
             rows.append({
                 "epoch": epoch,
@@ -180,7 +184,11 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
             if cfg.get("checkpoint", True) and can_checkpoint is None:
                 checkpoint.save(out_dir, epoch=epoch, model=model, optimizer=optimizer, sampler=sampler, method=method,
                                 accountant=accountant, rows=rows)
-            log.info("epoch %d: test_acc=%.4f epoch_time=%.2fs epsilon=%s", epoch, test_acc, epoch_time, eps)
+            done = [r["epoch_time_s"] for r in rows if r["epoch"] > start_epoch]
+            eta = format_eta(statistics.mean(done) * (int(cfg.epochs) - epoch))
+            log.info("epoch %d/%s: train_loss=%.4f test_acc=%.4f epoch_time=%.2fs%s eta=%s", epoch, cfg.epochs,
+                     rows[-1]["train_loss"], test_acc, epoch_time, "" if eps is None else f" epsilon={eps:.4g}", eta,
+                     extra={"epoch_line": True})
         summary["status"] = "finished"
     except KeyboardInterrupt:
         summary["status"] = "interrupted"

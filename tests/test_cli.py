@@ -53,6 +53,10 @@ def test_multirun_writes_one_folder_per_run(tmp_path):
     models = {json.loads(p.read_text())["config"]["model"]["name"] for p in summaries}
     assert models == {"cnn", "mlp"}
     assert all((p.parent / "metrics.csv").exists() for p in summaries)
+    assert sorted(p.parent.name for p in summaries) == ["0_model=cnn", "1_model=mlp"]  # named by what was swept
+    for p in summaries:  # each job: its own log, one line per epoch with an ETA
+        assert "epoch 1/1: train_loss=" in (p.parent / "dprun.log").read_text()
+    assert proc.stderr.count("eta=0:00:00") == 2 and "dprun: nonprivate on digits: test_acc" in proc.stdout
 
 
 def test_two_runs_in_the_same_second_never_share_a_folder(tmp_path):
@@ -64,6 +68,6 @@ def test_two_runs_in_the_same_second_never_share_a_folder(tmp_path):
 
 def test_synthetic_cifar_run_starts(tmp_path):
     proc = dprun("dataset=synthetic", "dataset.like=cifar10", "dataset.train_size=512", "dataset.test_size=64", "epochs=1",
-                 "max_steps_per_epoch=2", "batch_size=32", cwd=tmp_path)
+                 "max_steps_per_epoch=2", "batch_size=32", "max_eval_batches=1", "eval_batch_size=16", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "papernot_cnn" in (list((tmp_path / "outputs").rglob("summary.json"))[0]).read_text()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -103,3 +104,22 @@ def test_every_private_method_rejects_batchnorm(name):
     with pytest.raises(DprunError, match=r"^1 \(BatchNorm2d\).*GroupNorm"):
         METHODS.build(name).validate(model)
     METHODS.build("nonprivate").validate(model)  # non-private training may use BatchNorm
+
+
+def test_eval_cap_and_per_epoch_cpu_peak_memory(tmp_path):
+    from runner.metrics import peak_memory_bytes, reset_peak_memory
+    from runner.train import evaluate
+
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(100, 4), torch.randint(0, 3, (100,))
+    loss_all, _ = evaluate(model, x, y, 10)
+    loss_cap, _ = evaluate(model, x, y, 10, max_batches=2)
+    assert loss_cap == pytest.approx(evaluate(model, x[:20], y[:20], 10)[0]) and loss_cap != loss_all
+    cpu = torch.device("cpu")
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB resident
+    big.add_(1)
+    high = peak_memory_bytes(cpu)
+    del big
+    reset_peak_memory(cpu)  # Linux: /proc/self/clear_refs; the next run's peak is its own
+    if Path("/proc/self/clear_refs").exists():
+        assert peak_memory_bytes(cpu) < high - 32 * 2**20
