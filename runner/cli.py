@@ -150,9 +150,36 @@ def check_group_choices(argv: list[str]) -> None:
                                      "(or -e '.[launchers]' in a checkout)")
 
 
+def known_keys() -> list[str]:
+    """Top-level config keys: config.yaml's, those that global presets and dataset/method files set, the groups."""
+    import yaml
+
+    keys = set(CONFIG_GROUPS) | {"hydra", "experiment_tag"}
+    for path in Path(CONF_DIR).rglob("*.yaml"):
+        text = path.read_text()
+        if path.name == "config.yaml" or "@package _global_" in text:
+            keys |= set((yaml.safe_load(text) or {}).keys()) - {"defaults"}
+    return sorted(keys)
+
+
+def check_keys(argv: list[str]) -> None:
+    """`batchsize=32` or `+batchsize=32` (a new key nothing reads) is refused with one line, not run and ignored."""
+    import re
+
+    valid = None
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        first = re.split(r"[./@]", arg.lstrip("+~").split("=", 1)[0])[0]
+        valid = valid or known_keys()
+        if first not in valid:
+            raise DprunError(unknown_name_message("key", first, valid) + " (dprun --help lists them)")
+
+
 def main() -> None:
     try:
         check_group_choices(sys.argv[1:])
+        check_keys(sys.argv[1:])
     except DprunError as e:
         print(f"dprun: {e}", file=sys.stderr)
         sys.exit(2)

@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,8 @@ CONFIG_COLUMNS = [
 ]
 METRIC_COLUMNS = ["test_acc", "test_loss", "train_loss", "train_acc", "epsilon", "epoch_time_s", "step_time_s",
                   "peak_mem_bytes"]
-SUMMARY_VIEW = ["experiment", "scale", "dataset", "model", "method", "r", "batch_size", "sigma", "epochs",
-                "status", "test_acc", "epsilon", "epoch_time_est_s", "device"]
+SUMMARY_VIEW = ["experiment", "scale", "dataset", "model", "method", "method_options", "r", "batch_size", "sigma",
+                "epochs", "status", "test_acc", "epsilon", "delta", "epoch_time_est_s", "device"]
 # the columns that identify "the same run" when a preset was run twice (latest() keeps the newest)
 RUN_KEY = ["experiment", "scale", "dataset", "like", "image_size", "model", "depth", "method", "r", "batch_size",
            "sigma", "clip", "lr", "optimizer", "epochs", "seed", "max_steps_per_epoch", "device"]
@@ -64,7 +65,16 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
     cfg = summary.get("config", {})
     row: dict[str, Any] = {name: dig(cfg, path) for name, path in CONFIG_COLUMNS}
     versions = summary.get("versions", {})
+    row["sigma_configured"] = row["sigma"]
+    if "sigma" in summary:  # the sigma the run used: calibrated to target_epsilon; None if not private
+        row["sigma"] = summary["sigma"]
+        if summary["sigma"] is None:
+            row["delta"] = None
+    method_cfg = cfg.get("method") if isinstance(cfg.get("method"), dict) else {}
+    row["method_options"] = ",".join(f"{k}={v}" for k, v in sorted(method_cfg.items())
+                                     if k != "name" and v is not None and not isinstance(v, (dict, list))) or None
     row.update({
+        "epsilon_lower_bound": summary.get("epsilon_lower_bound"),
         "status": summary.get("status"),
         "epochs_completed": summary.get("epochs_completed", 0),
         "data_source": summary.get("data_source"),
@@ -79,7 +89,8 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
         "torch_version": versions.get("torch"),
         "dprun_version": versions.get("dprun"),
         "run_dir": str(run_dir),
-        "finished_at": (run_dir / "summary.json").stat().st_mtime,
+        "finished_at": datetime.fromtimestamp((run_dir / "summary.json").stat().st_mtime, timezone.utc)
+        .isoformat(timespec="seconds"),  # UTC, so the strings sort in time order
     })
     metrics_path = run_dir / "metrics.csv"
     epochs = pd.read_csv(metrics_path) if metrics_path.exists() and metrics_path.stat().st_size else pd.DataFrame()
@@ -163,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quiet:
         print(table.to_string(index=False, max_colwidth=24) if args.epochs else summary_view(table))
     n = table["run_dir"].nunique()
+    infinite = table[pd.to_numeric(table.get("epsilon"), errors="coerce") == math.inf] if "epsilon" in table else []
+    if len(infinite):
+        bound = pd.to_numeric(infinite.get("epsilon_lower_bound"), errors="coerce").dropna()
+        print(f"dprun-report: {infinite['run_dir'].nunique()} runs have epsilon=inf: no finite guarantee at their "
+              "delta (JL with small r: the heavy tail of Z_r)" + (f"; certified lower bounds up to {bound.max():.3g} "
+              "in column epsilon_lower_bound" if len(bound) else "") + ". See docs/privacy.md")
     print(f"dprun-report: {n} runs, {len(table)} rows -> {out}")
     return 0
 

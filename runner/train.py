@@ -201,6 +201,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         if accountant is not None:
             summary["mechanisms"] = [{"kind": m.kind, **m.__dict__, "steps": n} for m, n in accountant.history.items()]
         summary["final"] = rows[-1] if rows else {}
+        if rows and rows[-1]["epsilon"] == float("inf") and hasattr(accountant, "epsilon_lower_bound"):
+            summary["epsilon_lower_bound"] = accountant.epsilon_lower_bound(float(cfg.delta))  # docs/privacy.md
         summary["epochs_completed"] = len(rows)
         write_json(out_dir / "summary.json", summary)
     return summary
