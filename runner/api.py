@@ -36,13 +36,18 @@ from runner.methods.base import StepOutput
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, y) -> (B,)
 
 
+def _child_generator() -> torch.Generator:
+    """A sampling generator seeded from torch's global RNG (so torch.manual_seed makes the batches reproducible)."""
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+
+
 class PoissonBatchSampler(TorchSampler):
     """Index batches for a DataLoader (`batch_sampler=`): each example joins each batch independently with
     probability q = batch_size / n; round(n / batch_size) batches per epoch; a batch may be empty.
     The indices come from runner.data.sampler.Sampler, the sampler `dprun` uses."""
 
     def __init__(self, n: int, batch_size: int, generator: torch.Generator | None = None, kind: str = "poisson"):
-        gen = generator if generator is not None else torch.Generator().manual_seed(torch.seed() % 2**63)
+        gen = generator if generator is not None else _child_generator()
         self.sampler = Sampler(kind, n, batch_size, gen, "cpu")
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -205,7 +210,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         x, y = data
         if not batch_size:
             raise DprunError("make_private with tensors needs batch_size (the expected batch size)")
-        gen = generator if generator is not None else torch.Generator().manual_seed(torch.seed() % 2**63)
+        gen = generator if generator is not None else _child_generator()
         sampler = Sampler(kind, len(y), int(batch_size), gen, y.device)
         tensors, n = (x, y), len(y)
         info = DataInfo("user", tuple(x.shape[1:]), int(y.max().item()) + 1 if y.numel() else 0, train_size=n)
