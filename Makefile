@@ -1,14 +1,27 @@
 # dprun — `make help` lists the targets. Everything runs from a fresh clone after `make install`.
-PY ?= python
+# PY: the python of the virtual environment VENV (.venv, made by `make install`) if it exists, else the one on PATH
+# (checked when each command runs, so `make install demo` uses the venv it just made).
+VENV ?= .venv
+PY ?= $$(test -x $(VENV)/bin/python && echo $(VENV)/bin/python || echo python)
+# torch for a venv without one: the CPU build from PyTorch's CPU index, unless nvidia-smi finds a GPU (then PyPI's
+# CUDA build). A torch already in the venv is kept. TORCH_INDEX= (empty) uses pip's configured index.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 SCALE ?= smoke
 
-.PHONY: help install demo test test-slow bench
+.PHONY: help install torch demo test test-slow bench
 
-help: ## list the targets
-	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
+help: ## list the targets (coloured on a terminal only)
+	@if [ -t 1 ]; then c='\033[36m'; n='\033[0m'; else c=''; n=''; fi; \
+	grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | awk -v c="$$c" -v n="$$n" 'BEGIN {FS = ":.*## "}; {printf "  %s%-18s%s %s\n", c, $$1, n, $$2}'
 
-install: ## install dprun (editable) with its test extras; keeps an already installed torch
-	$(PY) -m pip install -e ".[test]"
+install: torch ## make .venv, add torch (CPU build unless a GPU; an installed torch is kept), dprun[demo,test] (editable)
+	$(VENV)/bin/python -m pip install -q -e ".[demo,test]"
+
+torch: ## make the venv if missing and install torch into it if it has none (CPU build on a machine without a GPU)
+	@test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	@if $(VENV)/bin/python -c "import torch" 2>/dev/null; then echo "keeping torch $$($(VENV)/bin/python -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 || [ -z "$(TORCH_INDEX)" ]; then $(VENV)/bin/python -m pip install -q torch; \
+	else $(VENV)/bin/python -m pip install -q torch --index-url $(TORCH_INDEX); fi
 
 demo: ## the built-in demo: non-private MLP on scikit-learn's digits, CPU, seconds
 	$(PY) -m runner.cli

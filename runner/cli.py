@@ -14,12 +14,13 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import DprunError
 from runner.interrupt import interrupted_exit, sigterm_as_interrupt
-from runner.overrides import check_group_choices
+from runner.overrides import CONFIG_GROUPS, check_group_choices
 from runner.paths import CONF_DIR, register_resolvers
+from runner.registry import unknown_name_message
 from runner.run_dir import check_reused_dirs
 
 register_resolvers()  # before @hydra.main composes conf/
@@ -29,9 +30,17 @@ def run(cfg: DictConfig) -> dict:
     from runner.train import train
 
     out_dir = output_dir(cfg)
-    with sigterm_as_interrupt():  # SIGTERM (timeout, Slurm) ends the run like Ctrl-C: status `interrupted`
-        summary = train(cfg, out_dir)
-    print_result(summary, out_dir)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    log_file = logging.FileHandler(Path(out_dir) / "dprun.log")  # the run's log (Slurm jobs have no terminal)
+    log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.getLogger().addHandler(log_file)
+    try:
+        with sigterm_as_interrupt():  # SIGTERM (timeout, Slurm) ends the run like Ctrl-C: status `interrupted`
+            summary = train(cfg, out_dir)
+    finally:
+        logging.getLogger().removeHandler(log_file)
+        log_file.close()
+    print_result(summary, out_dir, table=_interactive())
     return summary
 
 
@@ -39,9 +48,32 @@ def output_dir(cfg: DictConfig) -> str:
     return cfg.out_dir or HydraConfig.get().runtime.output_dir
 
 
-def print_result(summary: dict, out_dir) -> None:
+def _interactive() -> bool:
+    """A single run on a terminal: a progress bar while it trains, then the per-epoch table (and no per-epoch log
+    lines on the terminal, so the epochs are printed once). Otherwise (a sweep, a log file): one line per epoch as
+    it finishes, with the ETA, and no table at the end. dprun.log has the lines either way."""
+    try:
+        single = HydraConfig.get().mode != RunMode.MULTIRUN
+    except ValueError:  # not under Hydra (run() called directly)
+        single = True
+    return single and sys.stderr.isatty()
+
+
+class _NoEpochLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "epoch_line", False)
+
+
+def print_result(summary: dict, out_dir, table: bool = True) -> None:
     import pandas as pd
 
+    if not table:
+        final = summary.get("final") or {}
+        eps = final.get("epsilon")
+        eps_text = f", epsilon {float(eps):.4g}" if eps not in (None, "") else ""
+        acc_text = f": test_acc {final['test_acc']:.4f}" if "test_acc" in final else ""
+        print(f"dprun: {summary['method']} on {summary['config']['dataset']['name']}{acc_text}{eps_text} -> {out_dir}")
+        return
     table = pd.read_csv(Path(out_dir) / "metrics.csv")
     cols = [c for c in ("epoch", "train_loss", "test_acc", "epoch_time_s", "step_time_s") if c in table]
     cols += [c for c in table.columns if c.startswith("epsilon") and table[c].notna().any()]  # + hsa's baseline
@@ -52,6 +84,10 @@ def print_result(summary: dict, out_dir) -> None:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="[dprun] %(message)s", force=True)
+    logging.getLogger("dprun").disabled = False  # hydra/job_logging=disabled disables existing loggers per job
+    if _interactive():
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_NoEpochLines())
     try:
         run(cfg)
     except DprunError as e:
@@ -79,6 +115,53 @@ def extra_sweeps_note(argv: list[str]) -> str | None:
     scale = next((a.partition("=")[2] for a in argv if a.startswith("scale=")), "smoke")
     return (f"dprun: note: this runs experiment={exp}'s grid only; its extra_sweeps (arms outside the grid) run with "
             f"`make fig-{exp} SCALE={scale}` (python -m runner.figures.sweep {exp} --scale {scale})")
+LAUNCHER_PLUGINS = {"joblib": "hydra_plugins.hydra_joblib_launcher", "submitit_local": "hydra_plugins.hydra_submitit_launcher",
+                    "slurm": "hydra_plugins.hydra_submitit_launcher"}  # the `launchers` extra
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # its parent package (hydra_plugins) is absent
+        return False
+
+
+def check_launcher_extra(argv: list[str]) -> None:
+    """launcher=joblib|submitit_local|slurm without the `launchers` extra: one line naming it."""
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        for choice in value.split(",") if key == "launcher" else []:
+            if choice in LAUNCHER_PLUGINS and not _importable(LAUNCHER_PLUGINS[choice]):
+                raise DprunError(f"launcher={choice} needs its Hydra plugin: pip install 'dprun[launchers]' "
+                                 "(or -e '.[launchers]' in a checkout)")
+
+
+def known_keys() -> list[str]:
+    """Top-level config keys: config.yaml's, those that global presets and dataset/method files set, the groups."""
+    import yaml
+
+    keys = set(CONFIG_GROUPS) | {"hydra", "experiment_tag"}
+    for path in Path(CONF_DIR).rglob("*.yaml"):
+        text = path.read_text()
+        if path.name == "config.yaml" or "@package _global_" in text:
+            keys |= set((yaml.safe_load(text) or {}).keys()) - {"defaults"}
+    return sorted(keys)
+
+
+def check_keys(argv: list[str]) -> None:
+    """`batchsize=32` or `+batchsize=32` (a new key nothing reads) is refused with one line, not run and ignored."""
+    import re
+
+    valid = None
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        first = re.split(r"[./@]", arg.lstrip("+~").split("=", 1)[0])[0]
+        valid = valid or known_keys()
+        if first not in valid:
+            raise DprunError(unknown_name_message("key", first, valid) + " (dprun --help lists them)")
 
 
 def main() -> None:
@@ -87,10 +170,15 @@ def main() -> None:
         print(note, file=sys.stderr)
     try:
         check_group_choices(sys.argv[1:])
+        check_launcher_extra(sys.argv[1:])
+        check_keys(sys.argv[1:])
         check_reused_dirs(sys.argv[1:])
     except DprunError as e:
         print(f"dprun: {e}", file=sys.stderr)
         sys.exit(2)
+    from runner.checkpoint import resume_argv
+
+    sys.argv[1:] = resume_argv(sys.argv[1:])  # resume=<dir>: that run's overrides, continued in its folder
     _hydra_main()
 
 

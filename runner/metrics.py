@@ -42,15 +42,40 @@ class StepTimer:
         self.seconds = time.perf_counter() - self.start
 
 
+def _proc_peak_rss() -> int | None:
+    """Linux: the process's peak resident set size since the last reset (VmHWM in /proc/self/status), in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def reset_peak_memory(device: torch.device) -> None:
+    """CUDA: reset the allocator's peak. CPU (Linux): reset the process's peak RSS to its current RSS by writing 5
+    to /proc/self/clear_refs, so each epoch (and each job of a multirun) measures its own peak."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux (or not allowed): peak_memory_bytes falls back to the process-wide maximum
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: max allocated since the last reset. CPU: the process's peak resident set size (never reset)."""
+    """CUDA: max allocated since the last reset. CPU: the process's peak resident set size since the last reset
+    (Linux; it includes the data held in memory and torch's own baseline, not only the step's tensors); where the
+    peak cannot be reset (macOS), the process's maximum RSS since it started."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    peak = _proc_peak_rss()
+    if peak is not None:
+        return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
 
@@ -119,8 +144,8 @@ def write_json_last_resort(path: str | os.PathLike, obj: Any) -> None:
 def package_versions() -> dict[str, str]:
     from importlib import metadata
 
-    out = {"python": sys.version.split()[0]}
-    for name in ("torch", "dprun", "hydra-core", "dp-accounting", "opacus", "numpy"):
+    out = {"python": sys.version.split()[0], "torch": torch.__version__}  # with its build tag (+cpu, +cu130)
+    for name in ("dprun", "hydra-core", "dp-accounting", "opacus", "numpy"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

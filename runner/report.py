@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ METRIC_COLUMNS = ["test_acc", "test_loss", "train_loss", "train_acc", "epsilon",
                   "step_time_s", "peak_mem_bytes"]
 SUMMARY_VIEW = ["experiment", "scale", "dataset", "model", "method", "method_options", "batch_size", "sigma", "epochs",
                 "sampling", "status", "test_acc", "epsilon", "epsilon_gdp_approx", "epsilon_hsa_assumed",
-                "epsilon_poisson_assumed", "epoch_time_est_s", "device"]
+                "epsilon_poisson_assumed", "delta", "epoch_time_est_s", "device"]
 FAILED_TO_START = "failed-to-start"  # status of a folder holding only Hydra's .hydra/ record
 # the columns that identify "the same run" when a preset was run twice (latest() keeps the newest): the whole
 # resolved config (config_key) and the device; the named columns are functions of them, and stand in for
@@ -123,7 +124,13 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
     row["method_options"] = " ".join(f"{k}={v}" for k, v in method.items() if k != "name")  # e.g. mode=bk norm=auto
     row["config_key"] = config_key(cfg)
     versions = summary.get("versions") if isinstance(summary.get("versions"), dict) else {}
+    row["sigma_configured"] = row["sigma"]
+    if "sigma" in summary:  # the sigma the run used: calibrated to target_epsilon; None if not private
+        row["sigma"] = summary["sigma"]
+        if summary["sigma"] is None:
+            row["delta"] = None
     row.update({
+        "epsilon_lower_bound": summary.get("epsilon_lower_bound"),
         "status": summary.get("status"),
         "epochs_completed": summary.get("epochs_completed", 0),
         "data_source": summary.get("data_source"),
@@ -140,12 +147,15 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
         "dprun_version": versions.get("dprun"),
         "error": summary.get("error"),
         "run_dir": str(run_dir),
-        "finished_at": (run_dir / "summary.json").stat().st_mtime,
+        "finished_at": datetime.fromtimestamp((run_dir / "summary.json").stat().st_mtime, timezone.utc)
+        .isoformat(timespec="seconds"),  # UTC, so the strings sort in time order
     })
     epochs = read_metrics(run_dir)
     last = epochs.iloc[-1] if len(epochs) else {}
     for col in METRIC_COLUMNS:
-        row[col] = last.get(col, math.nan) if len(epochs) else math.nan
+        # the last epoch's value; else what summary.json says (an infinite epsilon's lower bound); else NaN
+        row[col] = last.get(col, row.get(col, math.nan)) if len(epochs) else row.get(col, math.nan)
+        row[col] = math.nan if row[col] is None else row[col]
     if len(epochs) and "epoch_time_s" in epochs:
         row["total_time_s"] = float(epochs["epoch_time_s"].sum())
         row["mean_epoch_time_s"] = float(epochs["epoch_time_s"].mean())
@@ -268,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         if unfinished:
             print(unfinished)
     n = table["run_dir"].nunique()
+    infinite = table[pd.to_numeric(table.get("epsilon"), errors="coerce") == math.inf] if "epsilon" in table else []
+    if len(infinite):
+        bound = pd.to_numeric(infinite.get("epsilon_lower_bound"), errors="coerce").dropna()
+        print(f"dprun-report: {infinite['run_dir'].nunique()} runs have epsilon=inf: no finite guarantee at their "
+              "delta (JL with small r: the heavy tail of Z_r)" + (f"; certified lower bounds up to {bound.max():.3g} "
+              "in column epsilon_lower_bound" if len(bound) else "") + ". See docs/privacy.md")
     note = f" ({len(unfinished.splitlines()) - 1} did not finish)" if unfinished else ""
     print(f"dprun-report: {n} runs{note}, {len(table)} rows -> {out}")
     return 0

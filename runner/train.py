@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from runner import accountants, methods, models
+from runner import accountants, checkpoint, methods, models
 from runner.accountants.published import epsilon_columns, privacy_notes
 from runner.data import load_dataset
 from runner.data.sampler import Sampler
@@ -27,7 +27,7 @@ from runner.metrics import (StepTimer, device_name, package_versions, peak_memor
                             write_csv, write_json, write_json_last_resort)
 from runner.optimizers import build_optimizer
 from runner.methods.compiled import build_step, physical_batch
-from runner.progress import progress_bar
+from runner.progress import format_eta, progress_bar
 from runner.run_dir import ensure_fresh
 from runner.validate import validate_config
 
@@ -49,8 +49,11 @@ def per_example_cross_entropy(outputs: torch.Tensor, y: torch.Tensor) -> torch.T
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[float, float]:
-    """Mean loss and accuracy over (x, y), in eval mode."""
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int,
+             max_batches: int | None = None) -> tuple[float, float]:
+    """Mean loss and accuracy over (x, y), in eval mode; max_batches: only the first batches (timing runs)."""
+    if max_batches:
+        x, y = x[:batch_size * int(max_batches)], y[:batch_size * int(max_batches)]
     model.eval()
     loss, correct = 0.0, 0
     for i in range(0, len(y), batch_size):
@@ -64,7 +67,8 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_siz
 def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     validate_config(cfg)  # every knob, before any data is loaded or any file written
     out_dir = Path(out_dir)
-    ensure_fresh(out_dir)  # before any data is loaded: never replace another run's results
+    if not cfg.get("resume"):  # a resumed run continues in its own folder (runner/checkpoint.py checks it)
+        ensure_fresh(out_dir)  # before any data is loaded: never replace another run's results
     out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(str(cfg.device))
     dtype = {"float32": torch.float32, "float64": torch.float64}[str(cfg.dtype)]
@@ -122,10 +126,20 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                          physical_batch(sampler.sample_rate * sampler.n))
     loss_fn = per_example_cross_entropy
     rows: list[dict[str, Any]] = []
+    start_epoch = 0
+    # the resolved config, with every model knob's value used (summary.json; a resume must match it)
+    run_config = {**OmegaConf.to_container(cfg, resolve=True), "model": {"name": str(cfg.model.name), **model_kwargs}}
+    can_checkpoint = checkpoint.supported(method)  # None: the model + optimizer hold all of the method's state
+    if cfg.get("resume"):  # runner/checkpoint.py: same batches, noise and epsilon as an uninterrupted run
+        if can_checkpoint:
+            raise DprunError(f"resume: {can_checkpoint}")
+        checkpoint.check_config(cfg.resume, run_config)
+        start_epoch, rows = checkpoint.restore(checkpoint.load(cfg.resume), model=model, optimizer=optimizer,
+                                               sampler=sampler, method=method, accountant=accountant)
+        log.info("resumed %s after epoch %d", cfg.resume, start_epoch)
     summary: dict[str, Any] = {
         "status": "running",
-        "config": {**OmegaConf.to_container(cfg, resolve=True),  # + every model knob's value used
-                   "model": {"name": str(cfg.model.name), **model_kwargs}},
+        "config": run_config,
         "method": method.name,
         "sigma": method.sigma if method.private else None,
         "accountant": accountant_name if method.private else None,
@@ -146,7 +160,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
 
     model.train()
     try:
-        for epoch in range(1, int(cfg.epochs) + 1):
+        for epoch in range(start_epoch + 1, int(cfg.epochs) + 1):
             reset_peak_memory(device)
             step_times, loss_sum, correct, seen = [], 0.0, 0, 0
             epoch_start = time.perf_counter()
@@ -170,7 +184,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
             for _ in batches:  # finish the epoch's generator (capped epochs)
                 pass
             epoch_time = time.perf_counter() - epoch_start
-            test_loss, test_acc = evaluate(model, data.test_x, data.test_y, int(cfg.eval_batch_size))
+            test_loss, test_acc = evaluate(model, data.test_x, data.test_y, int(cfg.eval_batch_size),
+                                           cfg.get("max_eval_batches"))
             eps = epsilon_columns(accountant, float(cfg.delta), sampler.kind) if accountant is not None else {}
             rows.append({
                 "epoch": epoch,
@@ -186,8 +201,15 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                 **eps,
             })
             write_csv(out_dir / "metrics.csv", rows)
-            log.info("epoch %d: test_acc=%.4f epoch_time=%.2fs %s", epoch, test_acc, epoch_time,
-                     " ".join(f"{k}={v}" for k, v in eps.items()) or "epsilon=none (non-private)")
+            if cfg.get("checkpoint", True) and can_checkpoint is None:
+                checkpoint.save(out_dir, epoch=epoch, model=model, optimizer=optimizer, sampler=sampler, method=method,
+                                accountant=accountant, rows=rows)
+            done = [r["epoch_time_s"] for r in rows if r["epoch"] > start_epoch]
+            eta = format_eta(statistics.mean(done) * (int(cfg.epochs) - epoch))
+            eps_text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in eps.items())
+            log.info("epoch %d/%s: train_loss=%.4f test_acc=%.4f epoch_time=%.2fs %s eta=%s", epoch, cfg.epochs,
+                     rows[-1]["train_loss"], test_acc, epoch_time, eps_text or "epsilon=none (non-private)", eta,
+                     extra={"epoch_line": True})
         summary["status"] = "finished"
     except KeyboardInterrupt:
         summary["status"] = "interrupted"
@@ -200,6 +222,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         if accountant is not None:
             summary["mechanisms"] = [{"kind": m.kind, **m.__dict__, "steps": n} for m, n in accountant.history.items()]
         summary["final"] = rows[-1] if rows else {}
+        if rows and rows[-1]["epsilon"] == float("inf") and hasattr(accountant, "epsilon_lower_bound"):
+            summary["epsilon_lower_bound"] = accountant.epsilon_lower_bound(float(cfg.delta))  # docs/privacy.md
         summary["epochs_completed"] = len(rows)
         write_json_last_resort(out_dir / "summary.json", summary)  # a full disk must not leave `running`
     return summary

@@ -12,11 +12,18 @@ from runner.errors import DprunError
 
 TINY = DataInfo("tiny", (1, 4, 4), 3, "image", None, 100, 10)
 CPU = torch.device("cpu")
+try:
+    import opacus  # noqa: F401  (the `peers` extra)
+    HAVE_OPACUS = True
+except ImportError:
+    HAVE_OPACUS = False
 
 
 def test_workload_rows_ratios_and_notes(monkeypatch):
     monkeypatch.setitem(clip.METHOD_VARIANTS, "future", ("no_such_method", {}))
     labels = ["nonprivate", "nxbp", "multiloss", "opacus-hooks", "opacus-ghost", "future"]
+    if not HAVE_OPACUS:
+        labels = [x for x in labels if not x.startswith("opacus")]
     w = clip.Workload("tiny", "mlp", TINY, 4, labels, {"widths": (5, 6)})
     df = clip.table(clip.bench_workload(w, CPU, repeats=2, warmup=1, budget_s=60.0))
     assert list(df.columns) == clip.COLUMNS
@@ -25,8 +32,9 @@ def test_workload_rows_ratios_and_notes(monkeypatch):
     assert ran.x_nonprivate["nonprivate"] == pytest.approx(1.0)
     assert ran.mem_x_nonprivate["nonprivate"] == pytest.approx(1.0)
     assert (ran.step_ms > 0).all() and (ran.step_mem_mb > 0).all() and (ran.steps_timed == 2).all()
-    opacus_best = ran.loc[["opacus-hooks", "opacus-ghost"], "x_opacus_best"]
-    assert opacus_best.min() == pytest.approx(1.0) and opacus_best.max() >= 1.0
+    if HAVE_OPACUS:
+        opacus_best = ran.loc[["opacus-hooks", "opacus-ghost"], "x_opacus_best"]
+        assert opacus_best.min() == pytest.approx(1.0) and opacus_best.max() >= 1.0
     future = df.set_index("method").loc["future"]
     assert future.note.startswith("n/a: unknown method 'no_such_method'") and math.isnan(future.step_ms)
 
@@ -35,7 +43,9 @@ def test_rejected_model_is_a_row_with_a_note_and_an_unknown_model_one_line():
     text = DataInfo("text", (5,), 2, "text", 7, 100, 10)
     w = clip.Workload("rec", "rnn", text, 2, ["nonprivate", "opacus-ghost"], {"hidden": 3, "embed_dim": 2})
     df = clip.table(clip.bench_workload(w, CPU, repeats=1, warmup=1, budget_s=60.0)).set_index("method")
-    assert df.note["opacus-ghost"].startswith("n/a: method=opacus grad_sample_mode=ghost fails")
+    no_opacus = "n/a: method=opacus needs Opacus: pip install"  # without the `peers` extra: a note, not a crash
+    assert df.note["opacus-ghost"].startswith("n/a: method=opacus grad_sample_mode=ghost fails" if HAVE_OPACUS
+                                              else no_opacus)
     assert math.isnan(df.x_opacus_best["nonprivate"])  # no Opacus mode ran
     w = clip.Workload("gone", "no_such_model", TINY, 2, ["nonprivate"])
     with pytest.raises(DprunError, match="unknown model 'no_such_model'"):

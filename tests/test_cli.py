@@ -53,6 +53,10 @@ def test_multirun_writes_one_folder_per_run(tmp_path):
     models = {json.loads(p.read_text())["config"]["model"]["name"] for p in summaries}
     assert models == {"cnn", "mlp"}
     assert all((p.parent / "metrics.csv").exists() for p in summaries)
+    assert sorted(p.parent.name for p in summaries) == ["0_model=cnn", "1_model=mlp"]  # named by what was swept
+    for p in summaries:  # each job: its own log, one line per epoch with an ETA
+        assert "epoch 1/1: train_loss=" in (p.parent / "dprun.log").read_text()
+    assert proc.stderr.count("eta=0:00:00") == 2 and "dprun: nonprivate on digits: test_acc" in proc.stdout
 
 
 def test_two_runs_in_the_same_second_never_share_a_folder(tmp_path):
@@ -64,7 +68,7 @@ def test_two_runs_in_the_same_second_never_share_a_folder(tmp_path):
 
 def test_synthetic_cifar_run_starts(tmp_path):
     proc = dprun("dataset=synthetic", "dataset.like=cifar10", "dataset.train_size=512", "dataset.test_size=64", "epochs=1",
-                 "max_steps_per_epoch=2", "batch_size=32", cwd=tmp_path)
+                 "max_steps_per_epoch=2", "batch_size=32", "max_eval_batches=1", "eval_batch_size=16", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "papernot_cnn" in (list((tmp_path / "outputs").rglob("summary.json"))[0]).read_text()
 
@@ -78,3 +82,44 @@ def test_a_sweep_over_a_method_option_reports_one_row_per_value(tmp_path):
     rows = latest(collect(tmp_path / "outputs"))
     assert sorted(rows["method_options"]) == ["mode=bk norm=auto", "mode=twopass norm=auto"]
     assert rows["config_key"].nunique() == 2
+
+
+def test_help_lists_groups_knobs_and_examples_with_nothing_unresolved(tmp_path):
+    proc = dprun("--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "${" not in proc.stdout
+    for text in ("method: jl, multiloss, nonprivate", "batch_size=64", "resume=<run dir>", "Examples:",
+                 "dprun method=reweight target_epsilon=3", "docs/api.md"):
+        assert text in proc.stdout, text
+    assert "powered by Hydra" not in proc.stdout
+
+
+@pytest.mark.parametrize("arg", ["+batchsize=32", "batchsize=32"])
+def test_an_unknown_key_is_refused_in_one_line(tmp_path, arg):
+    line = one_line_error(dprun(arg, cwd=tmp_path))
+    assert "unknown key 'batchsize'" in line and "did you mean 'batch_size'" in line
+
+
+def test_launcher_without_its_plugin_names_the_extra(tmp_path, monkeypatch):
+    from runner import cli
+
+    monkeypatch.setattr(cli, "_importable", lambda module: False)
+    with pytest.raises(cli.DprunError, match=r"launcher=joblib needs its Hydra plugin: pip install 'dprun\[launchers\]'"):
+        cli.check_launcher_extra(["-m", "launcher=joblib"])
+
+
+def test_model_mlp_on_digits_is_the_model_auto_gives():
+    from conftest import compose_config
+    from omegaconf import OmegaConf
+    from runner import models
+    from runner.data.base import DataInfo
+
+    info = DataInfo("digits", (1, 8, 8), 10)
+    built = []
+    for choice in ("auto", "mlp"):
+        cfg = OmegaConf.to_container(compose_config([f"model={choice}"]).model, resolve=True)
+        kwargs = {k: v for k, v in cfg.items() if k not in ("name", "kwargs")} | (cfg.get("kwargs") or {})
+        built.append(str(models.build(cfg["name"], info, **kwargs)))
+    assert built[0] == built[1] and "Tanh" in built[0]
+    mnist = OmegaConf.to_container(compose_config(["dataset=mnist", "model=mlp"]).model, resolve=True)
+    knobs = {k: v for k, v in mnist.items() if k not in ("name", "kwargs") and v is not None}  # null: the default
+    assert "Sigmoid" in str(models.build("mlp", DataInfo("mnist", (1, 28, 28), 10), **knobs))  # L&K's MLP elsewhere

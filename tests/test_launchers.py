@@ -20,6 +20,15 @@ TARGETS = {
 }
 
 
+PLUGIN = {"joblib": "hydra_plugins.hydra_joblib_launcher", "submitit_local": "hydra_plugins.hydra_submitit_launcher",
+          "slurm": "hydra_plugins.hydra_submitit_launcher"}  # the `launchers` extra
+
+
+def needs_plugin(launcher):
+    if launcher in PLUGIN:
+        pytest.importorskip(PLUGIN[launcher], reason="pip install 'dprun[launchers]'")
+
+
 def hydra_cfg(overrides):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -32,12 +41,14 @@ def test_default_launcher_is_basic():
 
 @pytest.mark.parametrize("launcher", sorted(TARGETS))
 def test_launcher_composes(launcher):
+    needs_plugin(launcher)
     cfg = hydra_cfg([f"launcher={launcher}", "experiment=jl_table2"])
     assert cfg.hydra.launcher._target_ == TARGETS[launcher]
     assert cfg.experiment_name == "jl_table2"
 
 
 def test_slurm_reads_site_settings_from_the_environment(monkeypatch):
+    needs_plugin("slurm")
     monkeypatch.setenv("DPRUN_SLURM_PARTITION", "gpu-h100")
     monkeypatch.delenv("DPRUN_SLURM_ACCOUNT", raising=False)
     launcher = hydra_cfg(["launcher=slurm"]).hydra.launcher
@@ -47,6 +58,7 @@ def test_slurm_reads_site_settings_from_the_environment(monkeypatch):
 
 
 def test_slurm_options_override_on_the_command_line():
+    needs_plugin("slurm")
     cfg = hydra_cfg(["launcher=slurm", "hydra.launcher.partition=long", "hydra.launcher.timeout_min=30"])
     assert cfg.hydra.launcher.partition == "long" and cfg.hydra.launcher.timeout_min == 30
 
@@ -59,6 +71,7 @@ def sweep_in(tmp_path, *args):
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
 def test_parallel_launchers_end_to_end(launcher, tmp_path):
+    needs_plugin(launcher)
     proc = sweep_in(tmp_path, f"launcher={launcher}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     from runner.report import collect

@@ -68,6 +68,7 @@ def test_conf_knobs_are_accepted(path):
     cfg = OmegaConf.to_container(OmegaConf.load(path))
     if path.stem == "auto":
         return
+    cfg = {k: v for k, v in cfg.items() if not (isinstance(v, str) and "${" in v)}  # a dataset-dependent default
     info = IMDB if path.stem in ("bilstm", "transformer") else CIFAR
     assert cfg.pop("name") == path.stem
     assert count(models.build(path.stem, info, **cfg)) == count(models.build(path.stem, info))  # yaml = defaults

@@ -145,4 +145,4 @@ def test_without_opacus_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "opacus", None)  # `import opacus` now raises ImportError
     with pytest.raises(DprunError) as e:
         METHODS.build("opacus").attach(nn.Linear(3, 2))
-    assert str(e.value) == "method=opacus needs Opacus: pip install -e '.[peers]'"
+    assert str(e.value) == "method=opacus needs Opacus: pip install 'dprun[peers]' (or -e '.[peers]' in a checkout)"

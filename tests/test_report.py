@@ -13,7 +13,7 @@ from runner.report import collect, latest, main
 
 
 def make_run(folder, method, r=1, experiment="default", scale="smoke", epochs=2, step=0.01, status="finished",
-             sample_rate=0.1, capped=None, mtime=None, extra=None):
+             sample_rate=0.1, capped=None, mtime=None, extra=None, sigma=0.9):
     cfg = {"experiment_name": experiment, "scale": scale, "dataset": {"name": "synthetic", "like": "cifar10"},
            "model": {"name": "papernot_cnn"}, "method": {"name": method}, "r": r, "batch_size": 256, "sigma": 0.9,
            "clip": 2.0, "lr": 0.1, "optimizer": {"name": "sgd"}, "epochs": epochs, "seed": 0,
@@ -32,7 +32,8 @@ def make_run(folder, method, r=1, experiment="default", scale="smoke", epochs=2,
                                          "sampling": "poisson", "sample_rate": sample_rate, "steps_per_epoch": 3,
                                          "device": "cpu", "device_name": "cpu (test)",
                                          "versions": {"torch": "2.13.0"}, "final": rows[-1],
-                                         "epochs_completed": epochs})
+                                         "epochs_completed": epochs,
+                                         "sigma": None if method == "nonprivate" else sigma})
     if mtime:
         os.utime(folder / "summary.json", (mtime, mtime))
 
@@ -104,3 +105,24 @@ def test_unreadable_run_is_skipped(outputs, capsys):
     (outputs / "runs" / "bad" / "summary.json").write_text("{not json")
     assert len(collect(outputs)) == 4
     assert "skipping unreadable run" in capsys.readouterr().err
+
+
+def test_calibrated_sigma_no_sigma_when_not_private_iso_time_and_the_inf_pointer(tmp_path, capsys):
+    root = tmp_path / "outputs"
+    make_run(root / "runs" / "a", "nonprivate")
+    make_run(root / "runs" / "b", "nxbp", sigma=0.72)  # configured 0.9, calibrated to a target epsilon: 0.72
+    make_run(root / "runs" / "c", "jl")
+    summary = root / "runs" / "c" / "summary.json"
+    data = json.loads(summary.read_text())
+    data["epsilon_lower_bound"] = 4.2e11
+    summary.write_text(json.dumps(data))
+    rows = pd.read_csv(root / "runs" / "c" / "metrics.csv")
+    rows["epsilon"] = float("inf")
+    rows.to_csv(root / "runs" / "c" / "metrics.csv", index=False)
+    table = collect(root).set_index("method")
+    assert table.loc["nxbp", "sigma"] == 0.72 and table.loc["nxbp", "sigma_configured"] == 0.9
+    assert pd.isna(table.loc["nonprivate", "sigma"]) and pd.isna(table.loc["nonprivate", "delta"])
+    assert table.loc["nxbp", "delta"] == 1e-5 and table.loc["nxbp", "finished_at"].endswith("+00:00")
+    assert main(["--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "1 runs have epsilon=inf" in out and "4.2e+11" in out and "docs/privacy.md" in out

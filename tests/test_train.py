@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -103,3 +104,33 @@ def test_every_private_method_rejects_batchnorm(name):
     with pytest.raises(DprunError, match=r"^1 \(BatchNorm2d\).*GroupNorm"):
         METHODS.build(name).attach(model)
     METHODS.build("nonprivate").attach(model)  # non-private training may use BatchNorm
+
+
+def test_eval_cap_and_per_epoch_cpu_peak_memory(tmp_path):
+    from runner.metrics import peak_memory_bytes, reset_peak_memory
+    from runner.train import evaluate
+
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(100, 4), torch.randint(0, 3, (100,))
+    loss_all, _ = evaluate(model, x, y, 10)
+    loss_cap, _ = evaluate(model, x, y, 10, max_batches=2)
+    assert loss_cap == pytest.approx(evaluate(model, x[:20], y[:20], 10)[0]) and loss_cap != loss_all
+    if not Path("/proc/self/clear_refs").exists():
+        return
+    # Linux: the peak resets (/proc/self/clear_refs), so a job after a bigger one reports its own peak. In a fresh
+    # process: pytest's own heap would blur a 256 MiB step.
+    script = """
+import torch
+from runner.metrics import peak_memory_bytes, reset_peak_memory
+cpu = torch.device("cpu")
+big = torch.ones(256 * 2**20 // 4); big.add_(1); high = peak_memory_bytes(cpu); del big
+reset_peak_memory(cpu)
+print(high - peak_memory_bytes(cpu))
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) > 128 * 2**20

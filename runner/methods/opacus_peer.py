@@ -38,7 +38,7 @@ def import_opacus():
     try:
         from opacus.grad_sample import prepare_module
     except ImportError as e:
-        raise DprunError("method=opacus needs Opacus: pip install -e '.[peers]'") from e
+        raise DprunError("method=opacus needs Opacus: pip install 'dprun[peers]' (or -e '.[peers]' in a checkout)") from e
     return prepare_module
 
 

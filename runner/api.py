@@ -1,0 +1,267 @@
+"""The library API: DP training of YOUR model in YOUR loop, with the same methods, noise and accountants as `dprun`.
+
+    import dprun                                   # or: from runner.api import make_private
+    private = dprun.make_private(model, optimizer, (x, y), method="reweight", noise_multiplier=1.0,
+                                 max_grad_norm=1.0, batch_size=64)
+    for epoch in range(epochs):
+        for xb, yb in private.batches():           # Poisson-sampled batches (the accountants assume it)
+            private.step(xb, yb, loss_fn)          # clip, noise, optimizer.step(), tell the accountant
+        print(private.get_epsilon(delta=1e-5))
+
+`loss_fn(outputs, y)` returns per-example losses, shape (B,) (e.g. `F.cross_entropy(..., reduction="none")`).
+Instead of `step` a loop may call `private.backward(xb, yb, loss_fn)` (p.grad then holds the private gradient:
+clipped, noised, divided by the expected batch size) and `optimizer.step()` itself.
+
+Data: in-memory tensors `(x, y)` (batches are index gathers), a torch `Dataset`, or a `DataLoader` (its dataset,
+batch_size and collate_fn are kept; its batches are replaced by Poisson batches, see `poisson_loader`).
+
+Nothing here is a second implementation: the method is `METHODS.build(...)` + validate/prepare (runner/methods/),
+its `step` adds the noise (runner/methods/noise.py), the accountant is `accountants.build(...)` and the sampler
+is runner/data/sampler.py's. docs/api.md has a runnable example.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset as TorchDataset, Sampler as TorchSampler
+from torch.utils.data.dataloader import default_collate
+
+from runner import accountants, methods
+from runner.data.base import DataInfo, Dataset
+from runner.data.sampler import Sampler
+from runner.errors import DprunError
+from runner.methods.base import StepOutput
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, y) -> (B,)
+
+
+def _child_generator() -> torch.Generator:
+    """A sampling generator seeded from torch's global RNG (so torch.manual_seed makes the batches reproducible)."""
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+
+
+class PoissonBatchSampler(TorchSampler):
+    """Index batches for a DataLoader (`batch_sampler=`): each example joins each batch independently with
+    probability q = batch_size / n; round(n / batch_size) batches per epoch; a batch may be empty.
+    The indices come from runner.data.sampler.Sampler, the sampler `dprun` uses."""
+
+    def __init__(self, n: int, batch_size: int, generator: torch.Generator | None = None, kind: str = "poisson"):
+        gen = generator if generator is not None else _child_generator()
+        self.sampler = Sampler(kind, n, batch_size, gen, "cpu")
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for idx in self.sampler.epoch():
+            yield idx.tolist()
+
+    def __len__(self) -> int:
+        return self.sampler.steps_per_epoch
+
+
+def _empty_like_batch(dataset: TorchDataset, collate: Callable) -> Any:
+    """A batch of 0 examples with the right shapes: one example collated, then sliced to [:0]."""
+    one = collate([dataset[0]])
+    def cut(b):
+        if isinstance(b, torch.Tensor):
+            return b[:0]
+        if isinstance(b, (list, tuple)):
+            return type(b)(cut(v) for v in b)
+        if isinstance(b, dict):
+            return {k: cut(v) for k, v in b.items()}
+        return b
+    return cut(one)
+
+
+def poisson_loader(data: TorchDataset | DataLoader, batch_size: int | None = None,
+                   generator: torch.Generator | None = None, **loader_kwargs: Any) -> DataLoader:
+    """A DataLoader of Poisson batches of expected size `batch_size` over a Dataset (or a DataLoader's dataset,
+    keeping its batch_size, collate_fn and num_workers). Empty batches are yielded too (with shapes), since a
+    step on an empty batch is still a step of the mechanism the accountant counts."""
+    if isinstance(data, DataLoader):
+        batch_size = batch_size or data.batch_size
+        loader_kwargs = {"collate_fn": data.collate_fn, "num_workers": data.num_workers,
+                         "pin_memory": data.pin_memory, **loader_kwargs}
+        data = data.dataset
+    if not batch_size:
+        raise DprunError("poisson_loader needs batch_size (the expected batch size)")
+    collate = loader_kwargs.pop("collate_fn", None) or default_collate
+    empty = _empty_like_batch(data, collate)
+    safe_collate = lambda batch: collate(batch) if len(batch) else empty
+    return DataLoader(data, batch_sampler=PoissonBatchSampler(len(data), int(batch_size), generator),
+                      collate_fn=safe_collate, **loader_kwargs)
+
+
+class _NoStep:
+    """The optimizer as Method.step sees it in `backward`: zero_grad passes through, step does nothing."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, *_: Any, **__: Any) -> None:
+        pass
+
+
+class PrivateTraining:
+    """What make_private returns: the (prepared) model, its batches, a private step and epsilon so far."""
+
+    def __init__(self, model, optimizer, method, accountant, accountant_name: str, sampler: Sampler | None,
+                 loader: DataLoader | None, tensors: tuple[torch.Tensor, torch.Tensor] | None, n: int,
+                 batch_size: int, delta: float | None, generator: torch.Generator | None):
+        self.model, self.optimizer, self.method = model, optimizer, method
+        self.accountant, self.accountant_name = accountant, accountant_name
+        self._sampler, self._loader, self._tensors = sampler, loader, tensors
+        self.n, self.sample_rate = n, batch_size / n
+        self.expected_batch_size = float(batch_size)
+        self.delta, self.generator = delta, generator
+        self.steps = 0
+        self.sampling = "poisson"  # set by make_private: the sampling the batches really use
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.method.sigma
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self._sampler.steps_per_epoch if self._sampler is not None else len(self._loader.batch_sampler)
+
+    def batches(self) -> Iterator[Any]:
+        """One epoch of batches: (x, y) index gathers for tensors, else the Poisson DataLoader's batches."""
+        if self._tensors is None:
+            yield from self._loader
+            return
+        x, y = self._tensors
+        for idx in self._sampler.epoch():
+            self._last_indices = idx
+            yield x[idx], y[idx]
+
+    def _run(self, x, y, loss_fn: LossFn, optimizer) -> StepOutput:
+        indices = getattr(self, "_last_indices", None) if self._tensors is not None else None
+        out = self.method.step(self.model, loss_fn, x, y, optimizer, sample_rate=self.sample_rate,
+                               expected_batch_size=self.expected_batch_size, generator=self.generator, indices=indices)
+        if self.accountant is not None:
+            self.accountant.step(out.mechanism)
+        self.steps += 1
+        return out
+
+    def step(self, x, y, loss_fn: LossFn) -> StepOutput:
+        """One private step: per-example clipping, noise on the sum, / expected batch size, optimizer.step().
+        Returns the per-example losses, outputs and norms (StepOutput)."""
+        return self._run(x, y, loss_fn, self.optimizer)
+
+    def backward(self, x, y, loss_fn: LossFn) -> StepOutput:
+        """Like step, without optimizer.step(): each p.grad holds the private gradient; call optimizer.step()."""
+        if self.method.name == "sbcd":
+            raise DprunError("method=sbcd updates the model itself (no gradient): use step(), not backward()")
+        return self._run(x, y, loss_fn, _NoStep(self.optimizer))
+
+    def get_epsilon(self, delta: float | None = None) -> float:
+        """epsilon(delta) of the steps taken so far (inf for method='nonprivate'); delta defaults to make_private's."""
+        delta = self.delta if delta is None else delta
+        if delta is None:
+            raise DprunError("get_epsilon needs delta (or make_private(..., delta=...))")
+        if self.accountant is None:
+            if self.method.private:
+                raise DprunError("accountant='none': no epsilon is computed for this run")
+            return float("inf")  # method='nonprivate': no guarantee
+        if self.sampling != self.accountant.assumes_sampling:
+            raise DprunError(f"sampling={self.sampling}: no accountant here analyses it, so no epsilon is certified; "
+                             f"epsilon_assuming_poisson() gives the Poisson number (not a guarantee)")
+        # certified only, as the CLI's `epsilon` column (runner/accountants/published.py): gdp -> its PLD epsilon,
+        # hsa -> the composition epsilon
+        return self.accountant.certified_epsilon(float(delta))
+
+    epsilon = get_epsilon
+
+    def epsilon_assuming_poisson(self, delta: float | None = None) -> float:
+        """What get_epsilon would be had the batches been Poisson-sampled: NOT a guarantee for shuffled batches."""
+        if self.accountant is None:
+            raise DprunError("no accountant: method='nonprivate' or accountant='none'")
+        return self.accountant.certified_epsilon(float(self.delta if delta is None else delta))
+
+    @property
+    def private(self) -> bool:
+        return self.method.private
+
+
+def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 data: tuple[torch.Tensor, torch.Tensor] | TorchDataset | DataLoader, *,
+                 method: str = "reweight", noise_multiplier: float = 1.0, max_grad_norm: float = 1.0,
+                 batch_size: int | None = None, poisson: bool = True, accountant: str = "auto",
+                 method_options: dict[str, Any] | None = None, r: int | None = None,
+                 target_epsilon: float | None = None, epochs: int | None = None, delta: float | None = 1e-5,
+                 generator: torch.Generator | None = None, seed: int | None = None) -> PrivateTraining:
+    """Wrap a model, its optimizer and its training data for DP training with a dprun method.
+
+    method: nonprivate | nxbp | multiloss | reweight | jl | sbcd | opacus (runner/methods/; docs/methods.md)
+    noise_multiplier (sigma), max_grad_norm (C): noise N(0, (sigma C)^2 I) on the sum of clipped gradients.
+    batch_size: the expected batch size B (sample rate q = B / N); a DataLoader's own batch_size by default.
+    poisson: Poisson sampling (what the accountants assume); False shuffles (epsilon is then not a guarantee).
+    accountant: auto (the method's own: pld, jl or hsa) | rdp | pld | gdp | jl | hsa.
+    method_options: the method's options, as in conf/method/<name>.yaml (e.g. {"mode": "twopass"}); r: JL dimension.
+    target_epsilon (with epochs, delta): calibrate noise_multiplier so that epsilon after `epochs` epochs is at most it.
+    generator / seed: the RNG for sampling (and noise on the CPU); None draws from torch's global RNG.
+    """
+    if generator is None and seed is not None:
+        generator = torch.Generator().manual_seed(int(seed))
+    options = {**(method_options or {}), **({"r": int(r)} if r is not None else {})}  # r: method.r (JL dimension)
+    m = methods.METHODS.build(method, cfg=options, clip=float(max_grad_norm), sigma=float(noise_multiplier))
+    kind = m.sampling or ("poisson" if poisson else "shuffle")
+
+    sampler = loader = tensors = None
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        x, y = data
+        if not batch_size:
+            raise DprunError("make_private with tensors needs batch_size (the expected batch size)")
+        gen = generator if generator is not None else _child_generator()
+        sampler = Sampler(kind, len(y), int(batch_size), gen, y.device)
+        tensors, n = (x, y), len(y)
+        info = DataInfo("user", tuple(x.shape[1:]), int(y.max().item()) + 1 if y.numel() else 0, train_size=n)
+        dataset = Dataset(info, x, y, x[:0], y[:0], source="user")
+    elif isinstance(data, (TorchDataset, DataLoader)):
+        if m.sampling:
+            raise DprunError(f"method={method} needs in-memory tensors (x, y), not a Dataset or DataLoader")
+        loader = poisson_loader(data, batch_size, generator)
+        batch_size, n = loader.batch_sampler.sampler.batch_size, len(loader.dataset)
+        if not poisson:
+            loader.batch_sampler.sampler = Sampler("shuffle", n, batch_size, loader.batch_sampler.sampler.generator)
+        dataset = None
+    else:
+        raise DprunError(f"data must be (x, y) tensors, a torch Dataset or a DataLoader, not {type(data).__name__}")
+
+    params_before = [p for g in optimizer.param_groups for p in g["params"]]
+    model = m.attach(model, dataset)  # the CLI's entry: shared checks (BatchNorm refused), then the method's own
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if {id(p) for p in trainable} != {id(p) for p in params_before} and m.name != "sbcd":
+        # the method trains different parameter tensors than the optimizer holds: rebuild it on them
+        optimizer = type(optimizer)(trainable, **optimizer.defaults)
+
+    acc_name = accountants.resolve_name(accountant, m)
+    sample_rate = batch_size / n
+    if target_epsilon is not None:
+        if not m.private:
+            raise DprunError("target_epsilon is set but method=nonprivate has no privacy to calibrate")
+        if not epochs or delta is None:
+            raise DprunError("target_epsilon needs epochs and delta (the privacy budget is for the whole run)")
+        steps_per_epoch = sampler.steps_per_epoch if sampler is not None else len(loader.batch_sampler)
+        if not poisson:
+            raise DprunError("target_epsilon needs poisson=True: no accountant here analyses shuffled batches")
+        calibrator = accountants.calibration_accountant(acc_name)  # a certified one: never gdp's approximation
+        m.sigma = accountants.calibrate_sigma(calibrator, m.mechanism, sample_rate, steps_per_epoch * int(epochs),
+                                              float(target_epsilon), float(delta))
+    acc = accountants.build(acc_name) if m.private else None
+    if acc is not None and not acc.supports(m.mechanism(sample_rate)):
+        raise DprunError(f"accountant={acc_name} does not support method={m.name}'s mechanism "
+                         f"{m.mechanism(sample_rate).kind}; try accountant={m.default_accountant}")
+    if not poisson and m.private:
+        import warnings
+
+        warnings.warn("poisson=False: no accountant here analyses shuffled batches; get_epsilon() raises and "
+                      "epsilon_assuming_poisson() gives what Poisson sampling would (not a guarantee)", stacklevel=2)
+    noise_gen = generator if generator is not None and generator.device == next(model.parameters()).device else None
+    training = PrivateTraining(model, optimizer, m, acc, acc_name, sampler, loader, tensors, n, int(batch_size), delta,
+                               noise_gen)
+    training.sampling = kind
+    return training

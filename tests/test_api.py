@@ -1,0 +1,147 @@
+"""The library API (runner/api.py, `import dprun`): docs/api.md's example as it stands, and the wrapper's pieces
+against the classes the CLI uses (same accountant numbers, same noise path, Poisson batches incl. empty ones)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import dprun
+from runner.accountants import ACCOUNTANTS, SubsampledGaussian
+from runner.errors import DprunError
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def test_the_docs_example_trains_a_model_the_cli_does_not_know():
+    code = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)[-1]
+    namespace: dict = {"__name__": "docs_api_example"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(DOCS), "exec"), namespace)
+    assert type(namespace["model"]).__name__ == "ResidualMLP"
+    assert namespace["accuracy"] > 0.9, out.getvalue()
+    eps = namespace["private"].get_epsilon(1e-5)
+    assert math.isfinite(eps) and 0 < eps < 10
+    assert "epoch 10: test accuracy" in out.getvalue()
+
+
+def blobs(n=400, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return torch.randn(n, 5, generator=g) + 3 * F.one_hot(y, 5).float(), y
+
+
+def test_epsilon_is_the_cli_accountants_for_the_steps_taken():
+    x, y = blobs()
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="nxbp",
+                                 noise_multiplier=1.2, max_grad_norm=1.0, batch_size=40, seed=1)
+    for _ in range(2):
+        for xb, yb in private.batches():
+            out = private.step(xb, yb, loss_fn)
+            assert out.norms.shape == (len(yb),)
+    assert private.steps == 2 * private.steps_per_epoch == 20 and private.accountant_name == "pld"
+    ref = ACCOUNTANTS.build("pld")
+    ref.step(SubsampledGaussian(sample_rate=0.1, noise_multiplier=1.2), count=20)
+    assert private.get_epsilon(1e-5) == pytest.approx(ref.epsilon(1e-5))
+
+
+def test_backward_then_optimizer_step_equals_step():
+    x, y = blobs()
+    results = []
+    for use_backward in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        private = dprun.make_private(model, opt, (x, y), method="reweight", batch_size=40, seed=3)
+        for xb, yb in private.batches():
+            if use_backward:
+                private.backward(xb, yb, loss_fn)
+                opt.step()
+            else:
+                private.step(xb, yb, loss_fn)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
+def test_poisson_loader_yields_empty_batches_with_shapes_and_the_step_counts_them():
+    x, y = blobs(6)
+    model = nn.Linear(5, 3)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), TensorDataset(x, y),
+                                 batch_size=1, seed=0)
+    sizes = []
+    for _ in range(5):
+        for xb, yb in private.batches():
+            assert xb.shape[1:] == (5,) and len(xb) == len(yb)
+            private.step(xb, yb, loss_fn)
+            sizes.append(len(yb))
+    assert 0 in sizes and private.steps == len(sizes) == 30  # an empty batch is a step (noise only)
+    assert math.isfinite(private.get_epsilon(1e-5))
+
+
+def test_target_epsilon_calibrates_sigma_and_nonprivate_reports_inf():
+    x, y = blobs()
+    model = nn.Linear(5, 3)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=40,
+                                 target_epsilon=2.0, epochs=3, delta=1e-5)
+    for _ in range(3):
+        for xb, yb in private.batches():
+            private.step(xb, yb, loss_fn)
+    assert private.noise_multiplier != 1.0 and 1.9 < private.get_epsilon() <= 2.0
+    plain = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="nonprivate",
+                               batch_size=40)
+    assert plain.get_epsilon(1e-5) == math.inf and not plain.private
+
+
+def test_bad_input_is_one_line():
+    model = nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3))
+    x, y = blobs()
+    with pytest.raises(DprunError, match="BatchNorm1d"):
+        dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=40)
+    with pytest.raises(DprunError, match="unknown method 'rewieght'"):
+        dprun.make_private(nn.Linear(5, 3), torch.optim.SGD(nn.Linear(5, 3).parameters(), lr=0.1), (x, y),
+                           method="rewieght", batch_size=40)
+    with pytest.raises(DprunError, match="data must be"):
+        dprun.make_private(nn.Linear(5, 3), torch.optim.SGD(nn.Linear(5, 3).parameters(), lr=0.1), x, batch_size=4)
+
+
+def test_get_epsilon_is_only_ever_a_certified_epsilon():
+    """As the CLI's `epsilon` column: gdp's CLT value is never returned, and shuffled batches get no epsilon."""
+    import warnings
+
+    from runner.accountants import ACCOUNTANTS
+    from runner.accountants.mechanisms import SubsampledGaussian
+    from runner.api import make_private
+    from runner.errors import DprunError
+
+    x, y = torch.randn(200, 4), torch.randint(0, 2, (200,))
+    model = torch.nn.Linear(4, 2)
+    private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), accountant="gdp",
+                           batch_size=20, noise_multiplier=1.0, seed=0)
+    loss_fn = lambda out, t: torch.nn.functional.cross_entropy(out, t, reduction="none")  # noqa: E731
+    for xb, yb in private.batches():
+        private.step(xb, yb, loss_fn)
+    pld = ACCOUNTANTS.build("pld")
+    pld.step(SubsampledGaussian(0.1, 1.0), private.steps_per_epoch)
+    assert private.get_epsilon(1e-5) == pytest.approx(pld.epsilon(1e-5), rel=1e-9)
+    assert private.get_epsilon(1e-5) != pytest.approx(private.accountant.epsilon(1e-5), rel=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shuffled = make_private(torch.nn.Linear(4, 2), torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1),
+                                (x, y), batch_size=20, poisson=False, seed=0)
+    with pytest.raises(DprunError, match="sampling=shuffle"):
+        shuffled.get_epsilon(1e-5)

@@ -1,0 +1,49 @@
+"""Checkpoint and resume (runner/checkpoint.py): a run stopped after epoch 2 and resumed to epoch 4 equals one that
+ran 4 epochs straight — weights, losses and epsilon per epoch."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import compose_config
+from runner.checkpoint import FILE, resume_argv
+from runner.errors import DprunError
+from runner.train import train
+
+RUN = ["method=reweight", "sigma=1.0", "max_steps_per_epoch=4", "progress=false", "optimizer=adam", "lr=0.01"]
+
+
+def weights(run_dir):
+    return torch.load(run_dir / FILE, weights_only=True)["model"]
+
+
+def test_resumed_run_equals_uninterrupted(tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    train(compose_config(RUN + ["epochs=4"]), straight)
+    train(compose_config(RUN + ["epochs=2"]), stopped)
+    assert torch.load(stopped / FILE, weights_only=True)["epoch"] == 2
+    train(compose_config(RUN + ["epochs=4", f"resume={stopped}"]), stopped)
+    a, b = pd.read_csv(straight / "metrics.csv"), pd.read_csv(stopped / "metrics.csv")
+    assert a.epoch.tolist() == b.epoch.tolist() == [1, 2, 3, 4]
+    for col in ("train_loss", "test_acc", "epsilon"):
+        assert a[col].tolist() == pytest.approx(b[col].tolist(), rel=1e-6), col
+    assert b.epsilon.is_monotonic_increasing and b.epsilon.iloc[-1] > b.epsilon.iloc[1] > 0
+    wa, wb = weights(straight), weights(stopped)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_resume_refuses_a_different_run_and_a_missing_checkpoint(tmp_path):
+    train(compose_config(RUN + ["epochs=1"]), tmp_path / "a")
+    with pytest.raises(DprunError, match=r"config differs \(sigma=1.0 -> 2.0\)"):
+        train(compose_config(RUN + ["epochs=2", "sigma=2.0", f"resume={tmp_path / 'a'}"]), tmp_path / "a")
+    with pytest.raises(DprunError, match="no checkpoint.pt there"):
+        train(compose_config(RUN + ["epochs=2", f"resume={tmp_path}"]), tmp_path / "b")
+
+
+def test_resume_argv_reuses_the_runs_overrides_and_folder(tmp_path):
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("- method=jl\n- epochs=2\n- r=4\n")
+    argv = resume_argv([f"resume={tmp_path}", "epochs=5"])
+    assert argv == ["method=jl", "r=4", f"resume={tmp_path}", "epochs=5", f"hydra.run.dir={tmp_path}"]
