@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import yaml
 
 from runner.accountants.mechanisms import Mechanism
 from runner.errors import DprunError
+from runner.metrics import atomic_replace
 
 FILE = "checkpoint.pt"
 # keys that may differ between the interrupted run and its resumption (everything else must match)
@@ -77,9 +77,7 @@ def save(out_dir: str | Path, *, epoch: int, model, optimizer, sampler, method, 
         "rows": [dict(r) for r in rows],
     }
     path = Path(out_dir) / FILE
-    tmp = path.with_name(f".{FILE}.tmp{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    atomic_replace(path, lambda tmp: torch.save(state, tmp))  # a signal mid-save leaves no temp file
 
 
 def load(run_dir: str | Path) -> dict[str, Any]:

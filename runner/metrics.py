@@ -16,7 +16,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -80,19 +80,27 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+def atomic_replace(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """write(tmp) into a temp file beside `path`, then os.replace: readers see the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:  # full disk, SIGTERM, Ctrl-C: never leave a half-written temp file behind
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    def write(tmp: Path) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    atomic_replace(path, write)
 
 
 def write_csv(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> None:

@@ -126,6 +126,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                          physical_batch(sampler.sample_rate * sampler.n))
     loss_fn = per_example_cross_entropy
     rows: list[dict[str, Any]] = []
+    rows_on_disk = 0  # summary.json describes what metrics.csv holds, never an epoch that did not reach it
     start_epoch = 0
     # the resolved config, with every model knob's value used (summary.json; a resume must match it)
     run_config = {**OmegaConf.to_container(cfg, resolve=True), "model": {"name": str(cfg.model.name), **model_kwargs}}
@@ -136,6 +137,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         checkpoint.check_config(cfg.resume, run_config)
         start_epoch, rows = checkpoint.restore(checkpoint.load(cfg.resume), model=model, optimizer=optimizer,
                                                sampler=sampler, method=method, accountant=accountant)
+        rows_on_disk = len(rows)
         log.info("resumed %s after epoch %d", cfg.resume, start_epoch)
     summary: dict[str, Any] = {
         "status": "running",
@@ -201,6 +203,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                 **eps,
             })
             write_csv(out_dir / "metrics.csv", rows)
+            rows_on_disk = len(rows)  # a signal during the write above leaves the previous file, and this count
             if cfg.get("checkpoint", True) and can_checkpoint is None:
                 checkpoint.save(out_dir, epoch=epoch, model=model, optimizer=optimizer, sampler=sampler, method=method,
                                 accountant=accountant, rows=rows)
@@ -221,6 +224,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     finally:
         if accountant is not None:
             summary["mechanisms"] = [{"kind": m.kind, **m.__dict__, "steps": n} for m, n in accountant.history.items()]
+        rows = rows[:rows_on_disk]
         summary["final"] = rows[-1] if rows else {}
         if rows and rows[-1]["epsilon"] == float("inf") and hasattr(accountant, "epsilon_lower_bound"):
             summary["epsilon_lower_bound"] = accountant.epsilon_lower_bound(float(cfg.delta))  # docs/privacy.md
