@@ -557,9 +557,8 @@ def table4(runs, epochs, scale) -> pd.DataFrame:
 
     import torch
 
-    from runner.bench.clip import loss_fn, synthetic_batch
-    from runner.bench.common import step_memory_bytes
-    from runner.bench.jl import MNIST, Workload, contender
+    from runner.bench.common import MNIST, step_memory_bytes, synthetic_batch
+    from runner.bench.jl import Workload, jl_contender
     from runner.metrics import synchronize
     from runner.models import MODELS
 
@@ -572,7 +571,7 @@ def table4(runs, epochs, scale) -> pd.DataFrame:
     steps_per_epoch = w.info.train_size / b
     rows = []
     for label, method, options, r in TABLE4_CONTENDERS:
-        c, note = contender(method, options, r, copy.deepcopy(base), w, x, y)
+        c, note = jl_contender(method, options, r, copy.deepcopy(base), w, x, y)
         paper = PAPER_TABLE4[label]
         row = {"method": label, "ours s/epoch": None, "ours step MB": None, "note": note,
                "paper s/epoch (CNN, TF/PyTorch)": paper[0], "paper s/epoch (AlexNet)": paper[1],
