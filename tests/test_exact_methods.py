@@ -92,6 +92,9 @@ TOYS = {
     "toy_conv_groupnorm": (lambda info: ConvGroupNormNet(), image((2, 6, 6))),
     "toy_shared_embedding": (lambda info: SharedEmbeddingNet(), text(6, vocab=5, classes=3)),
     "toy_frozen_mlp": (lambda info: frozen_mlp(), image((2, 2, 2))),
+    # masked padding: the mask enters the graph elementwise, so the norms must stay exact
+    "toy_bilstm_masked": (lambda info: MODELS.build("bilstm", info, hidden=4, embed_dim=3, dense=4,
+                                                    mask_padding=True), text(5)),
 }
 ZOO = {
     "mlp": (image((1, 4, 4)), dict(depth=2, widths=(6, 5))),

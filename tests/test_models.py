@@ -267,3 +267,69 @@ def test_glove_initialises_known_tokens(tmp_path):
     with pytest.raises(DprunError, match="3 dimensions"):
         glove.write_text("the 1 2 3\n")
         models.build("transformer", info, d_model=4, heads=2, glove_path=str(glove), vocab_path=str(vocab))
+
+
+# ---- recurrent layers: padding mask, Keras initialisation, backward cost -----------------------------------
+
+def test_masked_bilstm_reads_each_review_as_if_it_had_no_padding():
+    """mask_padding=true: an end-padded review gives exactly the output of the same review without its padding
+    (each direction's state is held through the pad steps), for every example of a ragged batch."""
+    info = DataInfo("text", (7,), 2, "text", 20)
+    torch.manual_seed(0)
+    model = models.build("bilstm", info, hidden=4, embed_dim=3, dense=4, mask_padding=True).double()
+    lengths = [7, 3, 1, 5]
+    x = torch.zeros(len(lengths), 7, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        x[i, :n] = torch.randint(1, 20, (n,))
+    out = model(x)
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(out[i], model(x[i:i + 1, :n])[0], rtol=0, atol=1e-12)
+    unmasked = models.build("bilstm", info, hidden=4, embed_dim=3, dense=4).double()
+    unmasked.load_state_dict(model.state_dict())
+    assert not torch.allclose(unmasked(x)[1], out[1])  # without the mask the pad steps change the state
+
+
+def test_mask_padding_needs_text():
+    with pytest.raises(ValueError, match="mask_padding=true needs a text dataset"):
+        models.build("lstm", MNIST, mask_padding=True)
+
+
+def test_bilstm_defaults_to_keras_initialisers_and_torch_init_is_kept_on_request():
+    torch.manual_seed(0)
+    keras = models.build("bilstm", IMDB)
+    rec = keras.recurrent
+    h = rec.hidden_size
+    assert keras.embed.weight.abs().max() <= 0.05
+    for x_proj, h_proj in ((rec.x_proj, rec.h_proj), (rec.x_proj_reverse, rec.h_proj_reverse)):
+        assert torch.equal(x_proj.bias[h:2 * h], torch.ones(h))  # forget gate
+        assert torch.count_nonzero(x_proj.bias[:h]) == 0 and torch.count_nonzero(x_proj.bias[2 * h:]) == 0
+        w = h_proj.weight.detach()  # (4h, h): orthonormal columns
+        torch.testing.assert_close(w.T @ w, torch.eye(h), atol=1e-5, rtol=0)
+        bound = (6 / (x_proj.in_features + x_proj.out_features)) ** 0.5
+        assert x_proj.weight.abs().max() <= bound
+    for layer in keras.head:
+        if isinstance(layer, nn.Linear):
+            assert torch.count_nonzero(layer.bias) == 0
+    torch_init = models.build("bilstm", IMDB, init="torch").recurrent
+    assert torch.count_nonzero(torch_init.x_proj.bias) > h  # PyTorch's U(-1/sqrt(h), 1/sqrt(h)) everywhere
+    assert models.build("lstm", MNIST).recurrent.x_proj.bias.abs().max() <= 128 ** -0.5 + 1e-7
+    with pytest.raises(ValueError, match="model.init='glorot' is not one of torch, keras"):
+        models.build("bilstm", IMDB, init="glorot")
+
+
+def test_recurrent_backward_has_no_per_step_select():
+    """gx[:, t] in the time loop made every step's backward zero-fill a whole (B, T, G*h) gradient: O(T^2), 97%
+    of an IMDB bilstm step. The graph must read the time steps through one unbind."""
+    info = DataInfo("text", (6,), 2, "text", 20)
+    model = models.build("bilstm", info, hidden=4, embed_dim=3, dense=4)
+    out = model(torch.randint(1, 20, (2, 6))).sum()
+    seen, stack, names = set(), [out.grad_fn], []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        stack.extend(f for f, _ in fn.next_functions)
+    assert "UnbindBackward0" in names
+    assert "SelectBackward0" not in names

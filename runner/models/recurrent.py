@@ -14,6 +14,8 @@ matches PyTorch (b_ih and b_hh); `double_bias=False` matches Keras (one bias per
     seq = LSTMLayer(28, 128, return_sequences=True)(x)   # (B, T, 128): every step's hidden state
 
 The last hidden state is torch's h_n: the forward direction after step T-1, the reverse direction after step 0.
+With a mask (B, T) (True = real token), a masked step keeps the state, h_t = m_t * cell(x_t, h_{t-1}) +
+(1 - m_t) * h_{t-1} (Keras `mask_zero=True`), so each direction's last state is the one at its last real token.
 """
 from __future__ import annotations
 
@@ -46,21 +48,46 @@ class RecurrentLayer(nn.Module):
         for p in self.parameters():
             nn.init.uniform_(p, -bound, bound)
 
-    def run(self, x: torch.Tensor, x_proj: nn.Linear, h_proj: nn.Linear, reverse: bool):
+    def keras_init_(self) -> None:
+        """TF Keras's LSTM/GRU/SimpleRNN defaults: Glorot-uniform input kernels, orthogonal recurrent kernels, zero
+        biases, and (LSTM, unit_forget_bias) a forget-gate bias of 1 in the gate bias that Keras has (x_proj's)."""
+        h = self.hidden_size
+        for suffix in ("", "_reverse") if self.bidirectional else ("",):
+            x_proj, h_proj = getattr(self, "x_proj" + suffix), getattr(self, "h_proj" + suffix)
+            nn.init.xavier_uniform_(x_proj.weight)  # (G*h, in): Keras's (in, G*h) kernel, same fans
+            nn.init.orthogonal_(h_proj.weight)      # (G*h, h): orthonormal columns, Keras's (h, G*h) transposed
+            nn.init.zeros_(x_proj.bias)
+            if h_proj.bias is not None:
+                nn.init.zeros_(h_proj.bias)
+            if self.gates == 4:
+                with torch.no_grad():
+                    x_proj.bias[h:2 * h] = 1.0  # gate order (i, f, g, o): f is the second block
+
+    def run(self, x: torch.Tensor, x_proj: nn.Linear, h_proj: nn.Linear, reverse: bool,
+            mask: torch.Tensor | None = None):
         gx = x_proj(x)  # (B, T, G*h): one call for the whole sequence
         B, T, _ = x.shape
         h = x.new_zeros(B, self.hidden_size)  # (B, h)
         c = x.new_zeros(B, self.hidden_size)  # (B, h) LSTM cell state; unused by RNN/GRU
+        # unbind, not gx[:, t]: each select's backward zero-fills a whole (B, T, G*h) gradient, O(T^2) work in all
+        # (6.5 s of a 6.7 s bilstm step on IMDB, B=256, T=150, CPU); unbind's backward stacks once.
+        gx_steps = gx.unbind(1)  # T tensors (B, G*h)
+        keep = None if mask is None else mask.to(x.dtype).unsqueeze(-1).unbind(1)  # T tensors (B, 1), 1 = real
         outputs = [None] * T
         for t in (range(T - 1, -1, -1) if reverse else range(T)):
-            h, c = self.cell(gx[:, t], h, c, h_proj)  # h_proj is called here, once per step
+            h_new, c_new = self.cell(gx_steps[t], h, c, h_proj)  # h_proj is called here, once per step
+            if keep is None:
+                h, c = h_new, c_new
+            else:  # a padded step leaves the state as it was
+                h = keep[t] * h_new + (1 - keep[t]) * h
+                c = keep[t] * c_new + (1 - keep[t]) * c
             outputs[t] = h
         return torch.stack(outputs, 1), h  # (B, T, h), (B, h)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, in)
-        seq, last = self.run(x, self.x_proj, self.h_proj, reverse=False)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:  # (B, T, in), (B, T)
+        seq, last = self.run(x, self.x_proj, self.h_proj, reverse=False, mask=mask)
         if self.bidirectional:
-            seq_r, last_r = self.run(x, self.x_proj_reverse, self.h_proj_reverse, reverse=True)
+            seq_r, last_r = self.run(x, self.x_proj_reverse, self.h_proj_reverse, reverse=True, mask=mask)
             seq, last = torch.cat([seq, seq_r], -1), torch.cat([last, last_r], -1)
         return seq if self.return_sequences else last  # (B, T, dirs*h) or (B, dirs*h)
 
