@@ -188,6 +188,32 @@ def test_imdb_folder_shapes_labels_padding(tiny_release, tmp_path):
     assert "<br" not in tok.decode(d.train_x[2].tolist())  # HTML line breaks removed
 
 
+def test_imdb_keras_style_truncation_and_padding(tiny_release, tmp_path):
+    """truncate=start keeps each review's LAST seq_len tokens, pad=start moves the zeros in front (Keras
+    pad_sequences' defaults); the defaults keep the first tokens, zeros at the end; each gets its own cache."""
+    write_aclimdb(tmp_path / "imdb", [(1, "alpha beta gamma " * 10 + "the ending"), *TRAIN_TEXT[1:]], TEST_TEXT)
+    # rows are ordered by (label, id): the two negatives, then this review (the first positive)
+    head = load_dataset(imdb_cfg(tmp_path), tmp_path)
+    tail = load_dataset(imdb_cfg(tmp_path, truncate="start"), tmp_path)
+    front = load_dataset(imdb_cfg(tmp_path, truncate="start", pad="start"), tmp_path)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(head.extras["tokenizer"])
+    assert tok.decode(head.train_x[2].tolist()).strip().startswith("alpha beta")
+    assert tok.decode(tail.train_x[2].tolist()).rstrip().endswith("the ending")
+    assert "the ending" not in tok.decode(head.train_x[2].tolist())
+    assert tail.extras["cache"] != head.extras["cache"]
+    assert torch.equal(front.train_x[2], tail.train_x[2])  # a full row has no padding to move
+    wide = dict(seq_len=40)  # "great great great" is shorter than 40 tokens: both truncations agree
+    short = load_dataset(imdb_cfg(tmp_path, truncate="start", **wide), tmp_path).test_x[1]
+    assert torch.equal(short, load_dataset(imdb_cfg(tmp_path, **wide), tmp_path).test_x[1])
+    k = int((short != 0).sum())
+    assert 0 < k < 40
+    moved = load_dataset(imdb_cfg(tmp_path, pad="start", **wide), tmp_path).test_x[1]
+    assert (moved[:40 - k] == 0).all() and torch.equal(moved[40 - k:], short[:k])
+    with pytest.raises(DprunError, match="dataset.pad=left: expected one of end, start"):
+        load_dataset(imdb_cfg(tmp_path, pad="left"), tmp_path)
+
+
 def test_imdb_tokenizer_sees_the_training_split_only(tiny_release, tmp_path):
     other_test = [(0, "xylophone xylophone xylophone quokka quokka " * 20), (1, "quokka xylophone")]
     write_aclimdb(tmp_path / "a" / "imdb", TRAIN_TEXT, TEST_TEXT)

@@ -15,8 +15,9 @@ split and class. Each failure is one line naming the file; nothing is cached fro
 
 Tokenizer: byte-level BPE (the `tokenizers` library) trained on the TRAINING split only, vocab_size tokens in all
 (default 8,185, the size of the JL paper's subwords8k), id 0 = "<pad>"; text is lower-cased, NFKC-normalised and
-"<br />" becomes a space. Byte-level means no unknown token. Sequences keep their first seq_len tokens and are
-zero-padded at the end. The trained tokenizer and the encoded tensors are cached in <data_dir>/imdb/ (or
+"<br />" becomes a space. Byte-level means no unknown token. Sequences keep their first seq_len tokens
+(`dataset.truncate=end`, the default: the end is cut) or their last ones (`truncate=start`, Keras `pad_sequences`'s
+default), and are zero-padded at the end (`dataset.pad=end`) or the start (`pad=start`, Keras's default). The trained tokenizer and the encoded tensors are cached in <data_dir>/imdb/ (or
 dataset.cache_dir; the per-user cache when that folder is read-only), keyed by (source content, vocab_size,
 seq_len): a tarball's sha256, or a folder's list of review files with their sizes and modification times.
 
@@ -144,21 +145,39 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
-def encode(tok, texts: list[str], seq_len: int) -> torch.Tensor:
-    """-> (N, seq_len) int64 ids: the first seq_len tokens, zero-padded at the end.
+SIDES = ("end", "start")
 
-    Only a prefix of each review is encoded (less work for long reviews): the text up to its seq_len-th run of non-space characters.
-    Every such run yields at least one token and no token crosses whitespace, so the prefix holds the first seq_len
-    tokens of the whole review. "<br />" (which contains a space) is replaced before the cut."""
+
+def encode(tok, texts: list[str], seq_len: int, truncate: str = "end") -> torch.Tensor:
+    """-> (N, seq_len) int64 ids, zero-padded at the end: the first seq_len tokens (truncate="end") or the last
+    (truncate="start").
+
+    truncate="end" encodes only a prefix of each review (less work for long reviews): the text up to its seq_len-th
+    run of non-space characters. Every such run yields at least one token and no token crosses whitespace, so the
+    prefix holds the first seq_len tokens of the whole review. "<br />" (which contains a space) is replaced before
+    the cut. truncate="start" encodes whole reviews and keeps the tail."""
     def prefix(t: str) -> str:
         t = BR.sub(" ", t)
         run = next(islice(WORD.finditer(t), seq_len - 1, None), None)  # the seq_len-th run, if any
         return t[:run.end()] if run else t
 
-    cut = [prefix(t) for t in texts]
-    tok.enable_truncation(max_length=seq_len)
-    tok.enable_padding(length=seq_len, pad_id=0, pad_token="<pad>")
-    return torch.tensor([e.ids for e in tok.encode_batch_fast(cut)], dtype=torch.int64)
+    tok.no_truncation()
+    tok.no_padding()
+    if truncate == "end":
+        ids = [e.ids[:seq_len] for e in tok.encode_batch_fast([prefix(t) for t in texts])]
+    else:
+        ids = [e.ids[-seq_len:] for e in tok.encode_batch_fast([BR.sub(" ", t) for t in texts])]
+    out = torch.zeros(len(ids), seq_len, dtype=torch.int64)
+    for i, row in enumerate(ids):
+        out[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+    return out
+
+
+def pad_at_start(x: torch.Tensor) -> torch.Tensor:
+    """(N, T) end-padded ids -> the same ids with the padding moved to the start (id 0 is only ever padding)."""
+    lengths = (x != 0).sum(1)  # (N,)
+    index = (torch.arange(x.shape[1]) - (x.shape[1] - lengths).unsqueeze(1)) % x.shape[1]  # (N, T)
+    return x.gather(1, index)
 
 
 def cache_folder(cfg, root: Path) -> Path:
@@ -216,6 +235,10 @@ def load_imdb(cfg, root) -> Dataset:
     if vocab_size < MIN_VOCAB or seq_len < 1:
         raise DprunError(f"dataset.vocab_size={vocab_size}, dataset.seq_len={seq_len}: need vocab_size >= "
                          f"{MIN_VOCAB} (256 bytes + padding) and seq_len >= 1")
+    truncate, pad = str(cfg.get("truncate", "end")), str(cfg.get("pad", "end"))
+    for knob, value in (("truncate", truncate), ("pad", pad)):
+        if value not in SIDES:
+            raise DprunError(f"dataset.{knob}={value}: expected one of {', '.join(SIDES)}")
     source = find_source(root)
     if source is None and cfg.get("download", False):
         source = fetch(TARBALLS[0], MIRRORS, root / "imdb", md5=V1_MD5)
@@ -225,7 +248,8 @@ def load_imdb(cfg, root) -> Dataset:
 
     cache = cache_folder(cfg, root)
     stem = f"imdb-{fingerprint(source)}-bpe{vocab_size}"
-    tok_path, data_path = cache / f"{stem}.tokenizer.json", cache / f"{stem}-len{seq_len}.pt"
+    kept = "" if truncate == "end" else "-tail"  # the cache of the last seq_len tokens
+    tok_path, data_path = cache / f"{stem}.tokenizer.json", cache / f"{stem}-len{seq_len}{kept}.pt"
     if data_path.is_file() and tok_path.is_file():
         t = torch.load(data_path, weights_only=True)
     else:
@@ -237,10 +261,12 @@ def load_imdb(cfg, root) -> Dataset:
             atomic_write(tok_path, lambda p: tok.save(p))
         t, small = {}, torch.int16 if vocab_size <= 32768 else torch.int32  # a quarter of the int64 cache size
         for split, (texts, labels) in reviews.items():
-            t[f"{split}_x"] = encode(tok, texts, seq_len).to(small)
+            t[f"{split}_x"] = encode(tok, texts, seq_len, truncate).to(small)
             t[f"{split}_y"] = torch.tensor(labels, dtype=torch.int64)
         atomic_write(data_path, lambda p: torch.save(t, p))
-    xtr, xte = t["train_x"].long(), t["test_x"].long()  # (N, seq_len) int64
+    xtr, xte = t["train_x"].long(), t["test_x"].long()  # (N, seq_len) int64, padded at the end
+    if pad == "start":
+        xtr, xte = pad_at_start(xtr), pad_at_start(xte)
     info = DataInfo("imdb", (seq_len,), 2, kind="text", vocab_size=vocab_size,
                     train_size=len(t["train_y"]), test_size=len(t["test_y"]))
     return Dataset(info, xtr, t["train_y"], xte, t["test_y"], source="real", privacy_notes=[TOKENIZER_NOTE],
