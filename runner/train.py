@@ -24,7 +24,7 @@ from runner.data import load_dataset
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
 from runner.metrics import (StepTimer, device_name, package_versions, peak_memory_bytes, reset_peak_memory,
-                            write_csv, write_json, write_json_last_resort)
+                            synchronize, write_csv, write_json, write_json_last_resort)
 from runner.optimizers import build_optimizer
 from runner.methods.compiled import build_step, physical_batch
 from runner.progress import format_eta, progress_bar
@@ -42,6 +42,9 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu",) and not name.startswith("cuda"):
         raise DprunError(f"unknown device {name!r}; valid: auto, cpu, cuda, cuda:N")
     return torch.device(name)
+
+
+PROGRESS_EVERY = 20  # steps between progress-bar loss updates (each one reads the loss back from the device)
 
 
 def per_example_cross_entropy(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -164,27 +167,34 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     try:
         for epoch in range(start_epoch + 1, int(cfg.epochs) + 1):
             reset_peak_memory(device)
-            step_times, loss_sum, correct, seen = [], 0.0, 0, 0
+            # loss and accuracy stay on the device until the epoch ends: an .item() per step would sync the GPU
+            step_times, loss_sum, correct, seen = [], torch.zeros((), device=device), torch.zeros((), device=device), 0
+            per_step_timing = cfg.get("step_timing", "sync") == "sync"
             epoch_start = time.perf_counter()
             batches = sampler.epoch()
             bar = progress_bar(range(steps_per_epoch), enabled=bool(cfg.progress), desc=f"epoch {epoch}/{cfg.epochs}")
             for step in bar:
                 idx = next(batches)
                 x, y = data.train_x[idx], data.train_y[idx]
-                with StepTimer(device) as t:
+                with StepTimer(device, enabled=per_step_timing) as t:
                     out = step_fn(model, loss_fn, x, y, optimizer, sample_rate=sampler.sample_rate,
                                   expected_batch_size=sampler.sample_rate * sampler.n, indices=idx)
-                if step >= int(cfg.warmup_steps) or steps_per_epoch <= int(cfg.warmup_steps):
+                if per_step_timing and (step >= int(cfg.warmup_steps) or steps_per_epoch <= int(cfg.warmup_steps)):
                     step_times.append(t.seconds)
                 if accountant is not None:
                     accountant.step(out.mechanism)
-                loss_sum += out.losses.sum().item()
+                loss_sum += out.losses.detach().sum()
                 seen += len(y)
                 if out.outputs is not None:
-                    correct += (out.outputs.argmax(1) == y).sum().item()
-                bar.set_postfix(loss=f"{loss_sum / max(seen, 1):.3f}")
+                    correct += (out.outputs.detach().argmax(1) == y).sum()
+                if cfg.progress and (step % PROGRESS_EVERY == 0 or step == steps_per_epoch - 1):
+                    bar.set_postfix(loss=f"{float(loss_sum) / max(seen, 1):.3f}")  # a sync, every few steps only
             for _ in batches:  # finish the epoch's generator (capped epochs)
                 pass
+            synchronize(device)
+            if not per_step_timing:  # step_timing=epoch: no per-step sync; the epoch's mean step time
+                step_times = [(time.perf_counter() - epoch_start) / max(steps_per_epoch, 1)]
+            loss_sum, correct = float(loss_sum), int(correct)
             epoch_time = time.perf_counter() - epoch_start
             test_loss, test_acc = evaluate(model, data.test_x, data.test_y, int(cfg.eval_batch_size),
                                            cfg.get("max_eval_batches"))

@@ -111,6 +111,7 @@ RULES: dict[str, Rule] = {
     "dtype": one_of("float32", "float64"),
     "sampling": one_of(*SAMPLINGS),
     "progress": boolean,
+    "step_timing": one_of("sync", "epoch"),
 }
 
 

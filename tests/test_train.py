@@ -134,3 +134,38 @@ print(high - peak_memory_bytes(cpu))
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) > 128 * 2**20
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_training_loop_reads_nothing_back_from_the_device_per_step(tmp_path, monkeypatch, progress):
+    """On a GPU every .item()/float()/int() of a device tensor is a sync that stalls the queue. The loop keeps loss
+    and accuracy on the device, and the progress bar reads them every PROGRESS_EVERY steps only, so the reads made
+    from runner/train.py must not grow with the number of steps."""
+    import sys
+
+    import runner.train as train_module
+
+    reads = {"n": 0}
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *a, **k):
+            if sys._getframe(1).f_code.co_filename == train_module.__file__:
+                reads["n"] += 1
+            return original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+
+    for name in ("item", "__float__", "__int__", "tolist"):
+        counting(name)
+    monkeypatch.setattr(train_module, "PROGRESS_EVERY", 1000)
+    counts = []
+    for steps in (3, 9):
+        reads["n"] = 0
+        cfg = compose_config(["epochs=1", f"progress={str(progress).lower()}", f"max_steps_per_epoch={steps}",
+                              "step_timing=epoch", "max_eval_batches=1"])
+        train(cfg, tmp_path / f"{progress}-{steps}")
+        counts.append(reads["n"])
+    assert counts[0] == counts[1], counts
+    table = pd.read_csv(tmp_path / f"{progress}-9" / "metrics.csv")
+    assert table.step_time_s.iloc[0] > 0 and 0 <= table.train_acc.iloc[0] <= 1
