@@ -6,7 +6,10 @@ sum_i loss_i gives the output-gradients, which are per example because the loss 
 
     method.mode=bk        (default) book-keeping (Bu et al. 2023): each layer's clipped sum sum_i nu_i grad_i
                           is formed directly from the stored inputs and output-gradients; no second backward
-    method.mode=twopass   the paper: a second backward, of sum_i nu_i loss_i (the graph is kept for it)
+    method.mode=twopass   the paper: a second backward, of sum_i nu_i loss_i (the graph is kept for it); the norms
+                          are formed in the first backward layer by layer (runner/norms/streaming.py), so the
+                          step needs about the non-private step's memory (book-keeping keeps every layer's
+                          output-gradient: ~2x on ResNets)
     method.norm=auto|direct|ghost   per layer, for sequence and conv inputs: the cheaper of materialising the
                           per-example gradient and the ghost norm sum_{t,s} (a_t.a_s)(g_t.g_s)
 
@@ -20,6 +23,7 @@ import torch
 from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized, clip_factors, trainable
 from runner.norms import Recorder, plan_model
+from runner.norms.streaming import StreamingNorms
 from runner.norms.base import check_how
 
 MODES = ("bk", "twopass")
@@ -51,27 +55,29 @@ class ReweightGP(Method):
     def privatize(self, model, loss_fn, x, y) -> Privatized:
         plan = self.plan(model)
         params = trainable(model)
-        with Recorder(plan) as rec:
-            outputs = model(x)  # (B, classes)
-            losses = loss_fn(outputs, y)  # (B,)
-        twopass = self.mode == "twopass"
-        rec.backprops(losses.sum(), retain_graph=twopass)
-
-        # Memory (issue 12): one layer at a time. Its (a, g) (a conv's unfolded input) and any ghost Gram matrices
-        # are freed before the next layer; only a per-example gradient small enough to keep (norms/outer.py) waits
-        # for the clipped sums, which use the raw records and free each layer's as soon as it is summed.
-        stashes = {}
-        norms_sq = losses.new_zeros(len(y)).detach()
-        for _, module, rule, a, g in rec.layers():
-            stash = None if twopass else stashes.setdefault(id(module), {})
-            norms_sq = norms_sq + rule.norm_sq(module, a, g, self.how, stash)
-            del a, g
-        norms = norms_sq.clamp_min(0).sqrt()  # (B,)
-        nu = clip_factors(norms, self.clip)  # (B,)
-
-        if twopass:
+        if self.mode == "twopass":
+            with StreamingNorms(plan, self.how) as streaming:
+                outputs = model(x)  # (B, classes)
+                losses = loss_fn(outputs, y)  # (B,)
+            norms = streaming.backward(losses.sum(), len(y)).clamp_min(0).sqrt()  # (B,); the graph is kept
+            nu = clip_factors(norms, self.clip)  # (B,)
             self.second_backward(params, (nu * losses).sum())
         else:
+            with Recorder(plan) as rec:
+                outputs = model(x)  # (B, classes)
+                losses = loss_fn(outputs, y)  # (B,)
+            rec.backprops(losses.sum(), retain_graph=False)
+            # Memory (issue 12): one layer at a time. Its (a, g) (a conv's unfolded input) and any ghost Gram
+            # matrices are freed before the next layer; only a per-example gradient small enough to keep
+            # (norms/outer.py) waits for the clipped sums, which use the raw records and free each layer's as
+            # soon as it is summed.
+            stashes = {}
+            norms_sq = losses.new_zeros(len(y)).detach()
+            for _, module, rule, a, g in rec.layers():
+                norms_sq = norms_sq + rule.norm_sq(module, a, g, self.how, stashes.setdefault(id(module), {}))
+                del a, g
+            norms = norms_sq.clamp_min(0).sqrt()  # (B,)
+            nu = clip_factors(norms, self.clip)  # (B,)
             self.book_keeping(params, rec, stashes, nu)
         if not plan.matches(model):
             raise DprunError("the model's trainable parameters changed during the step; every trainable "

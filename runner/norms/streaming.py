@@ -1,0 +1,144 @@
+"""Per-example squared gradient norms computed DURING the backward, one layer at a time (memory-lean two-pass).
+
+    with StreamingNorms(plan, how="auto") as sn:
+        losses = loss_fn(model(x), y)            # (B,); forward hooks keep each call's input, hook its output
+    norms_sq = sn.backward(losses.sum())         # (B,); the graph is kept for the second backward
+
+Recorder (hooks.py) keeps every layer's output-gradient until the backward has finished, i.e. a second copy of
+the activations next to the saved ones: ReweightGP's twopass peaked at 2.3x the non-private step on ResNet-18.
+Here a tensor hook on each call's output receives the output-gradient as the backward reaches the layer; once
+all of a module's calls have theirs, the rule's norm is formed and the gradients are dropped, so at any time
+only one layer's output-gradient and its norm transients are alive on top of what the non-private backward holds.
+The norm transients (a conv's unfolded input, ghost Gram matrices, a direct per-example gradient) are bounded
+too: the batch is cut into chunks whose transients are no larger than the layer's own input and output-gradient.
+Per-example norms are independent across examples, so chunking is exact.
+
+The backward asks for the gradients of the "source" modules' parameters only: the modules called on an input
+that needs no gradient (the first layer of a chain: the data, token ids). Every other covered module's input
+needs a gradient because some covered parameter upstream has one, so by induction each covered call lies on a
+path from the loss to a source parameter and its hook fires; no other weight gradient is computed.
+
+A hook registered before an in-place change of the output (nn.ReLU(inplace=True) after a Linear) still gets the
+gradient of the value the layer produced (PyTorch's tensor-hook semantics), so only an in-place change of a
+recorded INPUT is refused (it would make the recorded input wrong), as in Recorder.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from runner.errors import DprunError
+from runner.norms.coverage import Plan
+
+
+TRANSIENT_BUDGET = 1.0  # a chunk's norm transients: at most this fraction of the layer's input + output-gradient
+
+
+@dataclass
+class Pending:
+    """One module's calls in this step: the recorded inputs, the output-gradients received so far."""
+    inputs: list = field(default_factory=list)  # detached inputs, one per call
+    versions: list = field(default_factory=list)  # the inputs' version counters at the call (None when compiling)
+    shapes: list = field(default_factory=list)  # (shape, dtype, device) of each output, to zero-fill unused calls
+    grads: list = field(default_factory=list)  # output-gradient per call, None until its hook fires
+    waiting: int = 0  # calls whose output-gradient has not arrived
+
+
+class StreamingNorms:
+    def __init__(self, plan: Plan, how: str = "auto"):
+        self.plan = plan
+        self.how = how
+        self.rules = {id(m): (path, m, rule) for path, m, rule in plan.layers}
+        self.pending: dict[int, Pending] = {}
+        self.sources: dict[int, torch.nn.Module] = {}  # modules called on an input that needs no gradient
+        self.handles: list = []
+        self.tensor_hooks: list = []  # on the recorded outputs; removed after the first backward
+        self.norms_sq: torch.Tensor | None = None
+
+    def __enter__(self) -> "StreamingNorms":
+        for _, module, _ in self.plan.layers:
+            self.handles.append(module.register_forward_hook(self._forward_hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _forward_hook(self, module, args, kwargs, out):
+        inp = args[0] if args else next(iter(kwargs.values()))
+        p = self.pending.setdefault(id(module), Pending())
+        p.inputs.append(inp.detach())
+        p.versions.append(None if torch.compiler.is_compiling() else inp._version)
+        p.shapes.append((out.shape, out.dtype, out.device))
+        p.grads.append(None)
+        if not inp.requires_grad:
+            self.sources[id(module)] = module
+        if out.requires_grad:
+            p.waiting += 1
+            self.tensor_hooks.append(out.register_hook(partial(self._on_grad, id(module), len(p.grads) - 1)))
+
+    def _on_grad(self, key: int, index: int, grad: torch.Tensor) -> None:
+        p = self.pending.get(key)
+        if p is None:  # the second backward runs through the same graph: the norms are done by then
+            return
+        p.grads[index] = grad
+        p.waiting -= 1
+        if p.waiting == 0:  # every call of the module has its output-gradient: its norm, then free them
+            self._add(key)
+
+    def _add(self, key: int) -> None:
+        path, module, rule = self.rules[key]
+        p = self.pending.pop(key)
+        for inp, version in zip(p.inputs, p.versions):
+            if version is not None and inp._version != version:
+                raise DprunError(f"{path} ({type(module).__name__}): its input was modified in place after the "
+                                 f"call, so its recorded input is wrong; use inplace=False before this layer")
+        grads = [g if g is not None else torch.zeros(shape, dtype=dt, device=dev)  # an unused call: zero
+                 for g, (shape, dt, dev) in zip(p.grads, p.shapes)]
+        B = p.inputs[0].shape[0]
+        chunk = chunk_size(rule, module, p.inputs, grads)
+        parts = []
+        for start in range(0, B, chunk):
+            rows = slice(start, start + chunk)
+            seq = [rule.sequence(module, inp[rows], g[rows]) for inp, g in zip(p.inputs, grads)]
+            a = torch.cat([s[0] for s in seq], 1) if len(seq) > 1 else seq[0][0]
+            g = torch.cat([s[1] for s in seq], 1) if len(seq) > 1 else seq[0][1]
+            parts.append(rule.norm_sq(module, a, g, self.how).detach())  # (chunk,)
+            del seq, a, g
+        contribution = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self.norms_sq = contribution if self.norms_sq is None else self.norms_sq + contribution
+
+    def backward(self, loss: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """Run the first backward (graph kept) and return the (B,) per-example squared norms."""
+        sources = [p for m in self.sources.values() for p in m.parameters(recurse=False) if p.requires_grad]
+        if loss.requires_grad and sources:
+            torch.autograd.grad(loss, sources, retain_graph=True, allow_unused=True)
+        for h in self.tensor_hooks:
+            h.remove()
+        self.tensor_hooks.clear()
+        for key in list(self.pending):  # calls whose output never reached the loss: a zero gradient
+            self._add(key)
+        if self.norms_sq is None:
+            return loss.new_zeros(batch_size).detach()
+        return self.norms_sq
+
+
+def chunk_size(rule, module, inputs: list, grads: list) -> int:
+    """Examples per chunk so that one chunk's norm transients are at most the layer's own recorded input and
+    output-gradient (all calls); the whole batch when they already fit."""
+    B = inputs[0].shape[0]
+    own = sum(t[0].numel() for t in inputs) + sum(g[0].numel() for g in grads)  # per example
+    transient = 0
+    for inp, g in zip(inputs, grads):  # one example through `sequence`: the shapes of (a, g)
+        a1, g1 = rule.sequence(module, inp[:1], g[:1])
+        T = a1.shape[1] if a1.dim() > 1 else 1
+        k, o = a1.numel() // T, g1.numel() // T
+        transient += a1.numel() + g1.numel() + min(2 * T * T, o * k)  # (a, g), then a Gram or a per-example grad
+    budget = own * TRANSIENT_BUDGET
+    if transient <= budget:
+        return B
+    return max(1, int(B * budget // transient))
