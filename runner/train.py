@@ -47,6 +47,17 @@ def resolve_device(name: str) -> torch.device:
 PROGRESS_EVERY = 20  # steps between progress-bar loss updates (each one reads the loss back from the device)
 
 
+def norm_columns(norm_log: list[torch.Tensor], clip: float) -> dict[str, float]:
+    """log_norms=true: the epoch's per-example gradient norms as the method saw them (estimates for method=jl),
+    their quantiles and the share of examples the clip left whole (norm <= C: factor 1, the full gradient)."""
+    if not norm_log:
+        return {}
+    norms = torch.cat(norm_log).cpu()  # (examples seen this epoch,)
+    q = torch.quantile(norms, torch.tensor([0.1, 0.5, 0.9]))
+    return {"norm_p10": float(q[0]), "norm_median": float(q[1]), "norm_p90": float(q[2]),
+            "norm_max": float(norms.max()), "unclipped_frac": float((norms <= clip).float().mean())}
+
+
 def per_example_cross_entropy(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs, y, reduction="none")  # (B,)
 
@@ -170,6 +181,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
             # loss and accuracy stay on the device until the epoch ends: an .item() per step would sync the GPU
             step_times, loss_sum, correct, seen = [], torch.zeros((), device=device), torch.zeros((), device=device), 0
             per_step_timing = cfg.get("step_timing", "sync") == "sync"
+            norm_log = [] if cfg.get("log_norms", False) and method.private else None  # (B,) per step, on device
             epoch_start = time.perf_counter()
             batches = sampler.epoch()
             bar = progress_bar(range(steps_per_epoch), enabled=bool(cfg.progress), desc=f"epoch {epoch}/{cfg.epochs}")
@@ -187,6 +199,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                 seen += len(y)
                 if out.outputs is not None:
                     correct += (out.outputs.detach().argmax(1) == y).sum()
+                if norm_log is not None and out.norms is not None:
+                    norm_log.append(out.norms.detach().float())
                 if cfg.progress and (step % PROGRESS_EVERY == 0 or step == steps_per_epoch - 1):
                     bar.set_postfix(loss=f"{float(loss_sum) / max(seen, 1):.3f}")  # a sync, every few steps only
             for _ in batches:  # finish the epoch's generator (capped epochs)
@@ -211,6 +225,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                 "peak_mem_bytes": peak_memory_bytes(device),
                 "epsilon": "",  # only a certified epsilon, under the sampling used (runner/accountants/published.py)
                 **eps,
+                **(norm_columns(norm_log, method.clip) if norm_log is not None else {}),
             })
             write_csv(out_dir / "metrics.csv", rows)
             rows_on_disk = len(rows)  # a signal during the write above leaves the previous file, and this count

@@ -112,6 +112,7 @@ RULES: dict[str, Rule] = {
     "sampling": one_of(*SAMPLINGS),
     "progress": boolean,
     "step_timing": one_of("sync", "epoch"),
+    "log_norms": boolean,
 }
 
 

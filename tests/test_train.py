@@ -169,3 +169,17 @@ def test_training_loop_reads_nothing_back_from_the_device_per_step(tmp_path, mon
     assert counts[0] == counts[1], counts
     table = pd.read_csv(tmp_path / f"{progress}-9" / "metrics.csv")
     assert table.step_time_s.iloc[0] > 0 and 0 <= table.train_acc.iloc[0] <= 1
+
+
+def test_log_norms_adds_quantiles_and_the_unclipped_share(tmp_path):
+    """method=reweight: exact norms, so the unclipped share at a clip above every norm is 1, and at a tiny clip 0."""
+    for clip, share in (("1e9", 1.0), ("1e-9", 0.0)):
+        cfg = compose_config(["epochs=1", "progress=false", "max_steps_per_epoch=3", "method=reweight",
+                              f"clip={clip}", "sigma=1.0", "log_norms=true", "max_eval_batches=1"])
+        train(cfg, tmp_path / clip)
+        row = pd.read_csv(tmp_path / clip / "metrics.csv").iloc[0]
+        assert row.unclipped_frac == share
+        assert 0 < row.norm_p10 <= row.norm_median <= row.norm_p90 <= row.norm_max
+    cfg = compose_config(["epochs=1", "progress=false", "max_steps_per_epoch=2", "max_eval_batches=1"])
+    train(cfg, tmp_path / "np")  # non-private: no norms, no columns
+    assert "norm_median" not in pd.read_csv(tmp_path / "np" / "metrics.csv").columns
