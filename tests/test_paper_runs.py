@@ -76,3 +76,24 @@ def test_readme_imports_runs_keeping_only_their_numbers(tmp_path):
     assert pr.main(["readme", "--runs", str(src), "--import-to", str(dest), "--out", str(out)]) == 0
     assert sorted(p.name for p in (dest / "mnist_nonprivate_s0").iterdir()) == ["metrics.csv", "summary.json"]
     assert "| mnist_nonprivate_s0 | non-private | 0 | finished | 2/2 | 98.0% |" in out.read_text()
+
+
+def test_curves_name_every_run_and_keep_a_diverged_one_from_squashing_the_rest(tmp_path):
+    runs = tmp_path / "runs"
+    fake_run(runs, "mnist_reweight_s0", "mnist", "reweight", (0.90, 0.94, 0.95), (0.4, 0.6, 0.8))
+    fake_run(runs, "mnist_jl1_s0", "mnist", "jl", (0.96, 0.97, 0.97), (math.inf,) * 3, r=1)
+    fake_run(runs, "mnist_nonprivate_s0", "mnist", "nonprivate", (0.97, 0.11, 0.11), (None,) * 3)
+    fake_run(runs, "imdb_jl1_s0", "imdb", "jl", (0.6,), (math.inf,), r=1)
+    fig = pr.curves_figure(runs, "mnist")
+    acc_ax, loss_ax, eps_ax = fig.axes[:3]
+    labels = [t.get_text() for t in acc_ax.get_legend().get_texts()]
+    assert sorted(labels) == ["JL(1) seed 0", "exact (ReweightGP) seed 0", "non-private seed 0"]
+    low, high = acc_ax.get_ylim()
+    assert 0.8 < low < 0.90 and high == 1.0  # the 11% run does not set the axis ...
+    notes = " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
+    assert "non-private seed 0 (11.0%, epoch 2)" in notes  # ... it is named instead
+    assert "not shown: JL(1)" in notes  # no certified epsilon
+    assert len(eps_ax.get_lines()) == 1 + 1  # reweight's curve and the threshold line
+    assert loss_ax.get_yscale() == "log"
+    assert pr.curves_figure(runs, "cifar10") is None
+    assert pr.draw_curves(runs, "imdb", tmp_path / "imdb.png").stat().st_size > 0
