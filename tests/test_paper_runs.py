@@ -97,3 +97,29 @@ def test_curves_name_every_run_and_keep_a_diverged_one_from_squashing_the_rest(t
     assert loss_ax.get_yscale() == "log"
     assert pr.curves_figure(runs, "cifar10") is None
     assert pr.draw_curves(runs, "imdb", tmp_path / "imdb.png").stat().st_size > 0
+
+
+def test_imdb_setups_tried_get_a_table_with_what_changed(tmp_path):
+    src = tmp_path / "src"
+    fake_run(src, "imdb_tail", "imdb", "nonprivate", (0.84, 0.83), (None, None))
+    summary = json.loads((src / "imdb_tail" / "summary.json").read_text())
+    summary["config"] |= {"model": {"name": "bilstm", "init": "keras", "mask_padding": True},
+                          "dataset": {"name": "imdb", "truncate": "start", "seq_len": 150},
+                          "optimizer": {"name": "adam", "eps": 1e-8}}
+    (src / "imdb_tail" / "summary.json").write_text(json.dumps(summary))
+    fake_run(src, "imdb_jl", "imdb", "jl", (0.6,), (math.inf,), r=1)
+    with open(src / "imdb_jl" / "metrics.csv") as f:
+        rows = f.read().splitlines()
+    (src / "imdb_jl" / "metrics.csv").write_text(rows[0] + ",unclipped_frac\n" + rows[1] + ",0.25\n")
+    fake_run(src, "mnist_x", "mnist", "reweight", (0.9,), (0.5,))
+    out, probes = tmp_path / "README.md", tmp_path / "probes"
+    assert pr.main(["readme", "--runs", str(tmp_path / "none"), "--out", str(out), "--probes", str(probes),
+                    "--import-probes", str(src)]) == 0
+    assert (probes / "imdb_tail" / "metrics.csv").exists()
+    text = out.read_text()
+    tail = next(line for line in text.splitlines() if line.startswith("| imdb_tail "))
+    assert "init=keras mask=on truncate=start pad=end seq_len=150 adam(eps=1e-08)" in tail
+    assert "84.0% (1)" in tail and "83.0%" in tail
+    jl = next(line for line in text.splitlines() if line.startswith("| imdb_jl "))
+    assert "| 25% |" in jl and "| inf |" in jl and "mask=off truncate=end" in jl
+    assert "| mnist_x " not in text.split("## IMDB: every setup tried")[1].split("## Commands")[0]
