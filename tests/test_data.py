@@ -167,7 +167,8 @@ def test_cifar10_truncated_batch_is_an_error(tiny_release, tmp_path):
 # ---- IMDB ----
 
 def imdb_cfg(tmp_path, **kw):
-    return {"name": "imdb", "vocab_size": 300, "seq_len": 16, **kw}
+    """Tests read the first tokens, padded at the end, unless they say otherwise (the loader's default is Keras's)."""
+    return {"name": "imdb", "vocab_size": 300, "seq_len": 16, "truncate": "end", "pad": "end", **kw}
 
 
 def test_imdb_folder_shapes_labels_padding(tiny_release, tmp_path):
@@ -190,12 +191,14 @@ def test_imdb_folder_shapes_labels_padding(tiny_release, tmp_path):
 
 def test_imdb_keras_style_truncation_and_padding(tiny_release, tmp_path):
     """truncate=start keeps each review's LAST seq_len tokens, pad=start moves the zeros in front (Keras
-    pad_sequences' defaults); the defaults keep the first tokens, zeros at the end; each gets its own cache."""
+    pad_sequences' defaults, and the loader's); truncate=end keeps the first tokens; each gets its own cache."""
     write_aclimdb(tmp_path / "imdb", [(1, "alpha beta gamma " * 10 + "the ending"), *TRAIN_TEXT[1:]], TEST_TEXT)
     # rows are ordered by (label, id): the two negatives, then this review (the first positive)
     head = load_dataset(imdb_cfg(tmp_path), tmp_path)
     tail = load_dataset(imdb_cfg(tmp_path, truncate="start"), tmp_path)
     front = load_dataset(imdb_cfg(tmp_path, truncate="start", pad="start"), tmp_path)
+    default = load_dataset({"name": "imdb", "vocab_size": 300, "seq_len": 16}, tmp_path)  # Keras's, as the yaml
+    assert torch.equal(default.train_x, front.train_x) and torch.equal(default.test_x, front.test_x)
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(head.extras["tokenizer"])
     assert tok.decode(head.train_x[2].tolist()).strip().startswith("alpha beta")

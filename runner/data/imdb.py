@@ -15,9 +15,10 @@ split and class. Each failure is one line naming the file; nothing is cached fro
 
 Tokenizer: byte-level BPE (the `tokenizers` library) trained on the TRAINING split only, vocab_size tokens in all
 (default 8,185, the size of the JL paper's subwords8k), id 0 = "<pad>"; text is lower-cased, NFKC-normalised and
-"<br />" becomes a space. Byte-level means no unknown token. Sequences keep their first seq_len tokens
-(`dataset.truncate=end`, the default: the end is cut) or their last ones (`truncate=start`, Keras `pad_sequences`'s
-default), and are zero-padded at the end (`dataset.pad=end`) or the start (`pad=start`, Keras's default). The trained tokenizer and the encoded tensors are cached in <data_dir>/imdb/ (or
+"<br />" becomes a space. Byte-level means no unknown token. Sequences keep their last seq_len tokens
+(`dataset.truncate=start`, the default, as Keras `pad_sequences` does: a review's verdict is usually at its end) or
+their first ones (`truncate=end`), and are zero-padded in front (`dataset.pad=start`, the default, Keras's) or at the
+end (`pad=end`). The trained tokenizer and the encoded tensors are cached in <data_dir>/imdb/ (or
 dataset.cache_dir; the per-user cache when that folder is read-only), keyed by (source content, vocab_size,
 seq_len): a tarball's sha256, or a folder's list of review files with their sizes and modification times.
 
@@ -235,7 +236,7 @@ def load_imdb(cfg, root) -> Dataset:
     if vocab_size < MIN_VOCAB or seq_len < 1:
         raise DprunError(f"dataset.vocab_size={vocab_size}, dataset.seq_len={seq_len}: need vocab_size >= "
                          f"{MIN_VOCAB} (256 bytes + padding) and seq_len >= 1")
-    truncate, pad = str(cfg.get("truncate", "end")), str(cfg.get("pad", "end"))
+    truncate, pad = str(cfg.get("truncate", "start")), str(cfg.get("pad", "start"))
     for knob, value in (("truncate", truncate), ("pad", pad)):
         if value not in SIDES:
             raise DprunError(f"dataset.{knob}={value}: expected one of {', '.join(SIDES)}")
