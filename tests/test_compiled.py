@@ -19,7 +19,8 @@ from runner.methods import METHODS
 from runner.methods.compiled import CompiledStep, build_step, check_mode, physical_batch
 
 CPU = torch.device("cpu")
-CASES = [("nonprivate", {}), ("reweight", {"mode": "bk"}), ("jl", {"jvp": "forward"})]
+CASES = [("nonprivate", {}), ("reweight", {"mode": "bk"}), ("reweight-twopass", {"mode": "twopass"}),
+         ("jl", {"jvp": "forward"})]
 
 
 def loss_fn(out, y):
@@ -29,7 +30,7 @@ def loss_fn(out, y):
 def setup(method_name, cfg):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-    method = METHODS.build(method_name, cfg={**cfg, "r": 2}, clip=0.5, sigma=1.0)
+    method = METHODS.build(method_name.split("-")[0], cfg={**cfg, "r": 2}, clip=0.5, sigma=1.0)  # "reweight-twopass"
     model = method.attach(model)
     return model, method, torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
 
