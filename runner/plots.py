@@ -24,7 +24,8 @@ from runner.report import RUN_KEY, latest
 
 COMPUTED_WITH = {"jl_table1": "the method registry", "jl_fig2": "scipy.stats.chi", "jl_fig7": "dprun's jl accountant",
                  "jl_table4": "runner.bench on this machine",
-                 "jl_epsilon_r": "dprun's jl and pld accountants"}
+                 "jl_epsilon_r": "dprun's jl and pld accountants",
+                 "sbcd_adaptive_noise": "runner.sbcd_curves; utility: one DP-SBCD run per schedule trained here, CPU"}
 
 
 def read_table(path: Path) -> pd.DataFrame:

@@ -40,7 +40,8 @@ PAPER_GPU_HOURS: dict[str, tuple[float, str]] = {
     "lk_memory": (0.1, "ResNet-101 at 256 px, 3 methods x 11 batch sizes x 3 steps"),
     "sbcd_hsa_vs_composition": (0.0, "computed by the HSA accountant (CPU, seconds)"),
     "sbcd_epoch_contribution": (0.0, "computed by the HSA accountant (CPU, seconds)"),
-    "sbcd_adaptive_noise": (0.0, "computed (two sigma calibrations, CPU, a minute)"),
+    "sbcd_adaptive_noise": (0.0, "two sigma calibrations and two DP-SBCD MNIST runs on the CPU (smoke: 10 epochs, a "
+                            "minute; paper: 50 epochs, ~5 minutes)"),
 }
 
 

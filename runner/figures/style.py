@@ -62,7 +62,7 @@ def lk_label(method: str, r=None) -> str:
 def caption_for(runs: pd.DataFrame, scale: str, computed: str | None = None) -> str:
     """One line under each figure: data source, device, scale, versions."""
     if computed:
-        return f"computed ({computed}); no training | scale={scale}"
+        return f"computed ({computed}){'' if 'trained' in computed else '; no training'} | scale={scale}"
     def uniq(col):
         vals = sorted({str(v) for v in runs.get(col, pd.Series(dtype=object)).dropna()})
         return ", ".join(vals) if vals else "?"
