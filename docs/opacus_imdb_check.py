@@ -6,7 +6,8 @@ DataLoader, Adam) on the same token tensors dprun trains on. See docs/imdb_repro
     python docs/opacus_imdb_check.py --synthetic --epochs 1                      # seconds: does it run at all
 
 Model: Embedding(V, 64) -> BiLSTM(64) (Opacus DPLSTM: PyTorch's two biases per gate, 512 parameters more than
-dprun's Keras-style bilstm) -> Dense(64, ReLU) -> Dense(2). Prints per epoch: train loss, test accuracy, epsilon.
+dprun's Keras-style bilstm) -> Dense(64, ReLU) -> Dense(2), with Keras's initialisers as dprun's bilstm (--init).
+The token tensors come from dprun's loader with its defaults (the last 150 tokens, zeros in front). Prints per epoch: train loss, test accuracy, epsilon.
 Compare with `dprun dataset=imdb method=reweight` (or method=nonprivate) at the same settings.
 """
 from __future__ import annotations
@@ -30,6 +31,27 @@ class BiLSTM(nn.Module):
         self.embed = nn.Embedding(vocab, embed)
         self.lstm = DPLSTM(embed, hidden, batch_first=True, bidirectional=True)
         self.head = nn.Sequential(nn.Linear(2 * hidden, dense), nn.ReLU(), nn.Linear(dense, classes))
+
+    def keras_init_(self):
+        """Mirror dprun's bilstm default (model.init=keras): embedding U(+-0.05), Glorot-uniform input and Dense
+        kernels, orthogonal recurrent kernels, zero biases with forget-gate bias 1 (in the input bias only)."""
+        h = self.lstm.hidden_size
+        nn.init.uniform_(self.embed.weight, -0.05, 0.05)
+        for name, p in self.lstm.named_parameters():
+            if "weight_ih" in name:
+                nn.init.xavier_uniform_(p)
+            elif "weight_hh" in name:
+                nn.init.orthogonal_(p)
+            elif "bias" in name:
+                nn.init.zeros_(p)
+                if "bias_ih" in name:
+                    with torch.no_grad():
+                        p[h:2 * h] = 1.0
+        for layer in self.head:
+            if isinstance(layer, nn.Linear):
+                nn.init.xavier_uniform_(layer.weight)
+                nn.init.zeros_(layer.bias)
+        return self
 
     def forward(self, x):
         _, (h, _) = self.lstm(self.embed(x))  # h: (2, B, hidden), last state of each direction
@@ -63,12 +85,16 @@ def main(argv=None) -> int:
     p.add_argument("--accountant", default="prv", help="Opacus accountant: prv | rdp | gdp")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", choices=("keras", "torch"), default="keras", help="as dprun's model.init (bilstm: keras)")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     data = load(args, "cpu")
     train = torch.utils.data.TensorDataset(data.train_x, data.train_y)
     loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True)
-    model = BiLSTM(data.info.vocab_size).to(args.device)
+    model = BiLSTM(data.info.vocab_size)
+    if args.init == "keras":
+        model.keras_init_()
+    model = model.to(args.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     engine = None
     if not args.nonprivate:

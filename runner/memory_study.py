@@ -127,8 +127,9 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from runner.paths import CONF_DIR
+    from runner.paths import CONF_DIR, register_resolvers
 
+    register_resolvers()  # ${dprun_data_dir:} etc.: a caller may not have imported the CLI
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose("config", overrides=overrides)
