@@ -234,10 +234,15 @@ def readme(rows: list[dict], runs_dir: Path, probes: Optional[list[dict]] = None
             seeds = [r for r in sub if r["method"] == method and not math.isnan(r["final_acc"])]
             if len(seeds) > 1:
                 accs = [r["final_acc"] for r in seeds]
+                crossed = [r["to_threshold"] for r in seeds if r.get("to_threshold")]
+                crossed = crossed if any(t["epsilon"] is not None for t in crossed) else []  # private runs only
+                crossing = (f"; {len(crossed)} of {len(seeds)} seeds cross {thr:.0%} during training, at epsilon "
+                            f"{', '.join(eps_str(t['epsilon']) for t in crossed)} (a paper figure's 'reaches "
+                            f"{thr:.0%} at epsilon ...' is such a crossing, not a final value)") if crossed else ""
                 lines.append(f"- {LABEL.get(method, method)}: mean final test accuracy over {len(seeds)} seeds "
                              f"{pct(statistics.mean(accs))} (sd {100 * statistics.stdev(accs):.2f} points), "
                              f"epsilon {', '.join(eps_str(r['epsilon']) for r in seeds)}; all finished: "
-                             f"{all(r['status'] == 'finished' for r in seeds)}")
+                             f"{all(r['status'] == 'finished' for r in seeds)}{crossing}")
         lines.append("")
     if probes:
         lines += probes_section(probes, probes_dir)
