@@ -186,3 +186,19 @@ def test_in_place_change_of_a_recorded_output_raises():
     rec.backprops(out.sum(), retain_graph=False)
     with pytest.raises(DprunError, match=r"0 \(Linear\).*in place"):
         list(rec.layers())
+
+
+def test_embedding_norm_has_fixed_shapes_so_a_whole_graph_compiles():
+    """torch.unique has a data-dependent output size (a host sync, and a graph break that keeps CUDA graphs from
+    capturing the step); the rule's segment sum uses a sort instead: fullgraph tracing must succeed."""
+    torch._dynamo.reset()
+    layer = nn.Embedding(7, 3, padding_idx=0).to(DT)
+    rule = rule_for(layer)
+    x = torch.tensor([[1, 2, 2, 0], [3, 3, 3, 6]])
+    G = torch.randn(2, 4, 3, dtype=DT)
+    a, g = rule.sequence(layer, x, G)
+    eager = rule.norm_sq(layer, a, g, "direct")
+    traced = torch.compile(lambda a, g: rule.norm_sq(layer, a, g, "direct"), backend="eager", fullgraph=True)
+    torch.testing.assert_close(traced(a, g), eager)
+    want, _ = oracle(layer, x, G)
+    torch.testing.assert_close(eager, want)

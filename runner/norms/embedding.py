@@ -47,11 +47,17 @@ class EmbeddingRule(NormRule):
         if how == "ghost":
             same = (a.unsqueeze(2) == a.unsqueeze(1)).to(g.dtype)  # (B, T, T) same token
             return (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-        B, V = a.shape[0], layer.num_embeddings
-        keys = (torch.arange(B, device=a.device).unsqueeze(1) * V + a).reshape(-1)  # (B*T,) one key per (i, v)
-        uniq, inverse = torch.unique(keys, return_inverse=True)  # (U,), (B*T,)
-        rows = g.new_zeros(len(uniq), g.shape[-1]).index_add_(0, inverse, g.reshape(-1, g.shape[-1]))  # (U, d)
-        return g.new_zeros(B).index_add_(0, uniq // V, rows.pow(2).sum(1))  # (B,)
+        # Segment sum over the distinct (example, token) keys with fixed shapes only (a sort, not torch.unique): no
+        # host sync, and a CUDA graph can capture it. N = B*T positions; segment s = the s-th distinct key.
+        B, V, d = a.shape[0], layer.num_embeddings, g.shape[-1]
+        keys = (torch.arange(B, device=a.device).unsqueeze(1) * V + a).reshape(-1)  # (N,) one key per (i, v)
+        sorted_keys, order = keys.sort()  # (N,), (N,)
+        starts = torch.ones_like(sorted_keys, dtype=torch.bool)
+        starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+        segment = starts.cumsum(0) - 1  # (N,) segment of each sorted position
+        rows = g.new_zeros(keys.shape[0], d).index_add_(0, segment, g.reshape(-1, d)[order])  # (N, d); unused: 0
+        example = torch.zeros_like(sorted_keys).scatter_(0, segment, sorted_keys // V)  # (N,) segment -> example
+        return g.new_zeros(B).index_add_(0, example, rows.pow(2).sum(1))  # (B,)
 
     def clipped_sums(self, layer, a, g, nu, stash=None):
         if not trains(layer.weight):
