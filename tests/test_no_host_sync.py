@@ -1,0 +1,62 @@
+"""Issue 12: nothing inside a private step reads a value back from the device (.item(), torch.unique's size,
+Python branching on a tensor): on a GPU each is a sync that stalls the queue and keeps CUDA graphs from capturing
+the step. Proof on the CPU: the whole step -- forward, per-example norms, clipping, backward, noise, optimizer --
+runs on the meta device, where tensors have shapes but no values, so any op that needs a value raises."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runner.data.base import DataInfo
+from runner.methods import METHODS
+from runner.models import MODELS
+
+TEXT = DataInfo("imdb", (12,), 2, "text", 50)
+MODELS_ = {
+    "bu_cnn": (DataInfo("mnist", (1, 28, 28), 10), {}),
+    "bilstm": (TEXT, {}),
+    "bilstm_masked": (TEXT, {"mask_padding": True}),
+    "transformer": (TEXT, {}),
+    "resnet18": (DataInfo("cifar10", (3, 32, 32), 10), {}),
+}
+METHODS_ = [("nonprivate", {}), ("reweight", {"mode": "bk"}), ("reweight", {"mode": "twopass"}),
+            ("jl", {"r": 2, "jvp": "forward"}), ("jl", {"r": 2, "jvp": "double_vjp"})]
+
+
+def loss_fn(outputs, y):
+    return F.cross_entropy(outputs, y, reduction="none")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("name,cfg", METHODS_, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+@pytest.mark.parametrize("model_name", list(MODELS_))
+def test_whole_step_runs_without_reading_a_value(model_name, name, cfg, optimizer):
+    info, kwargs = MODELS_[model_name]
+    model = MODELS.build(model_name.split("_")[0] if model_name != "bu_cnn" else "bu_cnn", info, **kwargs)
+    method = METHODS.build(name, cfg=cfg, clip=1.0, sigma=1.0)
+    model = method.attach(model).to("meta")
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1, foreach=True) if optimizer == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True))
+    dtype = torch.long if info.kind == "text" else torch.float32
+    x = torch.empty(4, *info.input_shape, device="meta", dtype=dtype)
+    y = torch.empty(4, device="meta", dtype=torch.long)
+    out = method.step(model, loss_fn, x, y, opt, sample_rate=0.01, expected_batch_size=4.0)
+    assert out.losses.shape == (4,) and out.losses.device.type == "meta"
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_a_value_read_in_a_step_would_be_caught(monkeypatch):
+    """The check can fail: a clip-factor function that reads the largest norm back (a typical "if norms.max() > C"
+    shortcut) makes the same step raise on the meta device."""
+    import runner.methods.reweight as reweight
+    from runner.methods.base import clip_factors
+
+    def reads_a_value(norms, clip):
+        if float(norms.max()) <= clip:  # a host sync on a GPU
+            return torch.ones_like(norms)
+        return clip_factors(norms, clip)
+
+    monkeypatch.setattr(reweight, "clip_factors", reads_a_value)
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        test_whole_step_runs_without_reading_a_value("bu_cnn", "reweight", {"mode": "bk"}, "sgd")
