@@ -124,6 +124,7 @@ def summarise(run_dir: Path) -> dict:
               "accountant": summary.get("accountant"), "sampling": summary.get("sampling")},
            "data_dir": cfg.get("data_dir"), "device_arg": cfg.get("device")}
     row["setup"] = setup_of(cfg)
+    row["command"] = probe_command(cfg)
     row["unclipped"] = (float(m["unclipped_frac"].median()) if "unclipped_frac" in m and len(m) else None)
     if m.empty:
         return row | {"final_acc": math.nan, "best_acc": math.nan, "best_epoch": None, "epsilon": math.nan,
@@ -155,6 +156,26 @@ def setup_of(cfg: dict) -> str:
     return " ".join(parts)
 
 
+def probe_command(cfg: dict) -> str:
+    """The dprun command line of a run, from its resolved config: the knobs the investigation varies."""
+    model, data, opt, method = cfg.get("model", {}), cfg.get("dataset", {}), cfg.get("optimizer", {}), cfg.get(
+        "method", {})
+    parts = ["dprun", f"dataset={data.get('name')}", f"method={method.get('name')}"]
+    if method.get("name") == "jl":
+        parts.append(f"r={cfg.get('r')}")
+    parts += [f"model={model.get('name')}", f"model.init={model.get('init') or 'torch'}",
+              f"model.mask_padding={str(bool(model.get('mask_padding'))).lower()}",
+              f"dataset.truncate={data.get('truncate', 'end')}", f"dataset.pad={data.get('pad', 'end')}",
+              f"optimizer={opt.get('name')}", f"optimizer.eps={opt.get('eps')}", f"lr={cfg.get('lr')}"]
+    if cfg.get("target_epsilon") is not None:
+        parts.append(f"target_epsilon={cfg.get('target_epsilon')}")
+    else:
+        parts.append(f"sigma={cfg.get('sigma')}")
+    parts += [f"clip={cfg.get('clip')}", f"epochs={cfg.get('epochs')}", f"seed={cfg.get('seed')}",
+              "data_dir=<data_dir>"]
+    return " ".join(parts)
+
+
 def probes_section(rows: list[dict], probes_dir: Path) -> list[str]:
     """The table of every IMDB setup tried: what changed, accuracy, training loss, epsilon, the unclipped share."""
     lines = ["## IMDB: every setup tried", "",
@@ -170,7 +191,9 @@ def probes_section(rows: list[dict], probes_dir: Path) -> list[str]:
         lines.append(f"| {r['name']} | {LABEL.get(r['method'], r['method'])} | {r['setup']} | {r['status']} | "
                      f"{r['epochs']} | {best} | {pct(r['final_acc'])} | {loss} | {eps_str(r['epsilon'])} | "
                      f"{unclipped} | {r['device']} |")
-    return lines + [""]
+    lines += ["", "Each as one command (`interrupted`: stopped by hand once its best epoch had passed):", "", "```"]
+    lines += [f"{r['name']}: {r['command']}" for r in rows]
+    return lines + ["```", ""]
 
 
 def collect(runs_dir: Path) -> list[dict]:
