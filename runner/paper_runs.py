@@ -69,6 +69,7 @@ PAPER = {
     ("imdb", "jl1"): "83.2% at eps 21 after 20 epochs (JL sec. 3.3); 38 s/epoch (Table 3)",
     ("imdb", "jl4"): "Figures 5-6 curves only; 100 s/epoch (Table 3)",
 }
+PAPER_ACCURACY = {"imdb": [(0.832, "paper: DP-Adam-JL(1) 83.2%, 20 epochs", "jl1")]}  # drawn on the curves
 LABEL = {"nonprivate": "non-private", "reweight": "exact (ReweightGP)", "jl1": "JL(1)", "jl4": "JL(4)",
          "jl30": "JL(30)"}
 OPTIMIZER_NAME = {"mnist": "DP-SGD", "imdb": "DP-Adam"}
@@ -328,6 +329,11 @@ def curves_figure(runs_dir: Path, dataset: str):
     thr = THRESHOLD[dataset]
     for ax in (acc_ax, eps_ax):
         ax.axhline(thr, color="0.6", lw=0.8, ls=":")
+    for value, text, method in PAPER_ACCURACY.get(dataset, []):
+        color = method_style(LABEL.get(method, method))["color"]
+        acc_ax.axhline(value, color=color, lw=0.8, ls="--", alpha=0.7)
+        acc_ax.annotate(text, (0.02, value), xycoords=("axes fraction", "data"), xytext=(0, 3),
+                        textcoords="offset points", fontsize=6.5, color=color)
     # a diverged run (MNIST non-private at lr 0.25 fell to 11%) would squash every other curve: the axis spans the
     # runs' typical accuracies and the runs that leave it are named on the panel
     top = max(float(m["test_acc"].max()) for _, m in runs)

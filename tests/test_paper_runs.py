@@ -124,3 +124,12 @@ def test_imdb_setups_tried_get_a_table_with_what_changed(tmp_path):
     jl = next(line for line in text.splitlines() if line.startswith("| imdb_jl "))
     assert "| 25% |" in jl and "| inf |" in jl and "mask=off truncate=end" in jl
     assert "| mnist_x " not in text.split("## IMDB: every setup tried")[1].split("## Commands")[0]
+
+
+def test_imdb_curves_show_the_papers_accuracy_for_jl1(tmp_path):
+    runs = tmp_path / "runs"
+    fake_run(runs, "imdb_jl1_s0", "imdb", "jl", (0.6, 0.8), (math.inf, math.inf), r=1)
+    fig = pr.curves_figure(runs, "imdb")
+    acc_ax = fig.axes[0]
+    assert any(abs(line.get_ydata()[0] - 0.832) < 1e-9 for line in acc_ax.get_lines())
+    assert any("83.2%" in t.get_text() for t in acc_ax.texts)
