@@ -124,7 +124,7 @@ def summarise(run_dir: Path) -> dict:
            | {"model": cfg.get("model", {}).get("name"), "optimizer": cfg.get("optimizer", {}).get("name"),
               "accountant": summary.get("accountant"), "sampling": summary.get("sampling")},
            "data_dir": cfg.get("data_dir"), "device_arg": cfg.get("device")}
-    row["setup"] = setup_of(cfg)
+    row["setup"] = setup_of(cfg | ({"sigma": round(summary["sigma"], 4)} if summary.get("sigma") else {}))  # calibrated
     row["command"] = probe_command(cfg)
     row["unclipped"] = (float(m["unclipped_frac"].median()) if "unclipped_frac" in m and len(m) else None)
     if m.empty:
