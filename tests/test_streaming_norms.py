@@ -105,3 +105,27 @@ def test_twopass_step_needs_about_the_non_private_memory(name, B):
     base = step_memory_bytes(nonprivate, torch.device("cpu"), zero)
     twopass = step_memory_bytes(private, torch.device("cpu"), zero)
     assert twopass <= 1.1 * base, (twopass / base)
+
+
+class ScaledInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x * 2)))
+
+
+def test_input_that_requires_grad_still_gets_every_norm():
+    """No covered layer is a source when the data itself requires grad (a user's loop, adversarial training):
+    the source pass reaches nothing, and zero norms would mean no clipping at all. The waiting layers' own
+    parameters are asked for instead."""
+    torch.manual_seed(0)
+    model = ScaledInput().to(DT)
+    x = torch.randn(5, 3, dtype=DT, requires_grad=True)
+    y = torch.tensor([0, 1, 1, 0, 1])
+    torch.testing.assert_close(streamed_norms(model, x, y), per_example_norms(model, x, y))
+    method = METHODS.build("reweight", cfg={"mode": "twopass"}, clip=0.1, sigma=0.0)
+    method.attach(model)
+    out = method.privatize(model, loss_fn, x, y)
+    torch.testing.assert_close(out.norms, per_example_norms(model, x, y))

@@ -14,9 +14,10 @@ too: the batch is cut into chunks whose transients are no larger than the layer'
 Per-example norms are independent across examples, so chunking is exact.
 
 The backward asks for the gradients of the "source" modules' parameters only: the modules called on an input
-that needs no gradient (the first layer of a chain: the data, token ids). Every other covered module's input
-needs a gradient because some covered parameter upstream has one, so by induction each covered call lies on a
-path from the loss to a source parameter and its hook fires; no other weight gradient is computed.
+that needs no gradient (the first layer of a chain: the data, token ids). When every input needs no gradient but
+its own layers' parameters, each covered call lies on a path from the loss to a source parameter and its hook
+fires; no other weight gradient is computed. Any call still waiting afterwards (input data that requires grad, an
+unused output) gets a second pass that asks for its own layer's parameters, so a norm is never left at zero.
 
 A hook registered before an in-place change of the output (nn.ReLU(inplace=True) after a Linear) still gets the
 gradient of the value the layer produced (PyTorch's tensor-hook semantics), so only an in-place change of a
@@ -117,6 +118,15 @@ class StreamingNorms:
         sources = [p for m in self.sources.values() for p in m.parameters(recurse=False) if p.requires_grad]
         if loss.requires_grad and sources:
             torch.autograd.grad(loss, sources, retain_graph=True, allow_unused=True)
+        waiting = [self.rules[k][1] for k, p in self.pending.items() if p.waiting]
+        if loss.requires_grad and waiting:
+            # A call the source pass did not reach: an unused output, or a layer whose only gradient-carrying
+            # ancestor is not a source (input data that requires grad, e.g. in a user's loop). Ask for the waiting
+            # layers' own parameters: every covered call whose output reaches the loss lies on a path to them, so
+            # no norm is ever silently left at zero (which would skip clipping). Layers done already ignore it.
+            params = [p for m in waiting for p in m.parameters(recurse=False) if p.requires_grad]
+            if params:
+                torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
         for h in self.tensor_hooks:
             h.remove()
         self.tensor_hooks.clear()
