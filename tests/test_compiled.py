@@ -20,6 +20,7 @@ from runner.methods.compiled import CompiledStep, build_step, check_mode, physic
 
 CPU = torch.device("cpu")
 CASES = [("nonprivate", {}), ("reweight", {"mode": "bk"}), ("reweight-twopass", {"mode": "twopass"}),
+         ("reweight-recompute", {"mode": "recompute"}),
          ("jl", {"jvp": "forward"})]
 
 

@@ -21,7 +21,7 @@ from runner.methods import METHODS
 from runner.models import MODELS
 
 DT = torch.float64
-VARIANTS = {"reweight": [{"mode": "bk"}, {"mode": "twopass"}, {"mode": "bk", "norm": "ghost"},
+VARIANTS = {"reweight": [{"mode": "bk"}, {"mode": "twopass"}, {"mode": "recompute"}, {"mode": "bk", "norm": "ghost"},
                          {"mode": "bk", "norm": "direct"}]}
 EXACT = [(name, cfg) for name, cls in METHODS.items() if cls.exact and cls.private and name != "nxbp"
          for cfg in VARIANTS.get(name, [{}])]
@@ -223,7 +223,7 @@ class Scaler(nn.Module):
         return x * self.gain
 
 
-@pytest.mark.parametrize("mode", ["bk", "twopass"])
+@pytest.mark.parametrize("mode", ["bk", "twopass", "recompute"])
 def test_module_without_rule_raises_naming_path_type_and_alternatives(mode):
     model = nn.Sequential(nn.Linear(2, 3), Scaler())
     method = METHODS.build("reweight", cfg={"mode": mode})
@@ -259,7 +259,7 @@ def test_unfreezing_after_prepare_is_checked_at_the_next_step():
 
 
 def test_bad_options_are_one_line_errors():
-    with pytest.raises(DprunError, match="method.mode 'fast'.*bk, twopass"):
+    with pytest.raises(DprunError, match="method.mode 'fast'.*bk, twopass, recompute"):
         METHODS.build("reweight", cfg={"mode": "fast"})
     with pytest.raises(DprunError, match="method.norm 'gost'.*auto, direct, ghost"):
         METHODS.build("reweight", cfg={"norm": "gost"})

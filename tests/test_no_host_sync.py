@@ -21,6 +21,7 @@ MODELS_ = {
     "resnet18": (DataInfo("cifar10", (3, 32, 32), 10), {}),
 }
 METHODS_ = [("nonprivate", {}), ("reweight", {"mode": "bk"}), ("reweight", {"mode": "twopass"}),
+            ("reweight", {"mode": "recompute"}),
             ("jl", {"r": 2, "jvp": "forward"}), ("jl", {"r": 2, "jvp": "double_vjp"})]
 
 

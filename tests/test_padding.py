@@ -30,7 +30,7 @@ FAMILIES = {  # name -> (model builder, inputs of n rows)
     "embedding_recurrent": (SharedEmbeddingNet, lambda n, g: torch.randint(0, 5, (n, 6), generator=g)),
 }
 CASES = [("nonprivate", {}), ("reweight", {"mode": "bk"}), ("reweight", {"mode": "twopass"}),
-         ("jl", {"jvp": "forward"}), ("jl", {"jvp": "double_vjp"})]
+         ("reweight", {"mode": "recompute"}), ("jl", {"jvp": "forward"}), ("jl", {"jvp": "double_vjp"})]
 
 
 def run(method_name, cfg, family, n, padded, sigma=0.0, clip=0.5, r=3):

@@ -38,6 +38,7 @@ METHOD_VARIANTS = {
     "multiloss": ("multiloss", {}),
     "reweight-twopass": ("reweight", {"mode": "twopass"}),
     "reweight-bk": ("reweight", {"mode": "bk"}),
+    "reweight-recompute": ("reweight", {"mode": "recompute"}),
     "opacus-hooks": ("opacus", {"grad_sample_mode": "hooks"}),
     "opacus-ghost": ("opacus", {"grad_sample_mode": "ghost"}),
     "opacus-functorch": ("opacus", {"grad_sample_mode": "functorch"}),
@@ -45,7 +46,8 @@ METHOD_VARIANTS = {
 ALL = list(METHOD_VARIANTS)
 FIG6 = ["nonprivate", "nxbp", "reweight-twopass", "reweight-bk"]  # L&K figure 6: nxBP vs ReweightGP over B
 IMAGENET256 = DataInfo("imagenet256", (3, 256, 256), 1000, "image", None, 1281167, 50000)
-GPU = ["nonprivate", "reweight-twopass", "reweight-bk", "opacus-hooks", "opacus-ghost", "opacus-functorch"]
+GPU = ["nonprivate", "reweight-twopass", "reweight-bk", "reweight-recompute", "opacus-hooks", "opacus-ghost",
+       "opacus-functorch"]
 COLUMNS = ["workload", "model", "batch", "method", "step_ms", "x_nonprivate", "x_nonprivate_compiled",
            "x_opacus_best", "step_mem_mb", "mem_x_nonprivate", "aten_ops", "leaf_ops", "steps_timed", "note"]
 

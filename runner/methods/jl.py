@@ -36,6 +36,7 @@ from torch.func import functional_call, jvp, vmap
 from runner.accountants.mechanisms import Mechanism, SubsampledJL
 from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized, clip_factors
+from runner.methods.rng import rng_state, set_rng_state
 
 log = logging.getLogger("dprun")
 
@@ -148,17 +149,6 @@ def double_vjp_projections(model, loss_fn, x, y, directions: Directions, chunk: 
 
 
 PROJECTORS = {"forward": forward_projections, "double_vjp": double_vjp_projections}
-
-
-def rng_state(device: torch.device):
-    """torch's CPU RNG state (and the device's, on CUDA): replayed so every chunk of directions sees one mask."""
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def set_rng_state(state, device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state[1], device)
 
 
 @METHODS.register("jl")

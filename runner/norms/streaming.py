@@ -58,6 +58,7 @@ class StreamingNorms:
         self.handles: list = []
         self.tensor_hooks: list = []  # on the recorded outputs; removed after the first backward
         self.norms_sq: torch.Tensor | None = None
+        self.complete = True  # False when a call waited for its output-gradient after a graph-freeing backward
 
     def __enter__(self) -> "StreamingNorms":
         for _, module, _ in self.plan.layers:
@@ -113,12 +114,20 @@ class StreamingNorms:
         contribution = torch.cat(parts) if len(parts) > 1 else parts[0]
         self.norms_sq = contribution if self.norms_sq is None else self.norms_sq + contribution
 
-    def backward(self, loss: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """Run the first backward (graph kept) and return the (B,) per-example squared norms."""
+    def backward(self, loss: torch.Tensor, batch_size: int, keep_graph: bool = True) -> torch.Tensor | None:
+        """Run the first backward and return the (B,) per-example squared norms. keep_graph=False (ReweightGP's
+        recompute mode) frees each saved activation as the backward passes it, as a non-private backward does, and
+        asks for the source layers' parameters only; when a call is still waiting afterwards the graph is gone, so
+        `complete` is False and the caller runs the forward again and calls backward_all."""
         sources = [p for m in self.sources.values() for p in m.parameters(recurse=False) if p.requires_grad]
         if loss.requires_grad and sources:
-            torch.autograd.grad(loss, sources, retain_graph=True, allow_unused=True)
+            torch.autograd.grad(loss, sources, retain_graph=keep_graph, allow_unused=True)
         waiting = [self.rules[k][1] for k, p in self.pending.items() if p.waiting]
+        if not keep_graph and loss.requires_grad and waiting:
+            self.complete = False  # the graph is gone: the caller starts again with backward_all
+            self._remove_hooks()
+            self.pending.clear()
+            return None
         if loss.requires_grad and waiting:
             # A call the source pass did not reach: an unused output, or a layer whose only gradient-carrying
             # ancestor is not a source (input data that requires grad, e.g. in a user's loop). Ask for the waiting
@@ -127,9 +136,23 @@ class StreamingNorms:
             params = [p for m in waiting for p in m.parameters(recurse=False) if p.requires_grad]
             if params:
                 torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        return self._finish(batch_size, loss)
+
+    def backward_all(self, loss: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """One backward (graph freed as it goes) that asks for every covered layer's parameters: every call whose
+        output reaches the loss gets its output-gradient, at the cost of computing every weight gradient."""
+        params = [p for _, m, _ in self.plan.layers for p in m.parameters(recurse=False) if p.requires_grad]
+        if loss.requires_grad and params:
+            torch.autograd.grad(loss, params, allow_unused=True)
+        return self._finish(batch_size, loss)
+
+    def _remove_hooks(self) -> None:
         for h in self.tensor_hooks:
             h.remove()
         self.tensor_hooks.clear()
+
+    def _finish(self, batch_size: int, loss: torch.Tensor) -> torch.Tensor:
+        self._remove_hooks()
         for key in list(self.pending):  # calls whose output never reached the loss: a zero gradient
             self._add(key)
         if self.norms_sq is None:
