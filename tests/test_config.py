@@ -134,3 +134,15 @@ def test_imdb_defaults_are_the_setup_that_reproduces_the_papers_non_private_accu
     model = models.build(cfg.model.name, DataInfo("imdb", (150,), 2, "text", 8185))
     assert model.recurrent.x_proj.bias[64:128].eq(1).all()  # Keras init: forget-gate bias 1
     assert not model.mask_padding
+
+
+def test_compose_registers_the_resolvers_itself():
+    """runner.paths.compose (docs/opacus_imdb_check.py, runner.signal_check, the studies and figure sweeps) composes
+    configs without importing the CLI first: ${dprun_data_dir:} must resolve in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = "from runner.paths import compose; print(compose(['dataset=imdb']).data_dir)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert out.stdout.strip()
