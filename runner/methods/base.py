@@ -67,6 +67,11 @@ class Method:
     default_accountant: ClassVar[str] = "pld"
     summary: ClassVar[str] = ""  # one line for the method table (JL paper Table 1)
     sampling: ClassVar[str | None] = None  # set: the sampling the method needs, overriding cfg.sampling (sbcd)
+    # True: update() changes the weights itself (DP-SBCD's block updates), so no private gradient is left in p.grad
+    # for a caller's own optimizer.step(), and the optimizer is not used
+    updates_model: ClassVar[bool] = False
+    # set: why a checkpoint (model, optimizer, RNG, accountant) would miss part of the method's state (no resume=)
+    not_resumable: ClassVar[str | None] = None
 
     def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, **unknown: Any):
         if unknown:  # e.g. r=4: method options live in cfg (conf/method/<name>.yaml), never silently dropped

@@ -53,6 +53,8 @@ class SBCD(Method):
     exact = False
     default_accountant = "hsa"
     sampling = "fixed"  # the hidden-state analysis assumes fixed disjoint batches, each example once per epoch
+    updates_model = True  # the block updates set the weights; no gradient, no optimizer
+    not_resumable = "method=sbcd keeps auxiliary variables for every training example that are not checkpointed"
     summary = "layer-wise block coordinate descent, spectral projection, noisy prox step; hidden-state accounting"
 
     def prepare(self, model: nn.Module, data=None) -> nn.Module:
