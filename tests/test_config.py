@@ -1,6 +1,8 @@
 """Every option of every config group composes, and instantiates (or fails with the documented one-line error)."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -75,6 +77,10 @@ def test_model_options_instantiate(option):
     info = INFO_FOR_LIKE["imdb" if is_text else ("cifar10" if option.startswith(("vgg", "resnet", "papernot")) else "mnist")]
     model = models.build(cfg.model.name, info, **kwargs)
     assert sum(p.numel() for p in model.parameters()) > 0
+    # the builder's signature is the one place a knob's default lives: the module class it builds has none
+    init = inspect.signature(type(model).__init__).parameters
+    doubled = [k for k in models.knobs(option) if k in init and init[k].default is not inspect.Parameter.empty]
+    assert not doubled, f"{type(model).__name__} repeats the default of {doubled}"
 
 
 def test_one_packaging_style_for_dataset_configs():
