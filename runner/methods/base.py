@@ -90,6 +90,13 @@ class Method:
             value = getattr(self.cfg, key, default)
         return default if value is None else value
 
+    def choice(self, key: str, default: str, valid: tuple[str, ...]) -> str:
+        """A method option with fixed choices; any other value is a one-line error naming them."""
+        value = str(self.option(key, default))
+        if value not in valid:
+            raise DprunError(f"unknown method.{key} {value!r} for method={self.name}; valid: {', '.join(valid)}")
+        return value
+
     # -- the one entry -----------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, data: Any = None) -> torch.nn.Module:
         """Validate the model, prepare it (the subclass hook) and return the model to train; `step` takes only it."""

@@ -24,7 +24,7 @@ from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized, clip_factors, trainable
 from runner.norms import Recorder, plan_model
 from runner.norms.streaming import StreamingNorms
-from runner.norms.base import check_how
+from runner.norms.base import HOW
 
 MODES = ("bk", "twopass")
 
@@ -36,10 +36,8 @@ class ReweightGP(Method):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.mode = str(self.option("mode", "bk"))
-        if self.mode not in MODES:
-            raise DprunError(f"unknown method.mode {self.mode!r} for method=reweight; valid: {', '.join(MODES)}")
-        self.how = check_how(str(self.option("norm", "auto")))
+        self.mode = self.choice("mode", "bk", MODES)
+        self.how = self.choice("norm", "auto", HOW)
         self._plan, self._model_id = None, None
 
     def prepare(self, model, data=None):
