@@ -90,6 +90,11 @@ def test_batchnorm_refused_in_one_line(name):
     assert "\n" not in str(e.value)
 
 
+def test_batchnorm_is_fine_without_privacy():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    assert METHODS.build("nonprivate").attach(model) is model
+
+
 @pytest.mark.parametrize("name", METHODS.names())
 def test_unknown_constructor_arguments_are_refused_not_dropped(name):
     """r= (now method.r) or any misspelt knob given to the constructor must not be silently ignored."""
