@@ -72,6 +72,9 @@ class Method:
     updates_model: ClassVar[bool] = False
     # set: why a checkpoint (model, optimizer, RNG, accountant) would miss part of the method's state (no resume=)
     not_resumable: ClassVar[str | None] = None
+    # True: privatize calls loss_fn once on the whole batch, so a masked padded batch gives the same step
+    # (runner/methods/padding.py), and the whole step runs under compile=... (runner/methods/compiled.py)
+    compiles: ClassVar[bool] = False
 
     def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, **unknown: Any):
         if unknown:  # e.g. r=4: method options live in cfg (conf/method/<name>.yaml), never silently dropped
@@ -170,6 +173,7 @@ class NonPrivate(Method):
     exact = False
     default_accountant = "none"
     summary = "plain SGD/Adam: mean gradient, no clipping, no noise (the speed baseline)"
+    compiles = True
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:
         outputs = model(x)

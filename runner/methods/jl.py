@@ -167,6 +167,7 @@ class JL(Method):
     exact = False
     default_accountant = "jl"
     summary = "DP-SGD-JL / DP-Adam-JL: norms estimated from r jvp projections (black box; any model)"
+    compiles = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

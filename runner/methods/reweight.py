@@ -33,6 +33,7 @@ MODES = ("bk", "twopass")
 class ReweightGP(Method):
     name = "reweight"
     summary = "ReweightGP: per-example norms from layer inputs and output-gradients, then one re-weighted sum"
+    compiles = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
