@@ -1,5 +1,5 @@
 """Packaging detail that pyproject.toml cannot say: the configs in the top-level conf/ (the source of truth, edited
-in place) ship inside the package as runner/conf/, so a wheel install finds them (runner/confdir.py)."""
+in place) ship inside the package as runner/conf/, so a wheel install finds them (runner/paths.py)."""
 from pathlib import Path
 
 from setuptools import find_packages, setup

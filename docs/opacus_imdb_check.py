@@ -60,7 +60,7 @@ class BiLSTM(nn.Module):
 
 def load(args, device):
     from runner.data import load_dataset
-    from runner.memory_study import compose
+    from runner.paths import compose
 
     if args.synthetic:
         cfg = compose(["dataset=synthetic", "dataset.like=imdb", "dataset.train_size=512", "dataset.test_size=256"])

@@ -153,8 +153,9 @@ class PrivateTraining:
 
     def backward(self, x, y, loss_fn: LossFn) -> StepOutput:
         """Like step, without optimizer.step(): each p.grad holds the private gradient; call optimizer.step()."""
-        if self.method.name == "sbcd":
-            raise DprunError("method=sbcd updates the model itself (no gradient): use step(), not backward()")
+        if self.method.updates_model:
+            raise DprunError(f"method={self.method.name} updates the model itself (no gradient): use step(), not "
+                             f"backward()")
         return self._run(x, y, loss_fn, _NoStep(self.optimizer))
 
     def get_epsilon(self, delta: float | None = None) -> float:
@@ -234,7 +235,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     params_before = [p for g in optimizer.param_groups for p in g["params"]]
     model = m.attach(model, dataset)  # the CLI's entry: shared checks (BatchNorm refused), then the method's own
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if {id(p) for p in trainable} != {id(p) for p in params_before} and m.name != "sbcd":
+    if {id(p) for p in trainable} != {id(p) for p in params_before} and not m.updates_model:
         # the method trains different parameter tensors than the optimizer holds: rebuild it on them
         optimizer = type(optimizer)(trainable, **optimizer.defaults)
 
@@ -252,9 +253,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         m.sigma = accountants.calibrate_sigma(calibrator, m.mechanism, sample_rate, steps_per_epoch * int(epochs),
                                               float(target_epsilon), float(delta))
     acc = accountants.build(acc_name) if m.private else None
-    if acc is not None and not acc.supports(m.mechanism(sample_rate)):
-        raise DprunError(f"accountant={acc_name} does not support method={m.name}'s mechanism "
-                         f"{m.mechanism(sample_rate).kind}; try accountant={m.default_accountant}")
+    if acc is not None:
+        accountants.check_for_method(acc, m, sample_rate)  # as the CLI's: refused before any step
     if not poisson and m.private:
         import warnings
 

@@ -32,9 +32,7 @@ MAY_CHANGE = ("epochs", "resume", "out_dir", "progress", "eval_batch_size", "max
 
 def supported(method) -> str | None:
     """None if the method's whole state is in the model and optimizer; else why it cannot be resumed."""
-    if method.name == "sbcd":
-        return "method=sbcd keeps auxiliary variables for every training example that are not checkpointed"
-    return None
+    return method.not_resumable
 
 
 def _mechanism_classes() -> dict[str, type]:

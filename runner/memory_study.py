@@ -123,18 +123,6 @@ def probe_overrides(scale: str, method: str, batch_size: int, passthrough: list[
             "progress=false", *passthrough]
 
 
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from runner.paths import CONF_DIR, register_resolvers
-
-    register_resolvers()  # ${dprun_data_dir:} etc.: a caller may not have imported the CLI
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose("config", overrides=overrides)
-
-
 def memory_cap(cfg) -> Optional[int]:
     env = os.environ.get("DPRUN_MEMORY_CAP_BYTES")
     value = env if env else (cfg.get("memory_study") or {}).get("memory_cap_bytes")
@@ -177,6 +165,7 @@ def probe_inprocess(overrides: list[str], run_dir: Path) -> Probe:
     """One probe in this process: train() at the batch size, OOM caught, everything released afterwards."""
     import torch
 
+    from runner.paths import compose
     from runner.train import resolve_device, train
 
     cfg = compose([*overrides, f"out_dir={run_dir}"])
@@ -256,6 +245,8 @@ def probe_subprocess(overrides: list[str], run_dir: Path, method: str, batch: in
 # --- the study -------------------------------------------------------------------------------------------------
 
 def study_settings(scale: str, passthrough: list[str]) -> dict:
+    from runner.paths import compose
+
     cfg = compose([f"experiment={EXPERIMENT}", f"scale={scale}", *passthrough])
     ms = cfg.get("memory_study") or {}
     return {"methods": list(ms.get("methods") or DEFAULT_METHODS), "start": int(ms.get("start") or 8),

@@ -1,8 +1,12 @@
-"""Where the config lives and the resolvers it uses: imported by cli.py, figures/sweep.py and the tests, which
-compose conf/ (so no module needs to import the CLI for them). Registering is explicit and idempotent:
+"""Where the config lives, the resolvers it uses, and composing it outside `dprun`: imported by cli.py, the
+figure sweeps, the studies and the tests (so no module needs to import the CLI for them).
 
-    from runner.paths import CONF_DIR, register_resolvers
-    register_resolvers()          # before composing conf/ with Hydra's compose API
+    from runner.paths import CONF_DIR, compose, register_resolvers
+    cfg = compose(["method=jl", "r=4"])      # conf/ as `dprun method=jl r=4` sees it (registers the resolvers)
+    register_resolvers()                     # before @hydra.main or any other composition of conf/ (idempotent)
+
+CONF_DIR is the package's runner/conf in a wheel (setup.py copies the top-level conf/ there at build time) or, in
+a source checkout or editable install, the repository's conf/.
 """
 from __future__ import annotations
 
@@ -13,10 +17,19 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from runner.confdir import find_conf_dir
 from runner.data.base import default_data_dir
 
-CONF_DIR = find_conf_dir()  # runner/conf in a wheel, the repository's conf/ in a checkout
+
+def find_conf_dir() -> str:
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return str(candidate)
+    raise FileNotFoundError(f"dprun's configs are missing: neither {here / 'conf'} nor {here.parent / 'conf'} "
+                            "holds config.yaml (reinstall dprun)")
+
+
+CONF_DIR = find_conf_dir()
 
 
 def paper_model(like: str, default: str) -> str:
@@ -40,6 +53,17 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("dprun_paper_model", lambda like, default: paper_model(str(like), str(default)))
     OmegaConf.register_new_resolver("dprun_or", lambda value, default: default if value is None else value)
     OmegaConf.register_new_resolver("dprun_dirname", safe_dirname)
+
+
+def compose(overrides: list[str], return_hydra_config: bool = False):
+    """conf/config.yaml composed with overrides, as `dprun k=v ...` would see it (no run folder is made)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 
 def safe_dirname(overrides: str) -> str:

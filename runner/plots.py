@@ -6,8 +6,8 @@
     python -m runner.plots --all --scale paper
     python -m runner.plots --list
 
-A figure whose preset has no finished runs at this scale, or whose code has not landed yet (a method, an
-accountant, runner/sbcd_curves.py), is skipped with a one-line note; nothing is drawn from made-up numbers.
+A figure whose preset has no finished runs at this scale is skipped with a one-line note; nothing is drawn from
+made-up numbers.
 Computed figures (JL Table 1 and Figure 2, epsilon vs r, the DP-SBCD curves) need no runs.
 """
 from __future__ import annotations
@@ -58,9 +58,6 @@ def render(name: str, runs: pd.DataFrame, epochs: pd.DataFrame, scale: str, out_
            formats: tuple[str, ...] = ("png", "pdf")):
     """Draw one figure (as PNG and PDF); return the PNG path, or a string saying why it was skipped."""
     fig = FIGURES.get(name)
-    reason = fig.needs()
-    if reason:
-        return f"skip {name}: {reason}"
     if fig.gpu_only and not _cuda() and (runs.empty or "experiment" not in runs
                                          or not (runs["experiment"] == fig.experiment).any()):
         # not run here: the PNG and CSV still exist and say so (with the paper's numbers), so a CPU `make figures`

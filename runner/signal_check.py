@@ -93,7 +93,7 @@ def summary_table(rows: list[dict]):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from runner.memory_study import compose
+    from runner.paths import compose
 
     argv = list(sys.argv[1:] if argv is None else argv)
     check = {"batches": 4, "r": "1"}

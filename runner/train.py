@@ -129,11 +129,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                                                    total_steps, float(cfg.target_epsilon), float(cfg.delta))
         log.info("calibrated sigma=%.4f for epsilon=%s at delta=%s (accountant=%s)", method.sigma,
                  cfg.target_epsilon, cfg.delta, calibrator)
-    if accountant is not None and not accountant.supports(method.mechanism(sampler.sample_rate)):
-        raise DprunError(f"accountant={accountant_name} does not support method={method.name}'s mechanism "
-                         f"{method.mechanism(sampler.sample_rate).kind}; try accountant={method.default_accountant}")
     if accountant is not None:
-        accountant.check(method.mechanism(sampler.sample_rate))  # e.g. jl at q = 1, pld at tiny sigma: before training
+        accountants.check_for_method(accountant, method, sampler.sample_rate)  # before training
 
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), float(cfg.lr))
     step_fn = build_step(method, cfg.get("compile", "off"), device,  # compile=...: runner/methods/compiled.py

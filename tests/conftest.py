@@ -5,10 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-
-from runner.paths import register_resolvers
+from runner.paths import compose, register_resolvers
 
 register_resolvers()  # the resolvers conf/ uses
 
@@ -19,9 +16,7 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 
 def compose_config(overrides: list[str] | None = None):
     """conf/config.yaml composed with overrides, as `dprun k=v ...` would see it (no Hydra run dir)."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides or [])
+    return compose(overrides or [])
 
 
 def group_options(group: str) -> list[str]:

@@ -119,6 +119,36 @@ def test_bad_input_is_one_line():
         dprun.make_private(nn.Linear(5, 3), torch.optim.SGD(nn.Linear(5, 3).parameters(), lr=0.1), x, batch_size=4)
 
 
+def test_make_private_refuses_before_any_step_what_the_cli_refuses():
+    """accountants.check_for_method, shared with runner/train.py: an accountant that does not analyse the method's
+    mechanism, and one that cannot compute it (jl at q = 1: no subsampling), are refused by make_private itself."""
+    x, y = blobs()
+    model = nn.Linear(5, 3)
+    with pytest.raises(DprunError, match=r"^accountant=jl does not support method=nxbp's mechanism "
+                                         r"SubsampledGaussian; try accountant=pld$"):
+        dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="nxbp",
+                           accountant="jl", batch_size=40)
+    with pytest.raises(DprunError, match="q < 1"):
+        dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="jl",
+                           batch_size=len(y))
+
+
+def test_a_method_that_updates_the_model_itself_has_no_backward():
+    """Method.updates_model (DP-SBCD's block updates): step() works, backward() says why it cannot."""
+    from runner.data.base import DataInfo
+    from runner.models import MODELS
+
+    x, y = blobs(n=60)
+    x = x.view(60, 1, 1, 5)  # the MLP reads images: (N, C, H, W)
+    model = MODELS.build("mlp", DataInfo("blobs", (1, 1, 5), 3), depth=1, widths=(4,))
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="sbcd",
+                                 batch_size=20, seed=0)
+    xb, yb = next(iter(private.batches()))
+    assert private.step(xb, yb, loss_fn).losses.shape == (len(yb),)
+    with pytest.raises(DprunError, match=r"^method=sbcd updates the model itself \(no gradient\): use step\(\)"):
+        private.backward(xb, yb, loss_fn)
+
+
 def test_get_epsilon_is_only_ever_a_certified_epsilon():
     """As the CLI's `epsilon` column: gdp's CLT value is never returned, and shuffled batches get no epsilon."""
     import warnings

@@ -42,6 +42,15 @@ def test_resume_refuses_a_different_run_and_a_missing_checkpoint(tmp_path):
         train(compose_config(RUN + ["epochs=2", f"resume={tmp_path}"]), tmp_path / "b")
 
 
+def test_a_method_whose_state_a_checkpoint_would_miss_writes_none_and_refuses_resume(tmp_path):
+    """Method.not_resumable (DP-SBCD's per-example auxiliary variables): no checkpoint.pt, resume= refused."""
+    sbcd = ["method=sbcd", "epochs=1", "progress=false"]
+    train(compose_config(sbcd), tmp_path / "a")
+    assert not (tmp_path / "a" / FILE).exists()
+    with pytest.raises(DprunError, match=r"^resume: method=sbcd keeps auxiliary variables"):
+        train(compose_config(sbcd + [f"resume={tmp_path / 'a'}"]), tmp_path / "a")
+
+
 def test_resume_argv_reuses_the_runs_overrides_and_folder(tmp_path):
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "overrides.yaml").write_text("- method=jl\n- epochs=2\n- r=4\n")

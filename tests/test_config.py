@@ -1,6 +1,8 @@
 """Every option of every config group composes, and instantiates (or fails with the documented one-line error)."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -75,6 +77,10 @@ def test_model_options_instantiate(option):
     info = INFO_FOR_LIKE["imdb" if is_text else ("cifar10" if option.startswith(("vgg", "resnet", "papernot")) else "mnist")]
     model = models.build(cfg.model.name, info, **kwargs)
     assert sum(p.numel() for p in model.parameters()) > 0
+    # the builder's signature is the one place a knob's default lives: the module class it builds has none
+    init = inspect.signature(type(model).__init__).parameters
+    doubled = [k for k in models.knobs(option) if k in init and init[k].default is not inspect.Parameter.empty]
+    assert not doubled, f"{type(model).__name__} repeats the default of {doubled}"
 
 
 def test_one_packaging_style_for_dataset_configs():
@@ -134,3 +140,15 @@ def test_imdb_defaults_are_the_setup_that_reproduces_the_papers_non_private_accu
     model = models.build(cfg.model.name, DataInfo("imdb", (150,), 2, "text", 8185))
     assert model.recurrent.x_proj.bias[64:128].eq(1).all()  # Keras init: forget-gate bias 1
     assert not model.mask_padding
+
+
+def test_compose_registers_the_resolvers_itself():
+    """runner.paths.compose (docs/opacus_imdb_check.py, runner.signal_check, the studies and figure sweeps) composes
+    configs without importing the CLI first: ${dprun_data_dir:} must resolve in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = "from runner.paths import compose; print(compose(['dataset=imdb']).data_dir)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert out.stdout.strip()

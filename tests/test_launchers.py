@@ -7,10 +7,7 @@ import sys
 
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-
-from conftest import CONF
+from runner.paths import compose
 
 TARGETS = {
     "basic": "hydra._internal.core_plugins.basic_launcher.BasicLauncher",
@@ -30,9 +27,7 @@ def needs_plugin(launcher):
 
 
 def hydra_cfg(overrides):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=overrides, return_hydra_config=True)
+    return compose(overrides, return_hydra_config=True)
 
 
 def test_default_launcher_is_basic():

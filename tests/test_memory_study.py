@@ -155,14 +155,3 @@ def test_real_probe_process_out_of_memory(tmp_path):
     assert p.status == "oom" and "memory cap" in p.error
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
 
-
-def test_compose_registers_the_resolvers_itself():
-    """docs/opacus_imdb_check.py and runner.signal_check compose configs without importing the CLI first: the
-    ${dprun_data_dir:} interpolation must resolve in a fresh interpreter."""
-    import subprocess
-    import sys
-
-    code = "from runner.memory_study import compose; print(compose(['dataset=imdb']).data_dir)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-500:]
-    assert out.stdout.strip()

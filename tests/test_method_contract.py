@@ -90,8 +90,24 @@ def test_batchnorm_refused_in_one_line(name):
     assert "\n" not in str(e.value)
 
 
+def test_batchnorm_is_fine_without_privacy():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    assert METHODS.build("nonprivate").attach(model) is model
+
+
 @pytest.mark.parametrize("name", METHODS.names())
 def test_unknown_constructor_arguments_are_refused_not_dropped(name):
     """r= (now method.r) or any misspelt knob given to the constructor must not be silently ignored."""
     with pytest.raises(DprunError, match="unknown argument"):
         METHODS.build(name, cfg={}, clip=1.0, sigma=1.0, r=4)
+
+
+@pytest.mark.parametrize("name,key", [("reweight", "mode"), ("reweight", "norm"), ("jl", "jvp"),
+                                      ("opacus", "grad_sample_mode"), ("sbcd", "reg"), ("sbcd", "normalisation")])
+def test_an_unknown_option_value_is_one_line_naming_the_valid_ones(name, key):
+    """Method.choice: every option with fixed values says the same thing, from the constructor or attach."""
+    if name == "opacus":
+        pytest.importorskip("opacus")
+    model, data = tiny()
+    with pytest.raises(DprunError, match=rf"^unknown method\.{key} 'bogus' for method={name}; valid: \w+(, \w+)+$"):
+        METHODS.build(name, cfg={key: "bogus"}, clip=1.0, sigma=1.0).attach(model, data)

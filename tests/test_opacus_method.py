@@ -135,7 +135,7 @@ def test_eval_mode_and_unprepared_models_are_one_line_errors():
 
 
 def test_unknown_mode_names_the_valid_ones():
-    with pytest.raises(DprunError, match=r"^unknown method.grad_sample_mode 'ew'; valid: hooks, ghost, functorch$"):
+    with pytest.raises(DprunError, match=r"^unknown method.grad_sample_mode 'ew' for method=opacus; valid: hooks, ghost, functorch$"):
         METHODS.build("opacus", cfg={"grad_sample_mode": "ew"})
 
 

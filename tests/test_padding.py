@@ -33,6 +33,11 @@ CASES = [("nonprivate", {}), ("reweight", {"mode": "bk"}), ("reweight", {"mode":
          ("reweight", {"mode": "recompute"}), ("jl", {"jvp": "forward"}), ("jl", {"jvp": "double_vjp"})]
 
 
+def test_the_cases_are_every_method_that_compiles():
+    """Method.compiles (padded, compiled steps) is checked here for every method that sets it."""
+    assert {name for name, _ in CASES} == {name for name, m in METHODS.items() if m.compiles}
+
+
 def run(method_name, cfg, family, n, padded, sigma=0.0, clip=0.5, r=3):
     build, inputs = FAMILIES[family]
     torch.manual_seed(0)

@@ -62,7 +62,7 @@ def test_run_dry_run_lists_every_reference_run_and_skips_finished(tmp_path, caps
 @pytest.mark.parametrize("name", [r.name for r in pr.RUNS])
 def test_reference_runs_compose(name):
     """Every reference run's overrides compose with conf/ (names, methods and datasets exist)."""
-    from runner.memory_study import compose
+    from runner.paths import compose
 
     ref = pr.BY_NAME[name]
     cfg = compose([f"dataset={ref.dataset}", *ref.overrides])

@@ -74,7 +74,7 @@ def test_smoke_timing_runs_time_at_least_ten_steps_after_warm_up(preset):
     the data has enough examples for those steps (B / N sampling)."""
     import math
 
-    for argv in sweep_commands(preset, "smoke", [])[0]:
+    for argv in sweep_commands(preset, "smoke", []):
         overrides = [a for a in argv if a.split("=")[0] not in ("progress",) and "," not in a]
         cfg = compose_config(overrides)
         per_epoch = int(cfg.max_steps_per_epoch) - int(cfg.warmup_steps)
@@ -87,38 +87,31 @@ def test_smoke_timing_runs_time_at_least_ten_steps_after_warm_up(preset):
 @pytest.mark.parametrize("scale", ["smoke", "paper"])
 def test_every_sweep_composes(preset, scale):
     """The grid and each extra sweep compose (first value of every key); every swept group option has its yaml."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from runner.paths import compose
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        base = [f"experiment={preset}", f"scale={scale}"]
-        full = compose("config", overrides=base, return_hydra_config=True)
-        grid = {str(k): str(v) for k, v in full.hydra.sweeper.params.items()}
-        for extra in [""] + list(full.get("extra_sweeps") or []):
-            sweep = {**grid, **dict(o.split("=", 1) for o in extra.split())}
-            for key, values in sweep.items():
-                if key in ("method", "model", "dataset"):
-                    for value in values.split(","):
-                        assert (CONF / key / f"{value}.yaml").exists(), f"{key}={value}"
-            first = [f"{k}={v.split(',')[0]}" for k, v in sweep.items()]
-            cfg = compose("config", overrides=base + first)
-            assert cfg.experiment_name == preset
+    base = [f"experiment={preset}", f"scale={scale}"]
+    full = compose(base, return_hydra_config=True)
+    grid = {str(k): str(v) for k, v in full.hydra.sweeper.params.items()}
+    for extra in [""] + list(full.get("extra_sweeps") or []):
+        sweep = {**grid, **dict(o.split("=", 1) for o in extra.split())}
+        for key, values in sweep.items():
+            if key in ("method", "model", "dataset"):
+                for value in values.split(","):
+                    assert (CONF / key / f"{value}.yaml").exists(), f"{key}={value}"
+        first = [f"{k}={v.split(',')[0]}" for k, v in sweep.items()]
+        assert compose(base + first).experiment_name == preset
 
 
-def test_sweep_commands_drop_what_has_not_landed(monkeypatch):
-    import runner.figures.sweep as sweep
-
-    monkeypatch.setattr(sweep, "missing", lambda g, v: "not yet" if (g, v) == ("method", "opacus") else None)
-    commands, notes = sweep_commands("jl_table2", "smoke", [])
-    assert commands[0][:3] == ["experiment=jl_table2", "scale=smoke", "method=nonprivate,nxbp"]
+def test_sweep_commands_are_the_grid_then_each_extra_sweep():
+    commands = sweep_commands("jl_table2", "smoke", ["device=cpu"])
+    assert commands[0][:3] == ["experiment=jl_table2", "scale=smoke", "method=nonprivate,opacus,nxbp"]
     assert commands[1][:4] == ["experiment=jl_table2", "scale=smoke", "method=jl", "r=1,10"]
-    assert any("dropped method=opacus" in n for n in notes)
+    assert all(c[-2:] == ["progress=false", "device=cpu"] for c in commands)
 
 
 def test_extra_sweep_interpolation_follows_the_scale():
-    smoke = sweep_commands("jl_table3", "smoke", [])[0]
-    paper = sweep_commands("jl_table3", "paper", [])[0]
+    smoke = sweep_commands("jl_table3", "smoke", [])
+    paper = sweep_commands("jl_table3", "paper", [])
     assert any(c[2:4] == ["method=nxbp", "epochs=4"] for c in paper)
     assert any(c[2:4] == ["method=nxbp", "epochs=1"] for c in smoke)
 

@@ -40,7 +40,7 @@ def sbcd_step_map(a: float) -> torch.Tensor:
                "epochs": 1}
         method = METHODS.build("sbcd", cfg=cfg, sigma=1.0)
         model = MODELS.build("mlp", data.info, depth=1, widths=(2,), activation="relu")
-        net = method.attach(model, data) if hasattr(method, "attach") else method.prepare(model, data)
+        net = method.attach(model, data)
         with torch.no_grad():
             net.thetas[0].copy_(torch.tensor([[a, 0.0], [0.0, 0.0]]))
             net.thetas[1].zero_()

@@ -65,6 +65,28 @@ def test_step_updates_only_the_batch_and_needs_fixed_batches():
                     sample_rate=0.25, expected_batch_size=10, indices=torch.arange(5, 25))
 
 
+def test_a_run_tells_the_accountant_the_very_steps_the_curves_use():
+    """bounds.hidden_state_step is DP-SBCD's one source of the step the accountant is told: a run's mechanisms
+    equal runner/sbcd_curves.py's for the same setup (so the figures and the runs' epsilons cannot drift apart)."""
+    from collections import Counter
+
+    from runner.data.sampler import Sampler
+    from runner.sbcd_curves import run_steps
+
+    n, b, epochs, sigma = 40, 10, 3, 2.0
+    data = tiny_data(n)
+    method = METHODS.build("sbcd", cfg={"epochs": epochs, "eta": 1.2, "gamma": 0.5, "x_radius": 2.0, "u_radius": 1.5,
+                                        "reg": "l2", "reg_lambda": 0.1}, sigma=sigma)
+    net = method.attach(MODELS.build("mlp", data.info, depth=1, widths=(5,)), data)
+    sampler = Sampler("fixed", n, b, torch.Generator().manual_seed(0), "cpu")
+    told = [method.step(net, per_example_cross_entropy, data.train_x[idx], data.train_y[idx], None,
+                        sample_rate=b / n, expected_batch_size=b, indices=idx).mechanism
+            for _ in range(epochs) for idx in sampler.epoch()]
+    curves = run_steps(CurveSetup(n=n, batch_size=b, epochs=epochs, depth=1, sigma=sigma, eta=1.2, gamma=0.5,
+                                  x_radius=2.0, u_radius=1.5, reg="l2", reg_lambda=0.1))
+    assert len(told) == len(curves) == 12 and Counter(told) == Counter(curves)
+
+
 def test_slide_curves():
     s = CurveSetup(n=1000, batch_size=100, epochs=15, sigma=2.0, reg_lambda=0.1)
     curve = privacy_vs_epochs(s)

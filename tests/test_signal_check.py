@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from runner import signal_check
-from runner.memory_study import compose
+from runner.paths import compose
 
 
 def cfg(*extra):

@@ -94,18 +94,6 @@ def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
     assert summary["status"] == "failed" and "out of memory" in summary["error"]
 
 
-@pytest.mark.parametrize("name", ["nxbp", "multiloss", "reweight", "jl", "opacus"])
-def test_every_private_method_rejects_batchnorm(name):
-    from runner.errors import DprunError
-    from runner.methods import METHODS
-
-    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
-                                torch.nn.Linear(4 * 6 * 6, 10))
-    with pytest.raises(DprunError, match=r"^1 \(BatchNorm2d\).*GroupNorm"):
-        METHODS.build(name).attach(model)
-    METHODS.build("nonprivate").attach(model)  # non-private training may use BatchNorm
-
-
 def test_eval_cap_and_per_epoch_cpu_peak_memory(tmp_path):
     from runner.metrics import peak_memory_bytes, reset_peak_memory
     from runner.train import evaluate

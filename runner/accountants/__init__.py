@@ -15,6 +15,7 @@ from runner.accountants.mechanisms import (HiddenStateStep, Mechanism, NoPrivacy
                                          SubsampledJL)
 from runner.accountants import gdp, hsa, jl, pld, rdp  # noqa: F401,E402  (each registers its accountant)
 from runner.accountants.calibrate import calibrate_sigma  # noqa: F401,E402
+from runner.errors import DprunError  # noqa: E402
 
 
 NON_ACCOUNTANT_NAMES = ("auto", "none")
@@ -40,3 +41,14 @@ def calibration_accountant(run_accountant: str, requested: str | None = None) ->
 
 def build(name: str) -> Accountant | None:
     return None if name == "none" else ACCOUNTANTS.build(name)
+
+
+def check_for_method(accountant: Accountant, method, sample_rate: float) -> None:
+    """Before training (the CLI and make_private alike): the accountant analyses the method's mechanism, else a
+    one-line error naming the method's own accountant, and can compute it (`check`: jl at q = 1, pld at a tiny
+    sigma)."""
+    mechanism = method.mechanism(sample_rate)
+    if not accountant.supports(mechanism):
+        raise DprunError(f"accountant={accountant.name} does not support method={method.name}'s mechanism "
+                         f"{mechanism.kind}; try accountant={method.default_accountant}")
+    accountant.check(mechanism)

@@ -31,15 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from runner.data.base import DataInfo
+from runner.data.synthetic import like_info
 from runner.errors import DprunError
 from runner.methods import METHODS
 from runner.metrics import synchronize
 
 
-# the datasets' shapes the benchmarks draw synthetic inputs of (the timings do not depend on the values)
-MNIST = DataInfo("mnist", (1, 28, 28), 10, "image", None, 60000, 10000)
-CIFAR10 = DataInfo("cifar10", (3, 32, 32), 10, "image", None, 50000, 10000)
-IMDB = DataInfo("imdb", (150,), 2, "text", 8185, 25000, 25000)
+# the datasets' shapes the benchmarks draw synthetic inputs of (the timings do not depend on the values), from
+# dataset=synthetic's table of them
+MNIST, CIFAR10, IMDB = like_info("mnist"), like_info("cifar10"), like_info("imdb")
 
 
 @dataclass

@@ -26,6 +26,12 @@ LIKE = {
 }
 
 
+def like_info(like: str) -> DataInfo:
+    """The shapes of dataset `like` (above) as its DataInfo: what the benchmarks draw their inputs with."""
+    shape, classes, kind, vocab, n_train, n_test = LIKE[like]
+    return DataInfo(like, shape, classes, kind, vocab, n_train, n_test)
+
+
 @DATASETS.register("synthetic")
 def load_synthetic(cfg, root) -> Dataset:
     like = cfg.get("like", "cifar10")

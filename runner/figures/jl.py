@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from runner.figures.spec import Figure, add, newest_per, seconds_per_epoch, threshold
+from runner.figures.spec import FIGURES, Figure, newest_per, seconds_per_epoch, threshold
 from runner.figures.style import finish, jl_label, method_legend, method_style, panels, plain_log_axis, table_figure
 
 # The paper's seconds per epoch (Tesla P100), placed next to ours in Tables 2 and 3.
@@ -296,7 +296,7 @@ def plt_cmap(name: str):
 def make_tradeoff(name, title, experiment, paper_acc):
     def draw(data, caption, scale):
         return draw_tradeoff(data, caption, scale, title, paper_acc)
-    return add(Figure(name, "JL", title, "figure", experiment, trajectories, draw))
+    return FIGURES.register(name)(Figure("JL", title, "figure", experiment, trajectories, draw))
 
 
 # -- seconds-per-epoch tables (2, 3) -------------------------------------------------------------------------
@@ -407,13 +407,6 @@ EPS_PANELS = ((60000, 256, 1.3), (25000, 64, 0.5))  # (N, B, sigma) of the upper
 EPS_R = {"smoke": (1, 4, 10), "paper": (1, 2, 4, 6, 8, 10, 20, 30)}
 
 
-def epsilon_needs():
-    from runner.accountants import ACCOUNTANTS
-
-    missing = [a for a in ("jl", "pld") if a not in ACCOUNTANTS]
-    return f"accountant(s) {', '.join(missing)} not registered yet" if missing else None
-
-
 def epsilon_r(runs, epochs, scale) -> pd.DataFrame:
     from runner.accountants import ACCOUNTANTS, SubsampledGaussian, SubsampledJL
 
@@ -452,25 +445,33 @@ def draw_epsilon_r(data, caption, scale):
     return finish(fig, caption)
 
 
-add(Figure("jl_table1", "JL", "Summary of different methods for DP training", "table", None, table1, draw_table1))
-add(Figure("jl_fig2", "JL", "Distribution of sqrt(chi^2_r / r)", "figure", None, fig2, draw_fig2))
+FIGURES.register("jl_table1")(
+    Figure("JL", "Summary of different methods for DP training", "table", None, table1, draw_table1))
+FIGURES.register("jl_fig2")(
+    Figure("JL", "Distribution of sqrt(chi^2_r / r)", "figure", None, fig2, draw_fig2))
 make_tradeoff("jl_fig3", "JL paper Figure 3: 2-layer CNN on MNIST, DP-SGD; time and epsilon at 95% accuracy",
               "jl_fig3", 0.95)
-add(Figure("jl_table2", "JL", "Seconds per epoch, Papernot et al. CNN on CIFAR-10", "table", "jl_table2", table2,
+FIGURES.register("jl_table2")(
+    Figure("JL", "Seconds per epoch, Papernot et al. CNN on CIFAR-10", "table", "jl_table2", table2,
            draw_seconds("JL paper Table 2: seconds per epoch, CIFAR-10 (sigma=0.9, C=2; paper B=256)")))
 make_tradeoff("jl_fig4", "JL paper Figure 4: Papernot et al. CNN on CIFAR-10; time and epsilon at 55% accuracy",
               "jl_table2", 0.55)
-add(Figure("jl_table3", "JL", "Seconds per epoch, BiLSTM on IMDB", "table", "jl_table3", table3,
+FIGURES.register("jl_table3")(
+    Figure("JL", "Seconds per epoch, BiLSTM on IMDB", "table", "jl_table3", table3,
            draw_seconds("JL paper Table 3: seconds per epoch, BiLSTM on IMDB (DP-Adam; paper B=256)")))
 make_tradeoff("jl_fig5", "JL paper Figure 5: BiLSTM on IMDB, DP-Adam; time and epsilon at 70% accuracy",
               "jl_table3", 0.70)
-add(Figure("jl_fig6", "JL", "Accuracy, privacy and training time trade-off on IMDB", "figure", "jl_table3",
+FIGURES.register("jl_fig6")(
+    Figure("JL", "Accuracy, privacy and training time trade-off on IMDB", "figure", "jl_table3",
            trajectories, draw_fig6))
-add(Figure("jl_epsilon_r", "JL", "Privacy loss of DP-SGD-JL vs JL dimension", "figure", None, epsilon_r,
-           draw_epsilon_r, needs=epsilon_needs))
-add(Figure("jl_table5", "JL", "Seconds per epoch, VGG13 on CIFAR-10", "table", "jl_table5", table5,
+FIGURES.register("jl_epsilon_r")(
+    Figure("JL", "Privacy loss of DP-SGD-JL vs JL dimension", "figure", None, epsilon_r,
+           draw_epsilon_r))
+FIGURES.register("jl_table5")(
+    Figure("JL", "Seconds per epoch, VGG13 on CIFAR-10", "table", "jl_table5", table5,
            draw_seconds("JL paper Table 5: seconds per epoch, VGG13 on CIFAR-10 (sigma=0.9, C=3; paper B=256)")))
-add(Figure("jl_fig1", "JL", "Accuracy vs training time on CIFAR-10, epsilon as colour (= Figure 4, left)", "figure",
+FIGURES.register("jl_fig1")(
+    Figure("JL", "Accuracy vs training time on CIFAR-10, epsilon as colour (= Figure 4, left)", "figure",
            "jl_table2", trajectories, draw_fig1))
 
 
@@ -532,8 +533,8 @@ def draw_fig7(data, caption, scale):
     return finish(fig, caption, top=0.88)
 
 
-add(Figure("jl_fig7", "JL", "Duality of f-DP and (epsilon, delta)-DP (jl accountant)", "figure", None, fig7, draw_fig7,
-           needs=epsilon_needs))
+FIGURES.register("jl_fig7")(
+    Figure("JL", "Duality of f-DP and (epsilon, delta)-DP (jl accountant)", "figure", None, fig7, draw_fig7))
 
 
 # -- Table 4 (memory and time of jvp vs double-vjp) ----------------------------------------------------------------
@@ -614,5 +615,6 @@ def draw_table4(data, caption, scale):
     return fig
 
 
-add(Figure("jl_table4", "JL", "Memory and time of DP-SGD-JL with jvp vs double-vjp", "table", None, table4,
+FIGURES.register("jl_table4")(
+    Figure("JL", "Memory and time of DP-SGD-JL with jvp vs double-vjp", "table", None, table4,
            draw_table4))

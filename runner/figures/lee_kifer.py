@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from runner.figures.spec import Figure, add, newest_per, seconds_per_epoch
+from runner.figures.spec import FIGURES, Figure, newest_per, seconds_per_epoch
 from runner.figures.style import LK_ORDER, bar_panel, finish, line_panel, lk_label, method_legend, panels, series_color
 
 DATA_TITLES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR10", "imdb": "IMDB", "lsun": "LSUN"}
@@ -183,10 +183,16 @@ def draw_memory(data, caption, scale):
     return finish(fig, caption)
 
 
-add(Figure("lk_fig5", "L&K", "Seconds per epoch by architecture", "figure", "lk_fig5", timing_table, draw_fig5))
-add(Figure("lk_fig6", "L&K", "Execution time by batch size", "figure", "lk_fig6", timing_table, draw_fig6))
-add(Figure("lk_fig7", "L&K", "Seconds per epoch by MLP depth", "figure", "lk_fig7", timing_table, draw_fig7))
-add(Figure("lk_fig8", "L&K", "ResNet and VGG on LSUN-shaped images", "figure", "lk_fig8", timing_table, draw_fig8))
-add(Figure("lk_fig9", "L&K", "Processing time by image resolution", "figure", "lk_fig9", timing_table, draw_fig9))
-add(Figure("lk_memory", "L&K", "Largest batch before out-of-memory", "figure", "lk_memory", memory_table,
+FIGURES.register("lk_fig5")(
+    Figure("L&K", "Seconds per epoch by architecture", "figure", "lk_fig5", timing_table, draw_fig5))
+FIGURES.register("lk_fig6")(
+    Figure("L&K", "Execution time by batch size", "figure", "lk_fig6", timing_table, draw_fig6))
+FIGURES.register("lk_fig7")(
+    Figure("L&K", "Seconds per epoch by MLP depth", "figure", "lk_fig7", timing_table, draw_fig7))
+FIGURES.register("lk_fig8")(
+    Figure("L&K", "ResNet and VGG on LSUN-shaped images", "figure", "lk_fig8", timing_table, draw_fig8))
+FIGURES.register("lk_fig9")(
+    Figure("L&K", "Processing time by image resolution", "figure", "lk_fig9", timing_table, draw_fig9))
+FIGURES.register("lk_memory")(
+    Figure("L&K", "Largest batch before out-of-memory", "figure", "lk_memory", memory_table,
            draw_memory, gpu_only=True, keep_failed=True, study="runner.memory_study"))

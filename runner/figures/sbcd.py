@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from runner.figures.spec import Figure, add
+from runner.figures.spec import FIGURES, Figure
 from runner.figures.style import finish, panels, plain_log_axis
 
 ADAPTIVE_TARGET_EPSILON = 3.0
@@ -101,7 +101,7 @@ def utility_runs(s, sigmas: dict[str, float]) -> pd.DataFrame:
     its files are found (DPRUN_DATA_DIR), else synthetic MNIST-shaped data with random labels (chance)."""
     import tempfile
 
-    from runner.memory_study import compose
+    from runner.paths import compose
     from runner.train import train
 
     root = mnist_available()
@@ -172,9 +172,12 @@ def draw_adaptive(data, caption, scale):
     return fig
 
 
-add(Figure("sbcd_hsa_vs_composition", "DP-SBCD", "Privacy loss: hidden state assumption vs composition", "figure",
+FIGURES.register("sbcd_hsa_vs_composition")(
+    Figure("DP-SBCD", "Privacy loss: hidden state assumption vs composition", "figure",
            None, hsa_table, draw_hsa))
-add(Figure("sbcd_epoch_contribution", "DP-SBCD", "Contribution of each epoch's noise to the final privacy loss",
+FIGURES.register("sbcd_epoch_contribution")(
+    Figure("DP-SBCD", "Contribution of each epoch's noise to the final privacy loss",
            "figure", None, contribution_table, draw_contribution))
-add(Figure("sbcd_adaptive_noise", "DP-SBCD", "Adaptive vs constant noise at equal final epsilon", "figure", None,
+FIGURES.register("sbcd_adaptive_noise")(
+    Figure("DP-SBCD", "Adaptive vs constant noise at equal final epsilon", "figure", None,
            adaptive_table, draw_adaptive))

@@ -1,14 +1,13 @@
 """A paper table or figure: which preset's runs it reads, how those runs become its data table, how it is drawn.
 
-    from runner.figures import FIGURES
+    FIGURES.register("jl_table2")(Figure("JL", "Seconds per epoch, ...", "table", "jl_table2", table2, draw2))
     fig = FIGURES.get("jl_table2")
     data = fig.table(runs, epochs, "smoke")     # the report's tables -> the figure's own (written as CSV)
     mpl_figure = fig.draw(data, caption, "smoke")  # matplotlib Figure (saved as PNG + PDF by runner.plots)
 
 `experiment` names the conf/experiment preset whose runs the figure reads (several figures may share one preset:
 JL Figure 4 reads Table 2's runs). `experiment=None` marks a computed figure (scipy, an accountant, the DP-SBCD
-bound): no training; `table` then ignores the runs. `needs()` returns why the figure cannot be made yet (a module
-or registry entry that has not landed), or None.
+bound): no training; `table` then ignores the runs. The registry key is the figure's name (`make fig-<name>`).
 """
 from __future__ import annotations
 
@@ -27,22 +26,15 @@ DrawFn = Callable[[pd.DataFrame, str, str], "object"]  # (data, caption, scale) 
 
 @dataclass(frozen=True)
 class Figure:
-    name: str
     paper: str  # "JL" | "L&K" | "DP-SBCD"
     title: str  # the paper's caption, shortened
     kind: str  # "figure" | "table"
     experiment: Optional[str]  # conf/experiment preset whose runs it reads; None = computed, no training
     table: TableFn
     draw: DrawFn
-    needs: Callable[[], Optional[str]] = lambda: None
     gpu_only: bool = False
     keep_failed: bool = False  # the figure reads failed runs too (the memory study: the first batch that failed)
     study: Optional[str] = None  # a module run instead of the preset's grid: python -m <study> --scale S -- args
-
-
-def add(fig: Figure) -> Figure:
-    FIGURES.register(fig.name)(fig)
-    return fig
 
 
 def newest_per(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:

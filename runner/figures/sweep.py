@@ -7,8 +7,7 @@
 A preset (conf/experiment/<name>.yaml) sets `hydra.sweeper.params` (its grid; `dprun -m experiment=<name>` alone
 runs it) and may list `extra_sweeps`: override strings for arms that are not a product with the grid (JL's r only
 for method=jl). Each becomes one `dprun -m experiment=<name> scale=<scale> <extra>` (an extra's keys replace the
-grid's). Figures sharing a preset (JL Table 2 and Figure 4) run it once per call. Sweep values whose code has not
-landed (a method still a placeholder, an unregistered model or accountant) are dropped with a printed note.
+grid's). Figures sharing a preset (JL Table 2 and Figure 4) run it once per call.
 Arguments after `--` go to every dprun command (e.g. launcher=joblib, device=cuda, data_dir=...).
 """
 from __future__ import annotations
@@ -17,76 +16,30 @@ import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-from runner.paths import CONF_DIR, register_resolvers
+from runner.paths import compose
 from runner.figures import FIGURES
 
 
 def compose_preset(experiment: str, scale: str, extra: list[str] | None = None):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    register_resolvers()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose("config", overrides=[f"experiment={experiment}", f"scale={scale}", *(extra or [])],
-                       return_hydra_config=True)
+    return compose([f"experiment={experiment}", f"scale={scale}", *(extra or [])], return_hydra_config=True)
 
 
-def missing(group: str, value: str) -> str | None:
-    """Why `group=value` cannot run yet, or None."""
-    from runner import accountants, methods, models
-
-    if group == "method":
-        cls = methods.METHODS.get(value)  # an unknown name: the one-line "did you mean" error
-        acc = cls.default_accountant
-        if cls.private and acc not in accountants.NON_ACCOUNTANT_NAMES and acc not in accountants.ACCOUNTANTS:
-            return f"accountant {acc} (method={value}'s default) is not registered yet"
-    if group in ("model", "model.name"):
-        if value not in models.MODELS:
-            return f"model={value} is not registered yet"
-        if group == "model" and not (Path(CONF_DIR) / "model" / f"{value}.yaml").exists():
-            return f"conf/model/{value}.yaml does not exist yet"
-    return None
-
-
-def parse(override: str) -> tuple[str, list[str]]:
+def parse(override: str) -> tuple[str, str]:
     key, _, value = override.partition("=")
-    return key, (value.split(",") if "${" not in value else [value])
+    return key, value
 
 
-def sweep_commands(experiment: str, scale: str, passthrough: list[str]) -> tuple[list[list[str]], list[str]]:
-    """The dprun argv of each sweep of a preset, with unavailable values dropped, and the notes saying which."""
+def sweep_commands(experiment: str, scale: str, passthrough: list[str]) -> list[list[str]]:
+    """The dprun argv of each sweep of a preset: its grid, then each extra sweep (whose keys replace the grid's)."""
     cfg = compose_preset(experiment, scale, passthrough)
     grid = {str(k): str(v) for k, v in (cfg.hydra.sweeper.params or {}).items()}
-    commands, notes = [], []
+    commands = []
     for extra in [""] + list(cfg.get("extra_sweeps") or []):
-        params = dict(grid)
-        params.update({key: ",".join(values) for key, values in map(parse, extra.split())})
-        fixed = {"method": str(cfg.method.name), "model.name": str(cfg.model.name)}
-        blocked = None
-        for key, value in fixed.items():
-            group = key.split(".")[0]
-            if group not in params and key not in params:
-                blocked = blocked or missing(key, value)
-        if blocked:
-            notes.append(f"{experiment} [{extra or 'grid'}]: skipped, {blocked}")
-            continue
-        argv = [f"experiment={experiment}", f"scale={scale}"]
-        for key, value in params.items():
-            values = value.split(",") if "${" not in value else [value]
-            kept = [v for v in values if not missing(key, v)]
-            notes += [f"{experiment}: dropped {key}={v}: {missing(key, v)}" for v in values if missing(key, v)]
-            if not kept:
-                blocked = f"no {key} value can run yet"
-                break
-            argv.append(f"{key}={','.join(kept)}")
-        if blocked:
-            notes.append(f"{experiment} [{extra or 'grid'}]: skipped, {blocked}")
-            continue
-        commands.append(argv + ["progress=false", *passthrough])
-    return commands, notes
+        params = {**grid, **dict(map(parse, extra.split()))}
+        commands.append([f"experiment={experiment}", f"scale={scale}", *(f"{k}={v}" for k, v in params.items()),
+                         "progress=false", *passthrough])
+    return commands
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,9 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         elif fig.experiment not in experiments:
             experiments.append(fig.experiment)
     for experiment in experiments:
-        commands, notes = sweep_commands(experiment, args.scale, passthrough)
-        for note in notes:
-            print(f"sweep: {note}")
+        commands = sweep_commands(experiment, args.scale, passthrough)
         for cmd in commands:
             print("sweep: dprun -m " + " ".join(cmd), flush=True)
             if args.dry_run:

@@ -67,6 +67,14 @@ class Method:
     default_accountant: ClassVar[str] = "pld"
     summary: ClassVar[str] = ""  # one line for the method table (JL paper Table 1)
     sampling: ClassVar[str | None] = None  # set: the sampling the method needs, overriding cfg.sampling (sbcd)
+    # True: update() changes the weights itself (DP-SBCD's block updates), so no private gradient is left in p.grad
+    # for a caller's own optimizer.step(), and the optimizer is not used
+    updates_model: ClassVar[bool] = False
+    # set: why a checkpoint (model, optimizer, RNG, accountant) would miss part of the method's state (no resume=)
+    not_resumable: ClassVar[str | None] = None
+    # True: privatize calls loss_fn once on the whole batch, so a masked padded batch gives the same step
+    # (runner/methods/padding.py), and the whole step runs under compile=... (runner/methods/compiled.py)
+    compiles: ClassVar[bool] = False
 
     def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, **unknown: Any):
         if unknown:  # e.g. r=4: method options live in cfg (conf/method/<name>.yaml), never silently dropped
@@ -84,6 +92,13 @@ class Method:
         except AttributeError:
             value = getattr(self.cfg, key, default)
         return default if value is None else value
+
+    def choice(self, key: str, default: str, valid: tuple[str, ...]) -> str:
+        """A method option with fixed choices; any other value is a one-line error naming them."""
+        value = str(self.option(key, default))
+        if value not in valid:
+            raise DprunError(f"unknown method.{key} {value!r} for method={self.name}; valid: {', '.join(valid)}")
+        return value
 
     # -- the one entry -----------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, data: Any = None) -> torch.nn.Module:
@@ -158,6 +173,7 @@ class NonPrivate(Method):
     exact = False
     default_accountant = "none"
     summary = "plain SGD/Adam: mean gradient, no clipping, no noise (the speed baseline)"
+    compiles = True
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:
         outputs = model(x)

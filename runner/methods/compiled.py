@@ -12,7 +12,7 @@ so that one graph serves every Poisson batch.
                      (CUDA only)
 
 Never silent: a mode that needs CUDA on another device runs compile=default instead, a method that is not
-compiled (COMPILABLE) runs eager, and a step whose compilation fails runs eager from then on; each logs ONE line.
+compiled (Method.compiles) runs eager, and a step whose compilation fails runs eager from then on; each logs ONE line.
 Dynamo may split the step into several graphs (graph breaks, e.g. at the norm hooks or the optimizer); every
 part still runs, compiled or eager, and gives the eager step's numbers to float rounding (tests/test_compiled.py).
 The first step runs eager: it validates the model (e.g. reweight's in-place check, which cannot be made inside a
@@ -28,13 +28,13 @@ import math
 import torch
 
 from runner.errors import DprunError
-from runner.methods.padding import PADDABLE, padded_step
+from runner.methods.base import METHODS
+from runner.methods.padding import padded_step
 
 log = logging.getLogger("dprun")
 
 MODES = ("off", "default", "reduce-overhead", "cudagraphs")
 CUDA_ONLY = ("reduce-overhead", "cudagraphs")
-COMPILABLE = ("nonprivate", "reweight", "jl")
 
 
 def physical_batch(expected_batch_size: float) -> int:
@@ -62,9 +62,9 @@ class CompiledStep:
         if mode in CUDA_ONLY and device.type != "cuda":
             log.warning("compile=%s needs CUDA (CUDA graphs); on %s using compile=default", mode, device.type)
             mode = "default"
-        if mode != "off" and method.name not in COMPILABLE:
+        if mode != "off" and not method.compiles:
             log.warning("compile=%s: method=%s is not compiled (compiled: %s); running the eager step",
-                        mode, method.name, ", ".join(COMPILABLE))
+                        mode, method.name, ", ".join(n for n, m in METHODS.items() if m.compiles))
             mode = "off"
         self.mode = mode
         if mode == "off":
@@ -80,7 +80,7 @@ class CompiledStep:
             self.compiled = torch.compile(self._step, dynamic=False, **kwargs)
 
     def _step(self, model, loss_fn, x, y, optimizer, **kw):
-        if self.physical and self.method.name in PADDABLE:
+        if self.physical and self.method.compiles:
             return padded_step(self.method, model, loss_fn, x, y, optimizer, physical=self.physical, **kw)
         return self.method.step(model, loss_fn, x, y, optimizer, **kw)
 

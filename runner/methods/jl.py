@@ -157,15 +157,14 @@ class JL(Method):
     exact = False
     default_accountant = "jl"
     summary = "DP-SGD-JL / DP-Adam-JL: norms estimated from r jvp projections (black box; any model)"
+    compiles = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.r = int(self.option("r", 1))
         if self.r < 1:
             raise DprunError(f"method.r={self.r} must be >= 1 for method=jl (the JL dimension: number of projections)")
-        self.mode = str(self.option("jvp", "auto"))
-        if self.mode not in MODES:
-            raise DprunError(f"unknown method.jvp {self.mode!r} for method=jl; valid: {', '.join(MODES)}")
+        self.mode = self.choice("jvp", "auto", MODES)
         self.chunk = int(self.option("chunk", 0))
         if self.chunk < 0:
             raise DprunError(f"method.chunk={self.chunk} must be >= 0 (0 = all r directions in one vmap call)")

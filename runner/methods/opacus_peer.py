@@ -54,9 +54,7 @@ class OpacusPeer(Method):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.mode = str(self.option("grad_sample_mode", "hooks"))
-        if self.mode not in MODES:
-            raise DprunError(f"unknown method.grad_sample_mode {self.mode!r}; valid: {', '.join(MODES)}")
+        self.mode = self.choice("grad_sample_mode", "hooks", MODES)
         self.hooks = None  # Opacus's hooks object, attached to the model by prepare()
 
     def prepare(self, model: torch.nn.Module, data=None) -> torch.nn.Module:

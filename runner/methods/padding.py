@@ -14,15 +14,14 @@ gradient is the mean over the real rows. Padded rows repeat the first real row (
 zeros for an empty batch). A batch larger than `physical` is not truncated: it runs at its own size (a new graph).
 Dropout draws masks for the padded rows too, so with dropout the random stream (not the distribution) differs.
 
-Methods that call loss_fn once on the whole batch support it (PADDABLE); others run unpadded.
+Methods that call loss_fn once on the whole batch support it (Method.compiles: nonprivate, reweight, jl; nxbp and
+multiloss call it on slices of the batch); others run unpadded.
 """
 from __future__ import annotations
 
 import torch
 
 from runner.methods.base import StepOutput
-
-PADDABLE = ("nonprivate", "reweight", "jl")  # nxbp and multiloss call loss_fn on slices of the batch
 
 
 def pad_batch(x: torch.Tensor, y: torch.Tensor, physical: int):

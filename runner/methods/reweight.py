@@ -30,7 +30,7 @@ from runner.methods.base import METHODS, Method, Privatized, clip_factors, train
 from runner.methods.rng import rng_state, set_rng_state
 from runner.norms import Recorder, plan_model
 from runner.norms.streaming import StreamingNorms
-from runner.norms.base import check_how
+from runner.norms.base import HOW
 
 MODES = ("bk", "twopass", "recompute")
 
@@ -39,13 +39,12 @@ MODES = ("bk", "twopass", "recompute")
 class ReweightGP(Method):
     name = "reweight"
     summary = "ReweightGP: per-example norms from layer inputs and output-gradients, then one re-weighted sum"
+    compiles = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.mode = str(self.option("mode", "bk"))
-        if self.mode not in MODES:
-            raise DprunError(f"unknown method.mode {self.mode!r} for method=reweight; valid: {', '.join(MODES)}")
-        self.how = check_how(str(self.option("norm", "auto")))
+        self.mode = self.choice("mode", "bk", MODES)
+        self.how = self.choice("norm", "auto", HOW)
         self._plan, self._model_id = None, None
 
     def prepare(self, model, data=None):

@@ -14,7 +14,7 @@ from runner.models.base import MODELS, require_image
 
 
 class MLP(nn.Module):
-    def __init__(self, in_features: int, num_classes: int, depth: int = 2, widths=(128, 256), activation="sigmoid"):
+    def __init__(self, in_features: int, num_classes: int, depth: int, widths: tuple[int, ...], activation: str):
         super().__init__()
         act = {"sigmoid": nn.Sigmoid, "relu": nn.ReLU, "tanh": nn.Tanh}[activation]
         sizes = [in_features] + [widths[min(i, len(widths) - 1)] for i in range(depth)]

@@ -24,8 +24,8 @@ INITS = ("torch", "keras")
 
 
 class RecurrentClassifier(nn.Module):
-    def __init__(self, info, cell: str, hidden: int, embed_dim: int = 64, bidirectional: bool = False,
-                 double_bias: bool = True, dense: int = 0, init: str = "torch", mask_padding: bool = False):
+    def __init__(self, info, cell: str, hidden: int, embed_dim: int, bidirectional: bool, double_bias: bool,
+                 dense: int, init: str, mask_padding: bool):  # defaults: the builders registered below
         super().__init__()
         if init not in INITS:
             raise ValueError(f"model.init={init!r} is not one of {', '.join(INITS)}")

@@ -56,8 +56,8 @@ class EncoderLayer(nn.Module):
 
 
 class TransformerClassifier(nn.Module):
-    def __init__(self, info, d_model: int = 200, heads: int = 8, ff: int = 800, dropout: float = 0.1,
-                 embedding: torch.Tensor | None = None, freeze_embedding: bool = False):
+    def __init__(self, info, d_model: int, heads: int, ff: int, dropout: float, embedding: torch.Tensor | None,
+                 freeze_embedding: bool):  # defaults: build_transformer below
         super().__init__()
         self.text = info.kind == "text"
         if self.text:

@@ -25,7 +25,6 @@ from typing import Callable, Dict
 import torch
 from torch import nn
 
-from runner.errors import DprunError
 
 HOW = ("auto", "direct", "ghost")  # method.norm: pick the cheaper, materialise per-example grads, or ghost norm
 
@@ -85,8 +84,3 @@ def trains(p: torch.Tensor | None) -> bool:
     """A parameter the rule must cover (present and trainable)."""
     return p is not None and p.requires_grad
 
-
-def check_how(how: str) -> str:
-    if how not in HOW:
-        raise DprunError(f"unknown method.norm {how!r}; valid: {', '.join(HOW)}")
-    return how

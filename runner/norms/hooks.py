@@ -36,13 +36,15 @@ class Call:
     modified: bool = False  # set by backprops, which then drops `out` (memory)
 
 
-class Recorder:
+class CallHooks:
+    """While open (`with`), on_call(module, input, output) runs after every call of a covered module of the plan;
+    Recorder and StreamingNorms (streaming.py) are its two uses."""
+
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.calls: dict[int, list[Call]] = {id(m): [] for _, m, _ in plan.layers}
         self.handles: list = []
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self):
         for _, module, _ in self.plan.layers:
             self.handles.append(module.register_forward_hook(self._hook, with_kwargs=True))
         return self
@@ -53,7 +55,18 @@ class Recorder:
         self.handles.clear()
 
     def _hook(self, module, args, kwargs, out):
-        inp = args[0] if args else next(iter(kwargs.values()))
+        self.on_call(module, args[0] if args else next(iter(kwargs.values())), out)
+
+    def on_call(self, module: torch.nn.Module, inp: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class Recorder(CallHooks):
+    def __init__(self, plan: Plan):
+        super().__init__(plan)
+        self.calls: dict[int, list[Call]] = {id(m): [] for _, m, _ in plan.layers}
+
+    def on_call(self, module, inp, out):
         # inside torch.compile the version counters are the tracer's, not the run's: no check there (the compiled
         # step's first step runs eager and makes it, runner/methods/compiled.py)
         versions = None if torch.compiler.is_compiling() else (inp._version, out._version)

@@ -33,6 +33,7 @@ import torch
 
 from runner.errors import DprunError
 from runner.norms.coverage import Plan
+from runner.norms.hooks import CallHooks
 
 
 TRANSIENT_BUDGET = 1.0  # a chunk's norm transients: at most this fraction of the layer's input + output-gradient
@@ -48,30 +49,18 @@ class Pending:
     waiting: int = 0  # calls whose output-gradient has not arrived
 
 
-class StreamingNorms:
+class StreamingNorms(CallHooks):
     def __init__(self, plan: Plan, how: str = "auto"):
-        self.plan = plan
+        super().__init__(plan)
         self.how = how
         self.rules = {id(m): (path, m, rule) for path, m, rule in plan.layers}
         self.pending: dict[int, Pending] = {}
         self.sources: dict[int, torch.nn.Module] = {}  # modules called on an input that needs no gradient
-        self.handles: list = []
         self.tensor_hooks: list = []  # on the recorded outputs; removed after the first backward
         self.norms_sq: torch.Tensor | None = None
         self.complete = True  # False when a call waited for its output-gradient after a graph-freeing backward
 
-    def __enter__(self) -> "StreamingNorms":
-        for _, module, _ in self.plan.layers:
-            self.handles.append(module.register_forward_hook(self._forward_hook, with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-
-    def _forward_hook(self, module, args, kwargs, out):
-        inp = args[0] if args else next(iter(kwargs.values()))
+    def on_call(self, module, inp, out):
         p = self.pending.setdefault(id(module), Pending())
         p.inputs.append(inp.detach())
         p.versions.append(None if torch.compiler.is_compiling() else inp._version)

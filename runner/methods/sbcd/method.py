@@ -53,6 +53,8 @@ class SBCD(Method):
     exact = False
     default_accountant = "hsa"
     sampling = "fixed"  # the hidden-state analysis assumes fixed disjoint batches, each example once per epoch
+    updates_model = True  # the block updates set the weights; no gradient, no optimizer
+    not_resumable = "method=sbcd keeps auxiliary variables for every training example that are not checkpointed"
     summary = "layer-wise block coordinate descent, spectral projection, noisy prox step; hidden-state accounting"
 
     def prepare(self, model: nn.Module, data=None) -> nn.Module:
@@ -65,16 +67,13 @@ class SBCD(Method):
         self.depth = len(linears) - 1  # D
         self.gamma = float(self.option("gamma", 1.0))
         self.eta = float(self.option("eta", 1.5))
-        self.reg = str(self.option("reg", "l2"))
+        self.reg = self.choice("reg", "l2", REGULARISERS)
         self.lam = float(self.option("reg_lambda", 0.05))
-        self.normalisation = str(self.option("normalisation", "project"))
+        self.normalisation = self.choice("normalisation", "project", NORMALISATIONS)
         self.schedule = str(self.option("noise_schedule", "constant"))
         self.epochs = int(self.option("epochs", 1))
         self.x_radius = per_layer(self.option("x_radius", 1.0), self.depth + 1, "x_radius")
         self.u_radius = per_layer(self.option("u_radius", 1.0), self.depth, "u_radius")
-        if self.reg not in REGULARISERS or self.normalisation not in NORMALISATIONS:
-            raise DprunError(f"method.reg must be one of {', '.join(REGULARISERS)} and method.normalisation one of "
-                             f"{', '.join(NORMALISATIONS)}; got {self.reg!r}, {self.normalisation!r}")
         if self.eta <= 0 or self.gamma <= 0 or self.lam < 0:
             raise DprunError(f"method.eta={self.eta} and method.gamma={self.gamma} must be > 0, reg_lambda >= 0")
         noise_multiplier(self.schedule, sigma=self.sigma, epoch=0, epochs=self.epochs, **self._decay())  # validate
