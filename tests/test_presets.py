@@ -114,6 +114,7 @@ def test_sweep_commands_drop_what_has_not_landed(monkeypatch):
     assert commands[0][:3] == ["experiment=jl_table2", "scale=smoke", "method=nonprivate,nxbp"]
     assert commands[1][:4] == ["experiment=jl_table2", "scale=smoke", "method=jl", "r=1,10"]
     assert any("dropped method=opacus" in n for n in notes)
+    assert not any(a.startswith("progress=") for c in commands for a in c)  # progress lines with the ETA stay on
 
 
 def test_extra_sweep_interpolation_follows_the_scale():

@@ -9,7 +9,9 @@ runs it) and may list `extra_sweeps`: override strings for arms that are not a p
 for method=jl). Each becomes one `dprun -m experiment=<name> scale=<scale> <extra>` (an extra's keys replace the
 grid's). Figures sharing a preset (JL Table 2 and Figure 4) run it once per call. Sweep values whose code has not
 landed (a method still a placeholder, an unregistered model or accountant) are dropped with a printed note.
-Arguments after `--` go to every dprun command (e.g. launcher=joblib, device=cuda, data_dir=...).
+Arguments after `--` go to every dprun command (e.g. launcher=joblib, device=cuda, data_dir=...). Progress is left
+on, so a long job's log (a file, Slurm) has a line with the ETA every 10% of an epoch (at most one per 30 s) and one
+per epoch with the run's ETA (runner/progress.py).
 """
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ def sweep_commands(experiment: str, scale: str, passthrough: list[str]) -> tuple
         if blocked:
             notes.append(f"{experiment} [{extra or 'grid'}]: skipped, {blocked}")
             continue
-        commands.append(argv + ["progress=false", *passthrough])
+        commands.append(argv + list(passthrough))  # progress stays on: off a terminal, lines with the ETA
     return commands, notes
 
 
