@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -21,6 +22,9 @@ def test_digits_nonprivate_reaches_90_percent(tmp_path):
     summary = train(cfg, tmp_path)
     assert summary["status"] == "finished"
     assert summary["final"]["test_acc"] >= 0.90
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    claimed = re.search(r"~(\d+)% test accuracy in seconds", readme).group(1)  # the set-up section's demo
+    assert summary["final"]["test_acc"] == pytest.approx(int(claimed) / 100, abs=0.015)
 
 
 def test_metrics_csv_and_summary_json(tmp_path):
