@@ -20,7 +20,7 @@ install: torch ## make .venv, add torch (CPU build unless a GPU; an installed to
 torch: ## make the venv if missing and install torch into it if it has none (CPU build on a machine without a GPU)
 	@test -x $(VENV)/bin/python || python3 -m venv $(VENV)
 	@if $(VENV)/bin/python -c "import torch" 2>/dev/null; then echo "keeping torch $$($(VENV)/bin/python -c 'import torch; print(torch.__version__)')"; \
-	elif command -v nvidia-smi >/dev/null 2>&1 || [ -z "$(TORCH_INDEX)" ]; then $(VENV)/bin/python -m pip install -q torch; \
+	elif nvidia-smi -L 2>/dev/null | grep -q '^GPU ' || [ -z "$(TORCH_INDEX)" ]; then $(VENV)/bin/python -m pip install -q torch; \
 	else $(VENV)/bin/python -m pip install -q torch --index-url $(TORCH_INDEX); fi
 
 demo: ## the built-in demo: non-private MLP on scikit-learn's digits, CPU, seconds

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import errno
+import functools
 import io
 import json
 import math
@@ -65,11 +66,33 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
+    release_free_heap()  # else the heap an earlier job freed but malloc kept would count in this one's peak
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         pass  # not Linux (or not allowed): peak_memory_bytes falls back to the process-wide maximum
+
+
+def release_free_heap() -> None:
+    """Collect unreachable objects and hand malloc's free pages back to the OS (glibc's malloc_trim), so that the
+    resident set is the memory in use. Without glibc (macOS, Windows) only the collection happens."""
+    import gc
+
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # no such symbol (macOS, musl), no CDLL(None) (Windows)
+        return None
 
 
 def peak_memory_bytes(device: torch.device) -> int:

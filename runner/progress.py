@@ -1,19 +1,23 @@
 """Progress that can be switched off (`progress=false`) without changing the loop.
 
-On a terminal: a tqdm bar. Otherwise (a log file, Slurm, CI): a line at 10% steps of the epoch, at most one per 30 s,
-with the rate and ETA, so a long job shows where it is without carriage-return noise. `progress=false`: no in-epoch output (the training
-loop still logs one line per epoch with the run's ETA).
+On a terminal: a tqdm bar. Otherwise (a log file, Slurm, CI, a sweep's jobs): a line at 10% steps of the epoch, at most
+one per 30 s, with the rate and ETA, logged through the `dprun` logger (so it is in the run's dprun.log too), so a long
+job shows where it is without carriage-return noise. `progress=false`: no in-epoch output (the training loop still
+logs one line per epoch with the run's ETA).
 """
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
 from tqdm.auto import tqdm
 
+log = logging.getLogger("dprun")
+
 
 class LineProgress:
-    """Iterates like tqdm; prints `desc: 40% (400/1000) 12.3 step/s, eta 0:00:49` at 10% steps, at most one line per
+    """Iterates like tqdm; logs `desc: 40% (400/1000) 12.3 step/s, eta 0:00:49` at 10% steps, at most one line per
     `min_interval_s` (so short epochs print nothing but their epoch line)."""
 
     def __init__(self, iterable, desc: str = "", every: float = 0.1, min_interval_s: float = 30.0):
@@ -29,8 +33,8 @@ class LineProgress:
             now = time.perf_counter()
             if self.total and i % self.step == 0 and now - last >= self.min_interval_s and i < self.total:
                 rate = i / max(now - start, 1e-9)
-                print(f"{self.desc}: {100 * i // self.total}% ({i}/{self.total}) {rate:.3g} step/s, "
-                      f"eta {format_eta((self.total - i) / rate)}", file=sys.stderr, flush=True)
+                log.info("%s: %d%% (%d/%d) %.3g step/s, eta %s", self.desc, 100 * i // self.total, i, self.total, rate,
+                         format_eta((self.total - i) / rate))
                 last = now
 
     def set_postfix(self, **_):

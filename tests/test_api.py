@@ -36,6 +36,11 @@ def test_the_docs_example_trains_a_model_the_cli_does_not_know():
     eps = namespace["private"].get_epsilon(1e-5)
     assert math.isfinite(eps) and 0 < eps < 10
     assert "epoch 10: test accuracy" in out.getvalue()
+    # what docs/api.md and the README say it reaches is what it reaches
+    percent, epsilon = re.search(r"reaches ~(\d+)% test accuracy at epsilon ≈ ([\d.]+)", DOCS.read_text()).groups()
+    assert namespace["accuracy"] == pytest.approx(int(percent) / 100, abs=0.015), out.getvalue()
+    assert eps == pytest.approx(float(epsilon), abs=0.05)
+    assert f"~{percent}% at epsilon ≈ {epsilon}" in (DOCS.parent.parent / "README.md").read_text()
 
 
 def blobs(n=400, seed=0):

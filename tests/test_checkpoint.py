@@ -1,6 +1,8 @@
-"""Checkpoint and resume (runner/checkpoint.py): a run stopped after epoch 2 and resumed to epoch 4 equals one that
-ran 4 epochs straight — weights, losses and epsilon per epoch."""
+"""Checkpoint and resume (runner/checkpoint.py): a run interrupted in epoch 3 (or finished after epoch 2) and resumed
+to epoch 4 equals one that ran 4 epochs straight — weights, losses and epsilon per epoch."""
 from __future__ import annotations
+
+import json
 
 import pandas as pd
 import pytest
@@ -18,12 +20,37 @@ def weights(run_dir):
     return torch.load(run_dir / FILE, weights_only=True)["model"]
 
 
-def test_resumed_run_equals_uninterrupted(tmp_path):
+def stop_in_epoch_3(run_dir, monkeypatch):
+    """Ctrl-C in epoch 3 after its steps, before its row: the steps' batches, noise and accounting are lost."""
+    import runner.train as train_module
+
+    evaluate, calls = train_module.evaluate, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return evaluate(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "evaluate", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            train(compose_config(RUN + ["epochs=4"]), run_dir)
+
+
+@pytest.mark.parametrize("how", ["interrupted", "extended"])
+def test_resumed_run_equals_uninterrupted(tmp_path, monkeypatch, how):
+    """interrupted: stopped by Ctrl-C in epoch 3, resumed; extended: a finished 2-epoch run continued to epoch 4."""
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     train(compose_config(RUN + ["epochs=4"]), straight)
-    train(compose_config(RUN + ["epochs=2"]), stopped)
+    if how == "interrupted":
+        stop_in_epoch_3(stopped, monkeypatch)
+        assert json.loads((stopped / "summary.json").read_text())["status"] == "interrupted"
+    else:
+        train(compose_config(RUN + ["epochs=2"]), stopped)
     assert torch.load(stopped / FILE, weights_only=True)["epoch"] == 2
-    train(compose_config(RUN + ["epochs=4", f"resume={stopped}"]), stopped)
+    summary = train(compose_config(RUN + ["epochs=4", f"resume={stopped}"]), stopped)
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 4
     a, b = pd.read_csv(straight / "metrics.csv"), pd.read_csv(stopped / "metrics.csv")
     assert a.epoch.tolist() == b.epoch.tolist() == [1, 2, 3, 4]
     for col in ("train_loss", "test_acc", "epsilon"):

@@ -106,7 +106,8 @@ def test_sweep_commands_are_the_grid_then_each_extra_sweep():
     commands = sweep_commands("jl_table2", "smoke", ["device=cpu"])
     assert commands[0][:3] == ["experiment=jl_table2", "scale=smoke", "method=nonprivate,opacus,nxbp"]
     assert commands[1][:4] == ["experiment=jl_table2", "scale=smoke", "method=jl", "r=1,10"]
-    assert all(c[-2:] == ["progress=false", "device=cpu"] for c in commands)
+    assert all(c[-1:] == ["device=cpu"] for c in commands)
+    assert not any(a.startswith("progress=") for c in commands for a in c)  # progress lines with the ETA stay on
 
 
 def test_extra_sweep_interpolation_follows_the_scale():

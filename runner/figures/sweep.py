@@ -8,7 +8,9 @@ A preset (conf/experiment/<name>.yaml) sets `hydra.sweeper.params` (its grid; `d
 runs it) and may list `extra_sweeps`: override strings for arms that are not a product with the grid (JL's r only
 for method=jl). Each becomes one `dprun -m experiment=<name> scale=<scale> <extra>` (an extra's keys replace the
 grid's). Figures sharing a preset (JL Table 2 and Figure 4) run it once per call.
-Arguments after `--` go to every dprun command (e.g. launcher=joblib, device=cuda, data_dir=...).
+Arguments after `--` go to every dprun command (e.g. launcher=joblib, device=cuda, data_dir=...). Progress is left
+on, so a long job's log (a file, Slurm) has a line with the ETA every 10% of an epoch (at most one per 30 s) and one
+per epoch with the run's ETA (runner/progress.py).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def sweep_commands(experiment: str, scale: str, passthrough: list[str]) -> list[
     for extra in [""] + list(cfg.get("extra_sweeps") or []):
         params = {**grid, **dict(map(parse, extra.split()))}
         commands.append([f"experiment={experiment}", f"scale={scale}", *(f"{k}={v}" for k, v in params.items()),
-                         "progress=false", *passthrough])
+                         *passthrough])  # progress stays on: off a terminal, lines with the ETA
     return commands
 
 
