@@ -234,7 +234,7 @@ def epsilon_text(eps: float, lower_bound: float) -> str:
     """"0.93"; an infinite epsilon with its certified lower bound as dprun-eps prints it: "inf (> 3.03e+09)"."""
     if pd.isna(eps):
         return ""
-    if math.isinf(eps) and not pd.isna(lower_bound):
+    if math.isinf(eps) and not pd.isna(lower_bound) and math.isfinite(lower_bound):  # sigma=0: the bound is inf too
         return f"inf (> {lower_bound:.3g})"
     return f"{eps:.3g}"
 
@@ -281,9 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     infinite = table[pd.to_numeric(table.get("epsilon"), errors="coerce") == math.inf] if "epsilon" in table else []
     if len(infinite):
         bound = pd.to_numeric(infinite.get("epsilon_lower_bound"), errors="coerce").dropna()
+        bound = bound[bound < math.inf]
         print(f"dprun-report: {infinite['run_dir'].nunique()} runs have epsilon=inf: no finite guarantee at their "
-              "delta (JL with small r: the heavy tail of Z_r)" + (f"; certified lower bounds up to {bound.max():.3g} "
-              "in column epsilon_lower_bound" if len(bound) else "") + ". See docs/privacy.md")
+              "delta (sigma=0, or JL with small r: the heavy tail of Z_r)" + (f"; certified lower bounds up to "
+              f"{bound.max():.3g} in column epsilon_lower_bound" if len(bound) else "") + ". See docs/privacy.md")
     note = f" ({len(unfinished.splitlines()) - 1} did not finish)" if unfinished else ""
     print(f"dprun-report: {n} runs{note}, {len(table)} rows -> {out}")
     return 0

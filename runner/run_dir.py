@@ -2,9 +2,11 @@
 
     ensure_fresh("outputs/runs/x")                    # DprunError if x holds summary.json or metrics.csv
     check_reused_dirs(["out_dir=outputs/runs/x"])     # the same, from the command line, before Hydra writes .hydra/
+    check_reused_dirs(["-m", "hydra.sweep.dir=s"])    # DprunError if s holds an earlier sweep
 
-Hydra's default run folder is unique (time + a random id), but `out_dir=` and `hydra.run.dir=` name a folder
-explicitly, and re-using one would silently replace the earlier run's metrics and summary.
+Hydra's default run and sweep folders are unique (time + a random id), but `out_dir=`, `hydra.run.dir=` and
+`hydra.sweep.dir=` name a folder explicitly, and re-using one would silently replace the earlier run's metrics and
+summary, or (a sweep) its jobs' .hydra/ config records, which Hydra rewrites before each job starts.
 """
 from __future__ import annotations
 
@@ -25,19 +27,32 @@ def ensure_fresh(folder: str | Path) -> None:
                          f"pass a fresh out_dir= (or hydra.run.dir=), or leave both unset for a new folder")
 
 
+def holds_sweep(folder: str | Path) -> bool:
+    """An earlier sweep's folder: Hydra's multirun.yaml, or a run anywhere below."""
+    folder = Path(folder)
+    return (folder / "multirun.yaml").exists() or any(any(folder.rglob(name)) for name in RESULT_FILES)
+
+
 def check_reused_dirs(argv: list[str]) -> None:
-    """ensure_fresh on the literal folders of `out_dir=` and (single runs) `hydra.run.dir=` overrides.
+    """ensure_fresh on the literal folders of `out_dir=` and (single runs) `hydra.run.dir=` overrides, and for a
+    sweep (-m) a literal `hydra.sweep.dir=` that holds an earlier sweep.
 
     Checked before Hydra starts because Hydra rewrites <run dir>/.hydra/ (the earlier run's config record)
     before the job runs. Values with interpolations or sweeps are left to the check in runner/train.py."""
     multirun = any(a in ("-m", "--multirun") for a in argv)
     for arg in argv:
         key, sep, value = arg.lstrip("+").partition("=")
-        if not sep or key not in ("out_dir", "hydra.run.dir") or (key == "hydra.run.dir" and multirun):
+        if not sep or key not in ("out_dir", "hydra.run.dir", "hydra.sweep.dir"):
             continue
         if value in ("", "null") or any(c in value for c in "${},()"):
             continue
-        ensure_fresh(value.strip("'\""))
+        value = value.strip("'\"")
+        if key == "hydra.sweep.dir":
+            if multirun and holds_sweep(value):
+                raise DprunError(f"folder {value!r} already holds a sweep (multirun.yaml or runs); pass a fresh "
+                                 f"hydra.sweep.dir=, or leave it unset for a new folder")
+        elif not (key == "hydra.run.dir" and multirun):
+            ensure_fresh(value)
 
 
 def hydra_config(folder: Path) -> dict:

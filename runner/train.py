@@ -99,8 +99,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     if required and required != str(cfg.sampling):
         log.info("method=%s needs sampling=%s (its accountant assumes it); using it", cfg.method.name, required)
     if sampler.kind != "poisson" and not required:
-        log.warning("sampling=%s: the accountants assume Poisson sampling; epsilon is reported for Poisson sampling "
-                    "and the tables carry sampling=%s", sampler.kind, sampler.kind)
+        log.warning("sampling=%s: no accountant here analyses it, so `epsilon` stays empty; epsilon_poisson_assumed "
+                    "holds only under Poisson sampling (not a guarantee)", sampler.kind)
     steps_per_epoch = sampler.steps_per_epoch
     if cfg.max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, int(cfg.max_steps_per_epoch))
@@ -231,7 +231,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                                 accountant=accountant, rows=rows)
             done = [r["epoch_time_s"] for r in rows if r["epoch"] > start_epoch]
             eta = format_eta(statistics.mean(done) * (int(cfg.epochs) - epoch))
-            eps_text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in eps.items())
+            eps_text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v or 'none'}"  # '': not certified
+                                for k, v in eps.items())
             log.info("epoch %d/%s: train_loss=%.4f test_acc=%.4f epoch_time=%.2fs %s eta=%s", epoch, cfg.epochs,
                      rows[-1]["train_loss"], test_acc, epoch_time, eps_text or "epsilon=none (non-private)", eta,
                      extra={"epoch_line": True})

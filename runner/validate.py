@@ -98,6 +98,7 @@ RULES: dict[str, Rule] = {
     "eval_batch_size": integer(1),
     "epochs": integer(1),
     "max_steps_per_epoch": optional(integer(1)),
+    "max_eval_batches": optional(integer(1)),  # -1 evaluated no example at all: test_acc 0 on a "finished" run
     "warmup_steps": integer(0),
     "seed": integer(),
     "r": optional(integer(1)),  # the bare r= alias of method.r (null: method=jl's own default)
@@ -113,6 +114,7 @@ RULES: dict[str, Rule] = {
     "progress": boolean,
     "step_timing": one_of("sync", "epoch"),
     "log_norms": boolean,
+    "checkpoint": boolean,
 }
 
 

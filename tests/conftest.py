@@ -1,6 +1,7 @@
 """Shared fixtures: composing the real conf/ tree, and small run configs."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,9 @@ register_resolvers()  # the resolvers conf/ uses
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
+# the tests' subprocesses (`python -m runner.cli` from a tmp folder) import runner from this checkout, not from the
+# checkout the venv's editable install points at: run from a git worktree, they would otherwise test other code
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 

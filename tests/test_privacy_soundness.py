@@ -100,6 +100,18 @@ def test_gdp_target_epsilon_publishes_a_certified_epsilon_within_the_target(tmp_
     assert "epsilon_gdp_approx" in table and table.epsilon_gdp_approx.iloc[-1] < eps  # the CLT underestimates here
 
 
+def test_gdp_calibration_only_when_named_and_the_published_epsilon_stays_certified(tmp_path):
+    """calibration_accountant=gdp picks sigma by the CLT, as asked; `epsilon` is still the PLD value, above the target."""
+    target = 2.0
+    train(compose_config(DIGITS + ["method=reweight", "accountant=gdp", "calibration_accountant=gdp", "epochs=2",
+                                   f"target_epsilon={target}"]), tmp_path)
+    table, summary = read(tmp_path)
+    pld = ACCOUNTANTS.build("pld")
+    pld.step(SubsampledGaussian(summary["sample_rate"], summary["sigma"]), summary["steps_per_epoch"] * 2)
+    assert table.epsilon_gdp_approx.iloc[-1] == pytest.approx(target, rel=0.01)
+    assert table.epsilon.iloc[-1] == pytest.approx(pld.epsilon(1e-5), rel=1e-9) and table.epsilon.iloc[-1] > target
+
+
 def test_gdp_epsilon_is_never_the_published_one_without_calibration(tmp_path):
     train(compose_config(DIGITS + ["method=reweight", "accountant=gdp", "epochs=1", "sigma=1.0"]), tmp_path)
     table, summary = read(tmp_path)
@@ -111,13 +123,17 @@ def test_gdp_epsilon_is_never_the_published_one_without_calibration(tmp_path):
 
 # -- item 3: a sampling no accountant analyses gets no epsilon -----------------------------------------------------
 @pytest.mark.parametrize("sampling", ["shuffle", "fixed"])
-def test_non_poisson_dp_sgd_has_an_empty_epsilon_and_a_labelled_poisson_number(tmp_path, sampling):
-    train(compose_config(DIGITS + ["method=reweight", "epochs=1", f"sampling={sampling}"]), tmp_path)
+def test_non_poisson_dp_sgd_has_an_empty_epsilon_and_a_labelled_poisson_number(tmp_path, caplog, sampling):
+    with caplog.at_level("INFO", logger="dprun"):
+        train(compose_config(DIGITS + ["method=reweight", "epochs=1", f"sampling={sampling}"]), tmp_path)
     table, summary = read(tmp_path)
     assert table.epsilon.isna().all()
     assert (table.epsilon_poisson_assumed > 0).all()
     assert summary["sampling"] == sampling
     assert any(f"sampling={sampling}" in n for n in summary["privacy_notes"])
+    # the log says so too: no "epsilon is reported for Poisson sampling", and the epoch line has no bare "epsilon="
+    assert f"sampling={sampling}: no accountant here analyses it" in caplog.text
+    assert "epsilon=none epsilon_poisson_assumed=" in caplog.text
 
 
 def test_target_epsilon_with_shuffle_is_refused(tmp_path):

@@ -126,3 +126,16 @@ def test_calibrated_sigma_no_sigma_when_not_private_iso_time_and_the_inf_pointer
     assert main(["--root", str(root)]) == 0
     out = capsys.readouterr().out
     assert "1 runs have epsilon=inf" in out and "4.2e+11" in out and "docs/privacy.md" in out
+
+
+def test_a_run_without_noise_shows_inf_without_an_infinite_lower_bound(tmp_path, capsys):
+    """sigma=0: epsilon and its lower bound are both inf; the report says inf (not "inf (> inf)") and names sigma=0."""
+    root = tmp_path / "outputs"
+    make_run(root / "runs" / "a", "jl", sigma=0.0)
+    rows = pd.read_csv(root / "runs" / "a" / "metrics.csv")
+    rows["epsilon"], rows["epsilon_lower_bound"] = float("inf"), float("inf")
+    rows.to_csv(root / "runs" / "a" / "metrics.csv", index=False)
+    assert main(["--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "inf (> inf)" not in out and " inf " in out.splitlines()[1] + " "
+    assert "1 runs have epsilon=inf" in out and "sigma=0" in out and "lower bounds up to" not in out

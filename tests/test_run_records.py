@@ -51,6 +51,22 @@ def test_reusing_a_run_folder_is_refused(tmp_path, key):
     assert ((folder / "summary.json").read_text(), (folder / "metrics.csv").read_text()) == before
 
 
+def test_reusing_a_sweep_folder_is_refused(tmp_path):
+    """A second sweep into the same hydra.sweep.dir: Hydra would rewrite each job's .hydra/ (and multirun.yaml)
+    before the job refused its folder, so the earlier runs' config records would no longer match their results."""
+    sweep = tmp_path / "sweep"
+    first = dprun("-m", "seed=choice(0)", *TINY, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    records = {p: p.read_text() for p in sweep.rglob("*.yaml")}
+    assert sweep / "0_seed=0" / ".hydra" / "config.yaml" in records
+    # the same job folder (named by the swept key), another lr: the old .hydra/config.yaml would say lr=0.1
+    second = dprun("-m", "seed=choice(0)", *TINY, "lr=0.1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert second.returncode == 2
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dprun: ") and str(sweep) in lines[0] and "fresh" in lines[0]
+    assert {p: p.read_text() for p in sweep.rglob("*.yaml")} == records
+
+
 def test_train_refuses_a_used_folder_before_loading_data(tmp_path, monkeypatch):
     import runner.train
     from runner.errors import DprunError

@@ -31,6 +31,7 @@ BAD_KNOBS = [
     ("seed=abc", "integer"), ("warmup_steps=-1", ">= 0"), ("eval_batch_size=0", ">= 1"),
     ("target_epsilon=0", "> 0"), ("target_epsilon=-1", "> 0"), ("r=0", ">= 1"), ("r=2.5", "integer"),
     ("sampling=random", "poisson"), ("progress=maybe", "true or false"),
+    ("max_eval_batches=-1", ">= 1"), ("max_eval_batches=0", ">= 1"), ("checkpoint=maybe", "true or false"),
 ]
 
 
