@@ -32,6 +32,7 @@ from runner.data.base import DataInfo, Dataset
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
 from runner.methods.base import StepOutput
+from runner.validate import check_options
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, y) -> (B,)
 
@@ -208,6 +209,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if generator is None and seed is not None:
         generator = torch.Generator().manual_seed(int(seed))
     options = {**(method_options or {}), **({"r": int(r)} if r is not None else {})}  # r: method.r (JL dimension)
+    check_options("method", method, options)  # a typo in an option name is an error, not a silent default
     m = methods.METHODS.build(method, cfg=options, clip=float(max_grad_norm), sigma=float(noise_multiplier))
     kind = m.sampling or ("poisson" if poisson else "shuffle")
 

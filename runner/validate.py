@@ -14,10 +14,14 @@ import math
 import re
 from typing import Any, Callable
 
-from omegaconf import DictConfig
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
 
 from runner.data.sampler import SAMPLINGS
 from runner.errors import DprunError
+from runner.optimizers import IMPLS
+from runner.paths import CONF_DIR
 
 Rule = Callable[[Any], str | None]  # value -> None if fine, else what is accepted ("an integer >= 1")
 
@@ -81,6 +85,16 @@ def boolean(value) -> str | None:
     return None if isinstance(value, bool) else "true or false"
 
 
+def betas(value) -> str | None:
+    """Adam's (beta1, beta2): two numbers in [0, 1)."""
+    try:
+        pair = [float(b) for b in value]
+    except (TypeError, ValueError):
+        pair = []
+    ok = len(pair) == 2 and all(math.isfinite(b) and 0 <= b < 1 for b in pair)
+    return None if ok else "two numbers in [0, 1), e.g. [0.9,0.999]"
+
+
 def optional(rule: Rule) -> Rule:
     """null is allowed (the knob is off), else `rule`."""
     def check(value):
@@ -115,18 +129,54 @@ RULES: dict[str, Rule] = {
     "step_timing": one_of("sync", "epoch"),
     "log_norms": boolean,
     "checkpoint": boolean,
+    "optimizer.momentum": number(0, low_open=False),
+    "optimizer.weight_decay": number(0, low_open=False),
+    "optimizer.eps": number(0, low_open=True),
+    "optimizer.betas": betas,
+    "optimizer.impl": one_of(*IMPLS),
 }
+OPTION_GROUPS = ("method", "optimizer", "dataset")  # group -> its options are the keys of conf/<group>/<name>.yaml
+_ABSENT = object()
 
 
 def validate_config(cfg: DictConfig) -> None:
     """Raise DprunError naming the first bad knob, its value and what is accepted."""
     for knob, rule in RULES.items():
-        if knob not in cfg:
+        value = OmegaConf.select(cfg, knob, default=_ABSENT)
+        if value is _ABSENT:
             continue
-        value = cfg[knob]
         accepted = rule(value)
         if accepted is not None:
             raise DprunError(f"{knob}={as_typed(value)} is not valid: {knob} must be {accepted}")
+    for group in OPTION_GROUPS:
+        if isinstance(cfg.get(group), DictConfig) and cfg[group].get("name"):
+            keys = set(cfg[group].keys())
+            if group == "dataset" and "like" in keys:  # a preset's one block for both scales: synthetic data
+                # shaped like dataset.like at smoke scale, that dataset itself at paper scale
+                keys -= (group_options("dataset", "synthetic") or set()) | (
+                    group_options("dataset", str(cfg.dataset.like)) or set())
+            check_options(group, str(cfg[group].name), keys)
+
+
+def group_options(group: str, name: str) -> set[str] | None:
+    """The options of conf/<group>/<name>.yaml (a dataset file's `dataset:` block), None where there is no file."""
+    path = Path(CONF_DIR) / group / f"{name}.yaml"
+    if not path.exists():
+        return None
+    data = OmegaConf.load(path)
+    if group == "dataset":
+        data = data.get("dataset") or {}
+    return {str(k) for k in data.keys()}
+
+
+def check_options(group: str, name: str, keys) -> None:
+    """`+method.foo=3` or make_private(method_options={"fo": 1}) is refused in one line, never run and ignored."""
+    valid = group_options(group, name)
+    unknown = sorted({str(k) for k in keys} - (valid or set()))
+    if valid is not None and unknown:
+        listed = ", ".join(sorted(valid - {"name"})) or "none"
+        raise DprunError(f"unknown option {group}.{unknown[0]} for {group}={name}; its options: {listed} "
+                         f"(conf/{group}/{name}.yaml)")
 
 
 def as_typed(value: Any) -> str:

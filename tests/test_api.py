@@ -122,6 +122,9 @@ def test_bad_input_is_one_line():
                            method="rewieght", batch_size=40)
     with pytest.raises(DprunError, match="data must be"):
         dprun.make_private(nn.Linear(5, 3), torch.optim.SGD(nn.Linear(5, 3).parameters(), lr=0.1), x, batch_size=4)
+    with pytest.raises(DprunError, match=r"^unknown option method.mdoe for method=reweight; its options: mode, norm"):
+        dprun.make_private(nn.Linear(5, 3), torch.optim.SGD(nn.Linear(5, 3).parameters(), lr=0.1), (x, y),
+                           method="reweight", method_options={"mdoe": "twopass"}, batch_size=40)
 
 
 def test_make_private_refuses_before_any_step_what_the_cli_refuses():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -32,6 +33,8 @@ BAD_KNOBS = [
     ("target_epsilon=0", "> 0"), ("target_epsilon=-1", "> 0"), ("r=0", ">= 1"), ("r=2.5", "integer"),
     ("sampling=random", "poisson"), ("progress=maybe", "true or false"),
     ("max_eval_batches=-1", ">= 1"), ("max_eval_batches=0", ">= 1"), ("checkpoint=maybe", "true or false"),
+    # nested knobs: each ended in a torch traceback after the data was loaded
+    ("optimizer.momentum=-1", ">= 0"), ("optimizer.weight_decay=-1", ">= 0"), ("optimizer.impl=fast", "foreach"),
 ]
 
 
@@ -51,6 +54,42 @@ def test_bad_knob_is_refused_before_any_data_is_loaded(tmp_path, no_data, overri
     line = str(err.value)
     assert "\n" not in line and line.startswith(f"{knob}=") and value in line and accepted in line
     assert not (tmp_path / "run").exists()  # no run folder, no metrics.csv
+
+
+@pytest.mark.parametrize("extra,accepted", [(["optimizer=adam", "optimizer.betas=abc"], "two numbers in [0, 1)"),
+                                            (["optimizer=adam", "optimizer.betas=[0.9,1.0]"], "[0, 1)"),
+                                            (["optimizer=adam", "optimizer.eps=0"], "> 0")])
+def test_adam_knobs_are_refused_before_any_data_is_loaded(tmp_path, no_data, extra, accepted):
+    with pytest.raises(DprunError, match=re.escape(accepted)) as err:
+        runner.train.train(compose_config(TINY + extra), tmp_path / "run")
+    assert "\n" not in str(err.value) and str(err.value).startswith("optimizer.")
+
+
+@pytest.mark.parametrize("override,valid", [("+method.foo=3", "mode, norm"), ("+optimizer.foo=1", "momentum"),
+                                            ("+dataset.foo=1", "paper_model")])
+def test_an_unknown_option_of_a_group_is_refused_naming_the_valid_ones(tmp_path, no_data, override, valid):
+    """Hydra accepts any `+group.key=` into the config; nothing would read it, so the run would ignore it."""
+    extra = ["method=reweight"] if override.startswith("+method") else []
+    with pytest.raises(DprunError) as err:
+        runner.train.train(compose_config(TINY + extra + [override]), tmp_path / "run")
+    line = str(err.value)
+    assert "\n" not in line and "unknown option" in line and override[1:].split("=")[0] in line and valid in line
+
+
+def test_every_preset_passes_the_validator():
+    """The presets' grids and extra sweeps only set options their groups' configs declare."""
+    from conftest import group_options
+    from runner.paths import compose
+    from runner.validate import validate_config
+
+    for experiment in group_options("experiment"):
+        for scale in ("smoke", "paper"):
+            base = [f"experiment={experiment}", f"scale={scale}"]
+            full = compose(base, return_hydra_config=True)
+            grid = {str(k): str(v) for k, v in (full.hydra.sweeper.params or {}).items()}
+            for extra in [""] + list(full.get("extra_sweeps") or []):
+                sweep = {**grid, **dict(o.split("=", 1) for o in extra.split())}
+                validate_config(compose(base + [f"{k}={v.split(',')[0]}" for k, v in sweep.items()]))
 
 
 @pytest.mark.parametrize("value", ["auto", "cpu", "cuda", "cuda:1"])
