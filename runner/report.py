@@ -140,6 +140,7 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
         "num_parameters": summary.get("num_parameters"),
         "accountant": summary.get("accountant"),
         "accountant_certified": summary.get("accountant_certified"),
+        "epsilon_certified": summary.get("epsilon_certified"),
         "noise_sigma": summary.get("sigma"),
         "device": summary.get("device"),
         "device_name": summary.get("device_name"),

@@ -157,7 +157,9 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         "sigma": method.sigma if method.private else None,
         "accountant": accountant_name if method.private else None,
         "accountant_approximate": bool(accountant is not None and accountant.approximate),
-        "accountant_certified": bool(accountant is not None and accountant.certified),
+        "accountant_certified": bool(accountant is not None and accountant.certified),  # the named accountant's own
+        # number; `epsilon` itself is certified whenever it is not empty (runner/accountants/published.py):
+        "epsilon_certified": bool(accountant is not None and sampler.kind == accountant.assumes_sampling),
         "privacy_notes": privacy_notes(accountant, sampler.kind) + list(getattr(data, "privacy_notes", [])),
         "data_source": data.source,
         "sampling": sampler.kind,

@@ -159,13 +159,14 @@ def validate_config(cfg: DictConfig) -> None:
 
 
 def group_options(group: str, name: str) -> set[str] | None:
-    """The options of conf/<group>/<name>.yaml (a dataset file's `dataset:` block), None where there is no file."""
+    """The options of conf/<group>/<name>.yaml (its `<group>:` block when it is packaged `_global_`, as the dataset
+    files and sbcd's are), None where there is no file."""
     path = Path(CONF_DIR) / group / f"{name}.yaml"
     if not path.exists():
         return None
     data = OmegaConf.load(path)
-    if group == "dataset":
-        data = data.get("dataset") or {}
+    if "@package _global_" in path.read_text():
+        data = data.get(group) or {}
     return {str(k) for k in data.keys()}
 
 

@@ -80,6 +80,7 @@ def test_sbcd_run_publishes_the_composition_epsilon_and_labels_the_hidden_state_
     assert pld <= eps <= rdp * 1.001  # an RDP upper bound, never below the tight PLD value
     assert 0 < table.epsilon_hsa_assumed.iloc[-1] < eps
     assert summary["final"]["epsilon"] == eps and summary["accountant_certified"] is False
+    assert summary["epsilon_certified"] is True  # the composition epsilon in `epsilon` holds
     assert any("NOT a guarantee" in n for n in summary["privacy_notes"])
 
 
@@ -119,6 +120,8 @@ def test_gdp_epsilon_is_never_the_published_one_without_calibration(tmp_path):
     pld.step(SubsampledGaussian(summary["sample_rate"], 1.0), summary["steps_per_epoch"])
     assert table.epsilon.iloc[-1] == pytest.approx(pld.epsilon(1e-5), rel=1e-9)
     assert table.epsilon_gdp_approx.iloc[-1] != table.epsilon.iloc[-1]
+    # the flags say which number holds: gdp's own is not certified, the published `epsilon` (PLD) is
+    assert summary["accountant_certified"] is False and summary["epsilon_certified"] is True
 
 
 # -- item 3: a sampling no accountant analyses gets no epsilon -----------------------------------------------------
@@ -129,6 +132,7 @@ def test_non_poisson_dp_sgd_has_an_empty_epsilon_and_a_labelled_poisson_number(t
     table, summary = read(tmp_path)
     assert table.epsilon.isna().all()
     assert (table.epsilon_poisson_assumed > 0).all()
+    assert summary["epsilon_certified"] is False  # nothing certified under this sampling
     assert summary["sampling"] == sampling
     assert any(f"sampling={sampling}" in n for n in summary["privacy_notes"])
     # the log says so too: no "epsilon is reported for Poisson sampling", and the epoch line has no bare "epsilon="
