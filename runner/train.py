@@ -233,10 +233,11 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                                 accountant=accountant, rows=rows)
             done = [r["epoch_time_s"] for r in rows if r["epoch"] > start_epoch]
             eta = format_eta(statistics.mean(done) * (int(cfg.epochs) - epoch))
+            no_epsilon = "epsilon=none (accountant=none)" if method.private else "epsilon=none (non-private)"
             eps_text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v or 'none'}"  # '': not certified
                                 for k, v in eps.items())
             log.info("epoch %d/%s: train_loss=%.4f test_acc=%.4f epoch_time=%.2fs %s eta=%s", epoch, cfg.epochs,
-                     rows[-1]["train_loss"], test_acc, epoch_time, eps_text or "epsilon=none (non-private)", eta,
+                     rows[-1]["train_loss"], test_acc, epoch_time, eps_text or no_epsilon, eta,
                      extra={"epoch_line": True})
         summary["status"] = "finished"
     except KeyboardInterrupt:

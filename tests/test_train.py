@@ -201,3 +201,15 @@ def test_log_norms_adds_quantiles_and_the_unclipped_share(tmp_path):
     cfg = compose_config(["epochs=1", "progress=false", "max_steps_per_epoch=2", "max_eval_batches=1"])
     train(cfg, tmp_path / "np")  # non-private: no norms, no columns
     assert "norm_median" not in pd.read_csv(tmp_path / "np" / "metrics.csv").columns
+
+
+def test_epoch_line_says_why_there_is_no_epsilon(tmp_path, caplog):
+    """A private method without an accountant adds noise: its epoch line must not call the run non-private."""
+    with caplog.at_level("INFO", logger="dprun"):
+        train(compose_config(["dataset=digits", "epochs=1", "progress=false", "method=reweight",
+                              "accountant=none"]), tmp_path / "private")
+        train(compose_config(["dataset=digits", "epochs=1", "progress=false"]), tmp_path / "nonprivate")
+    lines = [r.getMessage() for r in caplog.records if "epoch 1/1" in r.getMessage()]
+    assert len(lines) == 2
+    assert "epsilon=none (accountant=none)" in lines[0] and "non-private" not in lines[0]
+    assert "epsilon=none (non-private)" in lines[1]
