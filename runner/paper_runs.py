@@ -147,12 +147,22 @@ def summarise(run_dir: Path) -> dict:
                   "to_threshold": to_thr}
 
 
+OPTIMIZER_KNOBS = {"adam": ("eps",), "sgd": ("momentum",)}  # what the IMDB investigation varies per optimizer
+
+
+def optimizer_knobs(opt: dict, sep: str | None):
+    """The varied knobs of the run's optimizer as key=value: a list (sep None) or one string."""
+    pairs = [f"{k}={opt.get(k)}" for k in OPTIMIZER_KNOBS.get(str(opt.get("name")), ()) if opt.get(k) is not None]
+    return pairs if sep is None else sep.join(pairs)
+
+
 def setup_of(cfg: dict) -> str:
     """The knobs the IMDB investigation varies, as one short string (absent knobs: their defaults)."""
     model, data, opt = cfg.get("model", {}), cfg.get("dataset", {}), cfg.get("optimizer", {})
     parts = [f"init={model.get('init') or 'torch'}", f"mask={'on' if model.get('mask_padding') else 'off'}",
              f"truncate={data.get('truncate', 'end')}", f"pad={data.get('pad', 'end')}",
-             f"seq_len={data.get('seq_len')}", f"{opt.get('name')}(eps={opt.get('eps')})", f"lr={cfg.get('lr')}",
+             f"seq_len={data.get('seq_len')}", f"{opt.get('name')}({optimizer_knobs(opt, ', ')})",
+             f"lr={cfg.get('lr')}",
              f"C={cfg.get('clip')}", f"sigma={cfg.get('sigma')}"]
     return " ".join(parts)
 
@@ -167,7 +177,8 @@ def probe_command(cfg: dict) -> str:
     parts += [f"model={model.get('name')}", f"model.init={model.get('init') or 'torch'}",
               f"model.mask_padding={str(bool(model.get('mask_padding'))).lower()}",
               f"dataset.truncate={data.get('truncate', 'end')}", f"dataset.pad={data.get('pad', 'end')}",
-              f"optimizer={opt.get('name')}", f"optimizer.eps={opt.get('eps')}", f"lr={cfg.get('lr')}"]
+              f"optimizer={opt.get('name')}", *(f"optimizer.{kv}" for kv in optimizer_knobs(opt, None)),
+              f"lr={cfg.get('lr')}"]
     if cfg.get("target_epsilon") is not None:
         parts.append(f"target_epsilon={cfg.get('target_epsilon')}")
     else:

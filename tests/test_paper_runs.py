@@ -112,6 +112,10 @@ def test_imdb_setups_tried_get_a_table_with_what_changed(tmp_path):
     with open(src / "imdb_jl" / "metrics.csv") as f:
         rows = f.read().splitlines()
     (src / "imdb_jl" / "metrics.csv").write_text(rows[0] + ",unclipped_frac\n" + rows[1] + ",0.25\n")
+    fake_run(src, "imdb_sgd", "imdb", "reweight", (0.7,), (7.5,))
+    summary = json.loads((src / "imdb_sgd" / "summary.json").read_text())
+    summary["config"] |= {"optimizer": {"name": "sgd", "momentum": 0.9, "weight_decay": 0.0}, "lr": 0.5}
+    (src / "imdb_sgd" / "summary.json").write_text(json.dumps(summary))
     fake_run(src, "mnist_x", "mnist", "reweight", (0.9,), (0.5,))
     out, probes = tmp_path / "README.md", tmp_path / "probes"
     assert pr.main(["readme", "--runs", str(tmp_path / "none"), "--out", str(out), "--probes", str(probes),
@@ -123,6 +127,10 @@ def test_imdb_setups_tried_get_a_table_with_what_changed(tmp_path):
     assert "84.0% (1)" in tail and "83.0%" in tail
     jl = next(line for line in text.splitlines() if line.startswith("| imdb_jl "))
     assert "| 25% |" in jl and "| inf |" in jl and "mask=off truncate=end" in jl
+    sgd = next(line for line in text.splitlines() if line.startswith("| imdb_sgd "))
+    assert "sgd(momentum=0.9) lr=0.5" in sgd and "eps" not in sgd  # each optimizer's own knobs
+    command = next(line for line in text.splitlines() if line.startswith("imdb_sgd: dprun "))
+    assert "optimizer=sgd optimizer.momentum=0.9 lr=0.5" in command and "optimizer.eps" not in command
     assert "| mnist_x " not in text.split("## IMDB: every setup tried")[1].split("## Commands")[0]
 
 
