@@ -211,3 +211,11 @@ def test_dprun_multirun_of_a_preset_with_extra_sweeps_names_the_make_target(monk
     assert extra_sweeps_note(["experiment=jl_table2"]) is None  # a single run
     monkeypatch.setenv("DPRUN_FIGURE_SWEEP", "1")
     assert extra_sweeps_note(["-m", "experiment=jl_table2"]) is None  # the figure sweep runs them itself
+
+
+def test_the_infinite_epsilon_marker_is_no_methods_colour():
+    """The epsilon = inf edge was tab:red, which is also nxBP's (DP-SGD-Vanilla's) colour: its finite-epsilon markers
+    read as 'no guarantee' in jl_fig3."""
+    from runner.figures.style import INF_EDGE, METHOD_STYLE
+
+    assert all(to_rgba(colour) != to_rgba(INF_EDGE) for colour, _ in METHOD_STYLE.values())

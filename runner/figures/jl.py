@@ -11,7 +11,8 @@ import pandas as pd
 from scipy import stats
 
 from runner.figures.spec import FIGURES, Figure, newest_per, seconds_per_epoch, threshold
-from runner.figures.style import finish, jl_label, method_legend, method_style, panels, plain_log_axis, table_figure
+from runner.figures.style import (INF_EDGE, finish, jl_label, method_legend, method_style, panels, plain_log_axis,
+                                  table_figure)
 
 # The paper's seconds per epoch (Tesla P100), placed next to ours in Tables 2 and 3.
 PAPER_TABLE2 = {"Non-DP SGD": (12, 2.5), "DP-SGD-Vanilla": (None, 434), "DP-SGD-Outer": (17, None),
@@ -173,7 +174,7 @@ def eps_panel(ax, points, eps_axis: str = "y"):
     their value; epsilon = inf (no finite guarantee) as red triangles on an "inf" band at the top (or right) of the
     epsilon axis; non-private (no epsilon) as a dashed grey line at its position."""
     finite = [e for _, e, _ in points if pd.notna(e) and np.isfinite(e)]
-    n_inf = 0
+    n_inf = n_finite = 0
     top = max(finite) * 1.3 if finite else 1.0
     inf_at = top * 0.93
     for pos, eps, label in points:
@@ -188,7 +189,7 @@ def eps_panel(ax, points, eps_axis: str = "y"):
         value = inf_at if inf else eps
         xy = (pos, value) if eps_axis == "y" else (value, pos)
         if inf:
-            ax.scatter(*xy, s=40, zorder=3, edgecolors="tab:red", linewidths=1.5, label=label, **method_style(label))
+            ax.scatter(*xy, s=40, zorder=3, edgecolors=INF_EDGE, linewidths=1.5, label=label, **method_style(label))
             n_inf += 1
             ax.annotate(label + r" ($\epsilon=\infty$)", xy, fontsize=7, color="tab:red",
                         xytext=(3, -9 * n_inf) if eps_axis == "y" else (-4, 3 + 9 * (n_inf - 1)),
@@ -196,7 +197,8 @@ def eps_panel(ax, points, eps_axis: str = "y"):
                         textcoords="offset points")
         else:
             ax.scatter(*xy, zorder=3, s=40, label=label, **method_style(label))
-            ax.annotate(label, xy, fontsize=7, xytext=(3, 3), textcoords="offset points")
+            n_finite += 1  # alternate above / below: two methods close together keep readable labels
+            ax.annotate(label, xy, fontsize=7, xytext=(3, 3) if n_finite % 2 else (3, -10), textcoords="offset points")
     if any(pd.notna(e) and np.isinf(e) for _, e, _ in points):
         (ax.axhspan if eps_axis == "y" else ax.axvspan)(top * 0.88, top, color="tab:red", alpha=0.08)
     (ax.set_ylim if eps_axis == "y" else ax.set_xlim)(0, top)
@@ -204,7 +206,7 @@ def eps_panel(ax, points, eps_axis: str = "y"):
 
 def tradeoff_left(ax, fig, data, norm, cmap):
     """Accuracy vs training time: one line per method in its colour and marker; each epoch's marker filled with its
-    epsilon's colour (red edge: epsilon = inf; hollow: non-private)."""
+    epsilon's colour (white with a black edge: epsilon = inf; hollow: non-private)."""
     for label in sorted(data["label"].unique(), key=label_order):
         sub = data[data["label"] == label]
         style = method_style(label)
@@ -217,7 +219,7 @@ def tradeoff_left(ax, fig, data, norm, cmap):
                        marker=style["marker"], edgecolors=style["color"], linewidths=1.0, zorder=2)
         if inf.any():
             ax.scatter(sub["time_s"][inf], sub["test_acc"][inf], marker=style["marker"], facecolors="white",
-                       edgecolors="tab:red", linewidths=1.5, s=30, zorder=2)
+                       edgecolors=INF_EDGE, linewidths=1.5, s=30, zorder=2)
         if e.isna().all():
             ax.scatter(sub["time_s"], sub["test_acc"], marker=style["marker"], facecolors="none",
                        edgecolors=style["color"], s=30, zorder=2)
@@ -246,7 +248,7 @@ def draw_tradeoff(data, caption, scale, title, paper_acc):
     fig, (left, right) = panels(1, 2, title + "\n" + what_ran(data), 5.4, 4)
     norm, cmap = eps_norm(data)
     tradeoff_left(left, fig, data, norm, cmap)
-    left.set_title("accuracy vs training time\n(marker fill: $\\epsilon$; red edge: $\\epsilon=\\infty$; "
+    left.set_title("accuracy vs training time\n(marker fill: $\\epsilon$; white, black edge: $\\epsilon=\\infty$; "
                    "hollow: non-private)", fontsize=9)
     chance = chance_level(data)
     if chance is not None:  # no accuracy target on random labels: where each method ends instead
@@ -281,7 +283,7 @@ def draw_fig1(data, caption, scale):
                         "epsilon as colour\n" + what_ran(data), 7.5, 4.4)
     norm, cmap = eps_norm(data)
     tradeoff_left(ax, fig, data, norm, cmap)
-    ax.set_title("marker fill: $\\epsilon$; red edge: $\\epsilon=\\infty$; hollow: non-private", fontsize=9)
+    ax.set_title("marker fill: $\\epsilon$; white, black edge: $\\epsilon=\\infty$; hollow: non-private", fontsize=9)
     ax.grid(alpha=0.3)
     method_legend(fig, [ax])
     return finish(fig, caption, top=0.9)

@@ -28,6 +28,7 @@ METHOD_STYLE = {
     "jl(1)": ("#1f77b4", "^"), "jl(2)": ("#4e9ad0", "^"), "jl(4)": ("#17becf", "^"), "jl(6)": ("#6b8fd6", "^"),
     "jl(8)": ("#3d5a99", "^"), "jl(10)": ("#9467bd", "^"), "jl(20)": ("#5c3d8f", "^"), "jl(30)": ("#bcbd22", "^"),
 }
+INF_EDGE = "black"  # the edge of a marker whose epsilon is inf (no finite guarantee): no method has this colour
 _ALIASES = {"non": "nonprivate", "nxbp": "nxbp", "vanilla": "nxbp", "outer": "opacus", "opacus": "opacus",
             "multiloss": "multiloss", "multiple": "multiloss", "reweight": "reweight", "sbcd": "sbcd"}
 
