@@ -219,3 +219,23 @@ def test_the_infinite_epsilon_marker_is_no_methods_colour():
     from runner.figures.style import INF_EDGE, METHOD_STYLE
 
     assert all(to_rgba(colour) != to_rgba(INF_EDGE) for colour, _ in METHOD_STYLE.values())
+
+
+def test_log_ticks_label_only_powers_of_ten_over_many_decades():
+    """jl_fig5's time axis spans 2 s to 2,000 s: 1-2-5 labels at every decade ran into each other."""
+    import matplotlib.pyplot as plt
+
+    from runner.figures.style import plain_log_axis
+
+    labels = {}
+    for lo, hi in [(2, 2000), (0.3, 8)]:
+        fig, ax = plt.subplots()
+        ax.set_xscale("log")
+        ax.set_xlim(lo, hi)
+        plain_log_axis(ax.xaxis)
+        fig.canvas.draw()
+        fmt = ax.xaxis.get_major_formatter()
+        labels[(lo, hi)] = [fmt(x) for x in ax.xaxis.get_majorticklocs() if lo <= x <= hi and fmt(x)]
+        plt.close(fig)
+    assert labels[(2, 2000)] == ["10", "100", "1000"]
+    assert labels[(0.3, 8)] == ["0.5", "1", "2", "5"]

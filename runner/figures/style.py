@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -85,8 +87,16 @@ def plain_log_axis(axis):
     labels or 3x10^-1; unlabelled minor ticks stay."""
     from matplotlib import ticker
 
+    def label(x, _):
+        """Over more than 2.5 decades only the powers of ten are labelled (2 and 5 x 10^k would crowd them)."""
+        lo, hi = sorted(axis.get_view_interval())
+        if x <= 0 or lo <= 0:
+            return f"{x:g}"
+        mantissa = x / 10 ** math.floor(math.log10(x) + 1e-9)
+        return "" if math.log10(hi / lo) > 2.5 and abs(mantissa - 1) > 1e-6 else f"{x:g}"
+
     axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    axis.set_major_formatter(ticker.FuncFormatter(label))
     axis.set_minor_locator(ticker.LogLocator(base=10, subs=tuple(range(1, 10))))
     axis.set_minor_formatter(ticker.NullFormatter())
 
