@@ -37,6 +37,11 @@ def run(cfg: DictConfig) -> dict:
     try:
         with sigterm_as_interrupt():  # SIGTERM (timeout, Slurm) ends the run like Ctrl-C: status `interrupted`
             summary = train(cfg, out_dir)
+    except (Exception, KeyboardInterrupt) as e:  # the log says why the run ended (on Slurm it is all one has);
+        # written to the file only: the terminal gets the one line main() prints
+        why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed: {type(e).__name__}: {e}"
+        log_file.emit(logging.makeLogRecord({"msg": f"run {why}", "levelname": "ERROR", "levelno": logging.ERROR}))
+        raise
     finally:
         logging.getLogger().removeHandler(log_file)
         log_file.close()

@@ -111,6 +111,18 @@ def test_a_signal_ends_the_run_as_interrupted_with_one_line(tmp_path, sig, code,
     ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("dprun: ")]
     assert len(ours) == 1 and word in ours[0] and "complete epoch" in ours[0] and str(folder) in ours[0]
     assert tmp_files(folder) == []
+    assert "run interrupted" in (folder / "dprun.log").read_text()  # the log says how the run ended
+
+
+def test_the_run_log_says_why_a_run_failed(tmp_path):
+    """On Slurm the run folder's dprun.log is what one reads; a refused or crashed run's reason must be in it."""
+    from runner.cli import run
+    from runner.errors import DprunError
+
+    cfg = compose_config(["dataset=digits", "epochs=1", "progress=false", "clip=0", f"out_dir={tmp_path / 'run'}"])
+    with pytest.raises(DprunError):
+        run(cfg)
+    assert "run failed: DprunError: clip=0 is not valid" in (tmp_path / "run" / "dprun.log").read_text()
 
 
 def enospc(*_):
