@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from runner.distributed import launched_rank, launched_world_size
 from runner.errors import DprunError
 from runner.interrupt import interrupted_exit, sigterm_as_interrupt
 from runner.overrides import CONFIG_GROUPS, check_group_choices
@@ -24,12 +25,16 @@ from runner.registry import unknown_name_message
 from runner.run_dir import check_reused_dirs
 
 register_resolvers()  # before @hydra.main composes conf/
+EXIT_DIVERGED = 3  # a run whose loss or parameters became non-finite (status `diverged`); 2: refused; 1: failed
 
 
 def run(cfg: DictConfig) -> dict:
     from runner.train import train
 
     out_dir = output_dir(cfg)
+    if launched_rank() != 0:  # another rank of a distributed run: rank 0 writes the run's files and prints
+        with sigterm_as_interrupt():
+            return train(cfg, out_dir)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     log_file = logging.FileHandler(Path(out_dir) / "dprun.log")  # the run's log (Slurm jobs have no terminal)
     log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
@@ -88,22 +93,35 @@ def print_result(summary: dict, out_dir, table: bool = True) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
-    logging.basicConfig(level=logging.INFO, format="[dprun] %(message)s", force=True)
+    rank = launched_rank()
+    # other ranks: warnings and errors only (rank 0 speaks for the run), each line naming its rank
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="[dprun] %(message)s" if rank == 0 else f"[dprun rank {rank}] %(message)s", force=True)
     logging.getLogger("dprun").disabled = False  # hydra/job_logging=disabled disables existing loggers per job
     if _interactive():
         for handler in logging.getLogger().handlers:
             handler.addFilter(_NoEpochLines())
+    prefix = "dprun: " if launched_world_size() == 1 else f"dprun: rank {rank}: "
     try:
         run(cfg)
     except DprunError as e:
-        print(f"dprun: {e}", file=sys.stderr)
+        print(f"{prefix}{e}", file=sys.stderr)
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # a sweep goes on with its other jobs; Hydra reports the failed one at the end
-        sys.exit(2)
+        from runner.train import Diverged
+
+        sys.exit(EXIT_DIVERGED if isinstance(e, Diverged) else 2)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the complete epochs are on disk; one line, no traceback
         line, code = interrupted_exit(e, output_dir(cfg))
-        print(line, file=sys.stderr)
+        print(line if rank == 0 else f"{prefix}{line.removeprefix('dprun: ')}", file=sys.stderr)
         sys.exit(code)
+    except Exception as e:  # noqa: BLE001  a distributed rank's error: one line naming the rank (torchrun's
+        # own report follows); a single process keeps Hydra's traceback
+        if launched_world_size() == 1:
+            raise
+        print(f"{prefix}failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+              file=sys.stderr)
+        sys.exit(1)
 
 
 def extra_sweeps_note(argv: list[str]) -> str | None:
@@ -184,7 +202,23 @@ def main() -> None:
     from runner.checkpoint import resume_argv
 
     sys.argv[1:] = resume_argv(sys.argv[1:])  # resume=<dir>: that run's overrides, continued in its folder
+    sys.argv[1:] = rank_argv(sys.argv[1:])
     _hydra_main()
+
+
+def rank_argv(argv: list[str]) -> list[str]:
+    """Under torchrun/srun, ranks other than 0 write nothing: Hydra's run folder (which every rank would otherwise
+    create, each with its own time stamp) goes to a temporary folder without a .hydra record."""
+    if launched_world_size() == 1 or launched_rank() == 0 or {"-m", "--multirun"} & set(argv):
+        return argv
+    import atexit
+    import shutil
+    import tempfile
+
+    scratch = tempfile.mkdtemp(prefix=f"dprun-rank{launched_rank()}-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={scratch}",
+                                                                       "hydra.output_subdir=null"]
 
 
 if __name__ == "__main__":

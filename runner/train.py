@@ -3,14 +3,19 @@
     from runner.train import train
     summary = train(cfg, out_dir="outputs/runs/x")     # cfg: the composed Hydra config (conf/config.yaml)
 
-Writes out_dir/metrics.csv (one row per finished epoch) and out_dir/summary.json (resolved config, versions,
-device, final metrics). Both are replaced atomically, so an interrupted run leaves only complete rows.
+Four phases, each a function below: set_up (data, model, method, privacy, optimizer, resume), run_epoch (the
+logical steps: Method.step does the chunks, the autocast and the ranks), epoch_row (evaluation, epsilon, the
+metrics row) and finish (summary.json). Writes out_dir/metrics.csv (one row per finished epoch) and
+out_dir/summary.json (resolved config, versions, device, final metrics). Both are replaced atomically, so an
+interrupted run leaves only complete rows. On several ranks (runner/distributed.py) only rank 0 writes, and every
+metric is global.
 """
 from __future__ import annotations
 
 import logging
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +23,12 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from runner import accountants, checkpoint, methods, models
+from runner import accountants, checkpoint, distributed, methods, models
 from runner.accountants.published import epsilon_columns, privacy_notes
 from runner.data import load_dataset
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
+from runner.evaluation import eval_subset, evaluate
 from runner.metrics import (StepTimer, device_name, package_versions, peak_memory_bytes, reset_peak_memory,
                             synchronize, write_csv, write_json, write_json_last_resort)
 from runner.optimizers import build_optimizer
@@ -33,18 +39,22 @@ from runner.validate import validate_config
 
 log = logging.getLogger("dprun")
 
+PROGRESS_EVERY = 20  # steps between progress-bar loss updates and divergence checks (each one syncs the device)
 
-def resolve_device(name: str) -> torch.device:
+
+class Diverged(DprunError):
+    """A non-finite training loss or parameter: the run ends with status `diverged` (exit 3), its complete epochs
+    kept; a sweep over learning rates must not plot it as a result."""
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise DprunError(f"device={name} but CUDA is not available here; use device=cpu or device=auto")
     if name not in ("cpu",) and not name.startswith("cuda"):
         raise DprunError(f"unknown device {name!r}; valid: auto, cpu, cuda, cuda:N")
-    return torch.device(name)
-
-
-PROGRESS_EVERY = 20  # steps between progress-bar loss updates (each one reads the loss back from the device)
+    return torch.device(f"cuda:{local_rank}" if name == "cuda" else name)
 
 
 def norm_columns(norm_log: list[torch.Tensor], clip: float) -> dict[str, float]:
@@ -62,32 +72,80 @@ def per_example_cross_entropy(outputs: torch.Tensor, y: torch.Tensor) -> torch.T
     return F.cross_entropy(outputs, y, reduction="none")  # (B,)
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int,
-             max_batches: int | None = None) -> tuple[float, float]:
-    """Mean loss and accuracy over (x, y), in eval mode; max_batches: only the first batches (timing runs)."""
-    if max_batches:
-        x, y = x[:batch_size * int(max_batches)], y[:batch_size * int(max_batches)]
-    model.eval()
-    loss, correct = 0.0, 0
-    for i in range(0, len(y), batch_size):
-        out = model(x[i:i + batch_size])
-        loss += F.cross_entropy(out, y[i:i + batch_size], reduction="sum").item()
-        correct += (out.argmax(1) == y[i:i + batch_size]).sum().item()
-    model.train()
-    return loss / max(1, len(y)), correct / max(1, len(y))
+@dataclass
+class Run:
+    """What set_up builds and the phases share."""
+
+    cfg: DictConfig
+    out_dir: Path
+    world: distributed.World
+    device: torch.device
+    data: Any
+    sampler: Sampler
+    steps_per_epoch: int
+    model: torch.nn.Module
+    method: methods.Method
+    accountant: Any
+    optimizer: torch.optim.Optimizer
+    step_fn: Any
+    eval_idx: torch.Tensor | None  # max_eval_batches: a fixed stratified subset of the test set; None: all of it
+    summary: dict[str, Any]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows_on_disk: int = 0  # summary.json describes what metrics.csv holds, never an epoch that did not reach it
+    start_epoch: int = 0
+
+
+@dataclass
+class EpochStats:
+    """One epoch's training, reduced over the ranks."""
+
+    loss_sum: float
+    correct: int
+    seen: int
+    step_time_s: float
+    epoch_time_s: float
+    norm_log: list[torch.Tensor] | None
 
 
 def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     validate_config(cfg)  # every knob, before any data is loaded or any file written
     out_dir = Path(out_dir)
-    if not cfg.get("resume"):  # a resumed run continues in its own folder (runner/checkpoint.py checks it)
+    if not cfg.get("resume") and distributed.launched_rank() == 0:  # a resumed run continues in its own folder
         ensure_fresh(out_dir)  # before any data is loaded: never replace another run's results
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(str(cfg.device))
+    world = distributed.init(str(cfg.device), float(cfg.distributed.timeout_s), int(cfg.seed),
+                             str(cfg.distributed.backend))
+    try:
+        run = set_up(cfg, out_dir, world)
+        try:
+            for epoch in range(run.start_epoch + 1, int(cfg.epochs) + 1):
+                stats = run_epoch(run, epoch)
+                record_epoch(run, *epoch_row(run, epoch, stats))
+            run.summary["status"] = "finished"
+        except Diverged as e:
+            run.summary.update(status="diverged", error=str(e))
+            raise
+        except KeyboardInterrupt:
+            run.summary["status"] = "interrupted"
+            raise
+        except Exception as e:  # e.g. CUDA out of memory: recorded so that reports never mistake it for a running job
+            run.summary.update(status="failed", error=f"{type(e).__name__}: {e}".splitlines()[0])
+            raise
+        finally:
+            finish(run)
+    finally:
+        distributed.shutdown(world)
+    return run.summary
+
+
+# -- set-up ------------------------------------------------------------------------------------------------------
+def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
+    """Data, sampler, model, method, accountant (sigma calibrated to target_epsilon), optimizer, step, resume."""
+    if world.main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(str(cfg.device), world.local_rank)
     dtype = {"float32": torch.float32, "float64": torch.float64}[str(cfg.dtype)]
     torch.manual_seed(int(cfg.seed))
-    gen = torch.Generator().manual_seed(int(cfg.seed))
+    gen = torch.Generator().manual_seed(int(cfg.seed))  # the sampler's: the same global batches on every rank
 
     # data: tensors on the device, loaded once
     data = load_dataset(cfg.dataset, cfg.data_dir, device)
@@ -111,7 +169,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     model_kwargs.update(model_cfg.get("kwargs") or {})  # model=auto: the dataset's knobs for its paper model
     model_kwargs = models.knobs(str(cfg.model.name), **model_kwargs)  # null -> the builder's default
     model = models.build(str(cfg.model.name), data.info, **model_kwargs).to(device=device, dtype=dtype)
-    method = methods.build(cfg)
+    method = methods.build(cfg).configure(physical_batch_size=cfg.get("physical_batch_size"),
+                                         precision=str(cfg.get("precision", "fp32")), world=world)
     model = method.attach(model, data)  # validates (BatchNorm refused, norm-rule coverage) and prepares
 
     # privacy: accountant and (optionally) sigma calibrated to a target epsilon
@@ -133,12 +192,14 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         accountants.check_for_method(accountant, method, sampler.sample_rate)  # before training
 
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), float(cfg.lr))
-    step_fn = build_step(method, cfg.get("compile", "off"), device,  # compile=...: runner/methods/compiled.py
-                         physical_batch(sampler.sample_rate * sampler.n))
-    loss_fn = per_example_cross_entropy
-    rows: list[dict[str, Any]] = []
-    rows_on_disk = 0  # summary.json describes what metrics.csv holds, never an epoch that did not reach it
-    start_epoch = 0
+    expected = sampler.sample_rate * sampler.n  # the expected GLOBAL batch size: what the noisy sum is divided by
+    physical = cfg.get("physical_batch_size") or physical_batch(expected / world.size)
+    step_fn = build_step(method, cfg.get("compile", "off"), device, int(physical))  # runner/methods/compiled.py
+    eval_idx = eval_subset(data.test_y, int(cfg.eval_batch_size) * int(cfg.max_eval_batches)) \
+        if cfg.get("max_eval_batches") else None
+    run = Run(cfg, out_dir, world, device, data, sampler, steps_per_epoch, model, method, accountant, optimizer,
+              step_fn, eval_idx, summary={})
+
     # the resolved config, with every model knob's value used (summary.json; a resume must match it)
     run_config = {**OmegaConf.to_container(cfg, resolve=True), "model": {"name": str(cfg.model.name), **model_kwargs}}
     can_checkpoint = checkpoint.supported(method)  # None: the model + optimizer hold all of the method's state
@@ -146,11 +207,12 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         if can_checkpoint:
             raise DprunError(f"resume: {can_checkpoint}")
         checkpoint.check_config(cfg.resume, run_config)
-        start_epoch, rows = checkpoint.restore(checkpoint.load(cfg.resume), model=model, optimizer=optimizer,
-                                               sampler=sampler, method=method, accountant=accountant)
-        rows_on_disk = len(rows)
-        log.info("resumed %s after epoch %d", cfg.resume, start_epoch)
-    summary: dict[str, Any] = {
+        run.start_epoch, run.rows = checkpoint.restore(checkpoint.load(cfg.resume), model=model, optimizer=optimizer,
+                                                       sampler=sampler, method=method, accountant=accountant)
+        run.rows_on_disk = len(run.rows)
+        world.steps = run.start_epoch * steps_per_epoch  # the ranks' forward streams continue where they were
+        log.info("resumed %s after epoch %d", cfg.resume, run.start_epoch)
+    run.summary = {
         "status": "running",
         "config": run_config,
         "method": method.name,
@@ -168,92 +230,140 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         "num_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "device": str(device),
         "device_name": device_name(device),
+        "world_size": world.size,
+        "backend": world.backend,
+        "evaluation": ("the whole test split" if eval_idx is None else
+                       f"a fixed stratified random subset of {len(eval_idx)} of the {len(data.test_y)} test examples "
+                       f"(max_eval_batches={cfg.max_eval_batches}; the same subset for every run)"),
         "versions": package_versions(),
         "mechanisms": [],
     }
-    write_json(out_dir / "summary.json", summary)
+    if world.main:
+        write_json(out_dir / "summary.json", run.summary)
+    return run
 
-    model.train()
-    try:
-        for epoch in range(start_epoch + 1, int(cfg.epochs) + 1):
-            reset_peak_memory(device)
-            # loss and accuracy stay on the device until the epoch ends: an .item() per step would sync the GPU
-            step_times, loss_sum, correct, seen = [], torch.zeros((), device=device), torch.zeros((), device=device), 0
-            per_step_timing = cfg.get("step_timing", "sync") == "sync"
-            norm_log = [] if cfg.get("log_norms", False) and method.private else None  # (B,) per step, on device
-            epoch_start = time.perf_counter()
-            batches = sampler.epoch()
-            bar = progress_bar(range(steps_per_epoch), enabled=bool(cfg.progress), desc=f"epoch {epoch}/{cfg.epochs}")
-            for step in bar:
-                idx = next(batches)
-                x, y = data.train_x[idx], data.train_y[idx]
-                with StepTimer(device, enabled=per_step_timing) as t:
-                    out = step_fn(model, loss_fn, x, y, optimizer, sample_rate=sampler.sample_rate,
-                                  expected_batch_size=sampler.sample_rate * sampler.n, indices=idx)
-                if per_step_timing and (step >= int(cfg.warmup_steps) or steps_per_epoch <= int(cfg.warmup_steps)):
-                    step_times.append(t.seconds)
-                if accountant is not None:
-                    accountant.step(out.mechanism)
-                loss_sum += out.losses.detach().sum()
-                seen += len(y)
-                if out.outputs is not None:
-                    correct += (out.outputs.detach().argmax(1) == y).sum()
-                if norm_log is not None and out.norms is not None:
-                    norm_log.append(out.norms.detach().float())
-                if cfg.progress and (step % PROGRESS_EVERY == 0 or step == steps_per_epoch - 1):
-                    bar.set_postfix(loss=f"{float(loss_sum) / max(seen, 1):.3f}")  # a sync, every few steps only
-            for _ in batches:  # finish the epoch's generator (capped epochs)
-                pass
-            synchronize(device)
-            if not per_step_timing:  # step_timing=epoch: no per-step sync; the epoch's mean step time
-                step_times = [(time.perf_counter() - epoch_start) / max(steps_per_epoch, 1)]
-            loss_sum, correct = float(loss_sum), int(correct)
-            epoch_time = time.perf_counter() - epoch_start
-            test_loss, test_acc = evaluate(model, data.test_x, data.test_y, int(cfg.eval_batch_size),
-                                           cfg.get("max_eval_batches"))
-            eps = epsilon_columns(accountant, float(cfg.delta), sampler.kind) if accountant is not None else {}
-            rows.append({
-                "epoch": epoch,
-                "steps": steps_per_epoch,
-                "train_loss": loss_sum / max(seen, 1),
-                "train_acc": correct / max(seen, 1),
-                "test_loss": test_loss,
-                "test_acc": test_acc,
-                "epoch_time_s": epoch_time,
-                "step_time_s": statistics.median(step_times) if step_times else float("nan"),
-                "peak_mem_bytes": peak_memory_bytes(device),
-                "epsilon": "",  # only a certified epsilon, under the sampling used (runner/accountants/published.py)
-                **eps,
-                **(norm_columns(norm_log, method.clip) if norm_log is not None else {}),
-            })
-            write_csv(out_dir / "metrics.csv", rows)
-            rows_on_disk = len(rows)  # a signal during the write above leaves the previous file, and this count
-            if cfg.get("checkpoint", True) and can_checkpoint is None:
-                checkpoint.save(out_dir, epoch=epoch, model=model, optimizer=optimizer, sampler=sampler, method=method,
-                                accountant=accountant, rows=rows)
-            done = [r["epoch_time_s"] for r in rows if r["epoch"] > start_epoch]
-            eta = format_eta(statistics.mean(done) * (int(cfg.epochs) - epoch))
-            no_epsilon = "epsilon=none (accountant=none)" if method.private else "epsilon=none (non-private)"
-            eps_text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v or 'none'}"  # '': not certified
-                                for k, v in eps.items())
-            log.info("epoch %d/%s: train_loss=%.4f test_acc=%.4f epoch_time=%.2fs %s eta=%s", epoch, cfg.epochs,
-                     rows[-1]["train_loss"], test_acc, epoch_time, eps_text or no_epsilon, eta,
-                     extra={"epoch_line": True})
-        summary["status"] = "finished"
-    except KeyboardInterrupt:
-        summary["status"] = "interrupted"
-        raise
-    except Exception as e:  # e.g. CUDA out of memory: recorded so that reports never mistake it for a running job
-        summary["status"] = "failed"
-        summary["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
-        raise
-    finally:
-        if accountant is not None:
-            summary["mechanisms"] = [{"kind": m.kind, **m.__dict__, "steps": n} for m, n in accountant.history.items()]
-        rows = rows[:rows_on_disk]
-        summary["final"] = rows[-1] if rows else {}
-        if rows and rows[-1]["epsilon"] == float("inf") and hasattr(accountant, "epsilon_lower_bound"):
-            summary["epsilon_lower_bound"] = accountant.epsilon_lower_bound(float(cfg.delta))  # docs/privacy.md
-        summary["epochs_completed"] = len(rows)
-        write_json_last_resort(out_dir / "summary.json", summary)  # a full disk must not leave `running`
-    return summary
+
+# -- one epoch ---------------------------------------------------------------------------------------------------
+def run_epoch(run: Run, epoch: int) -> EpochStats:
+    """The epoch's logical steps; each rank trains on its share of every global Poisson batch."""
+    cfg, device, world = run.cfg, run.device, run.world
+    reset_peak_memory(device)
+    # loss and accuracy stay on the device until the epoch ends: an .item() per step would sync the GPU
+    step_times, loss_sum, correct, seen = [], torch.zeros((), device=device), torch.zeros((), device=device), 0
+    first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step with a non-finite loss
+    per_step_timing = cfg.get("step_timing", "sync") == "sync"
+    norm_log = [] if cfg.get("log_norms", False) and run.method.private else None  # (B,) per step, on device
+    expected = run.sampler.sample_rate * run.sampler.n
+    epoch_start = time.perf_counter()
+    batches = run.sampler.epoch()
+    bar = progress_bar(range(run.steps_per_epoch), enabled=bool(cfg.progress) and world.main,
+                       desc=f"epoch {epoch}/{cfg.epochs}")
+    for step in bar:
+        idx = world.share(next(batches))  # (B_t / ranks,) this rank's share of the global batch
+        x, y = run.data.train_x[idx], run.data.train_y[idx]
+        with StepTimer(device, enabled=per_step_timing) as t:
+            out = run.step_fn(run.model, per_example_cross_entropy, x, y, run.optimizer,
+                              sample_rate=run.sampler.sample_rate, expected_batch_size=expected, indices=idx)
+        if per_step_timing and (step >= int(cfg.warmup_steps) or run.steps_per_epoch <= int(cfg.warmup_steps)):
+            step_times.append(t.seconds)
+        if run.accountant is not None:
+            run.accountant.step(out.mechanism)
+        losses = out.losses.detach()
+        loss_sum += losses.sum()
+        seen += len(y)
+        bad = ~torch.isfinite(losses).all() & (first_bad < 0)
+        first_bad = torch.where(bad, torch.full_like(first_bad, step + 1), first_bad)
+        if out.outputs is not None:
+            correct += (out.outputs.detach().argmax(1) == y).sum()
+        if norm_log is not None and out.norms is not None:
+            norm_log.append(out.norms.detach().float())
+        if step % PROGRESS_EVERY == PROGRESS_EVERY - 1 or step == run.steps_per_epoch - 1:
+            check_finite(run, epoch, first_bad)  # a sync every few steps: a diverged run stops within them
+            if cfg.progress:
+                bar.set_postfix(loss=f"{float(loss_sum) / max(seen, 1):.3f}")
+    for _ in batches:  # finish the epoch's generator (capped epochs)
+        pass
+    synchronize(device)
+    epoch_time = time.perf_counter() - epoch_start
+    check_finite(run, epoch, first_bad, parameters=True)
+    if not per_step_timing:  # step_timing=epoch: no per-step sync; the epoch's mean step time
+        step_times = [epoch_time / max(run.steps_per_epoch, 1)]
+    loss_total, correct_total, seen_total = world.sum([float(loss_sum), float(correct), seen], device)
+    (step_time,) = world.max([statistics.median(step_times) if step_times else float("nan")], device)  # slowest rank
+    return EpochStats(loss_total, int(correct_total), int(seen_total), step_time, epoch_time, norm_log)
+
+
+def check_finite(run: Run, epoch: int, first_bad: torch.Tensor, parameters: bool = False) -> None:
+    """Diverged (a one-line DprunError) if any rank saw a non-finite loss (or, at the epoch's end, a non-finite
+    parameter). On every rank at the same steps: the check is a collective."""
+    bad_step = int(first_bad)
+    bad_param = parameters and not all(bool(torch.isfinite(p).all()) for p in run.model.parameters())
+    bad_step, bad_param = run.world.max([bad_step, float(bad_param)], run.device)
+    if bad_step > 0 or bad_param:
+        where = f"at epoch {epoch}, step {int(bad_step)}" if bad_step > 0 else f"by the end of epoch {epoch}"
+        what = "the training loss" if bad_step > 0 else "a parameter"
+        raise Diverged(f"run diverged: {what} became non-finite (nan/inf) {where} (lr={run.cfg.lr}); the "
+                       f"{len(run.rows)} complete epoch(s) before it are kept")
+
+
+# -- the epoch's row ---------------------------------------------------------------------------------------------
+def epoch_row(run: Run, epoch: int, stats: EpochStats) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Evaluation, epsilon and the metrics row of a finished epoch (global: reduced over the ranks); (row, the
+    accountant's columns)."""
+    cfg, world = run.cfg, run.world
+    test_loss, test_acc = evaluate(run.model, run.data.test_x, run.data.test_y, int(cfg.eval_batch_size),
+                                   run.eval_idx, world, run.device)
+    eps = epsilon_columns(run.accountant, float(cfg.delta), run.sampler.kind) if run.accountant is not None else {}
+    world.check_replicas(run.model, run.device, f"after epoch {epoch}")
+    (peak,) = world.max([peak_memory_bytes(run.device)], run.device)
+    return {
+        "epoch": epoch,
+        "steps": run.steps_per_epoch,
+        "train_loss": stats.loss_sum / max(stats.seen, 1),
+        "train_acc": stats.correct / max(stats.seen, 1),
+        "test_loss": test_loss,
+        "test_acc": test_acc,
+        "epoch_time_s": stats.epoch_time_s,
+        "step_time_s": stats.step_time_s,
+        "peak_mem_bytes": int(peak),
+        "epsilon": "",  # only a certified epsilon, under the sampling used (runner/accountants/published.py)
+        **eps,
+        **(norm_columns(stats.norm_log, run.method.clip) if stats.norm_log is not None else {}),
+    }, eps
+
+
+def record_epoch(run: Run, row: dict[str, Any], eps: dict[str, Any]) -> None:
+    """metrics.csv and the checkpoint (rank 0), then the epoch's log line with the run's ETA."""
+    cfg, method = run.cfg, run.method
+    run.rows.append(row)
+    if run.world.main:
+        write_csv(run.out_dir / "metrics.csv", run.rows)
+        run.rows_on_disk = len(run.rows)  # a signal during the write above leaves the previous file, and this count
+        if cfg.get("checkpoint", True) and checkpoint.supported(method) is None:
+            checkpoint.save(run.out_dir, epoch=row["epoch"], model=run.model, optimizer=run.optimizer,
+                            sampler=run.sampler, method=method, accountant=run.accountant, rows=run.rows)
+    else:
+        run.rows_on_disk = len(run.rows)
+    done = [r["epoch_time_s"] for r in run.rows if r["epoch"] > run.start_epoch]
+    eta = format_eta(statistics.mean(done) * (int(cfg.epochs) - row["epoch"]))
+    no_epsilon = "epsilon=none (accountant=none)" if method.private else "epsilon=none (non-private)"
+    eps_text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v or 'none'}"  # '': not certified
+                        for k, v in eps.items())
+    log.info("epoch %d/%s: train_loss=%.4f test_acc=%.4f epoch_time=%.2fs %s eta=%s", row["epoch"], cfg.epochs,
+             row["train_loss"], row["test_acc"], row["epoch_time_s"], eps_text or no_epsilon, eta,
+             extra={"epoch_line": True})
+
+
+# -- the summary -------------------------------------------------------------------------------------------------
+def finish(run: Run) -> None:
+    """summary.json's final state (rank 0): the mechanisms told to the accountant, the last complete epoch."""
+    summary, accountant = run.summary, run.accountant
+    if accountant is not None:
+        summary["mechanisms"] = [{"kind": m.kind, **m.__dict__, "steps": n} for m, n in accountant.history.items()]
+    rows = run.rows[:run.rows_on_disk]
+    summary["final"] = rows[-1] if rows else {}
+    if rows and rows[-1]["epsilon"] == float("inf") and hasattr(accountant, "epsilon_lower_bound"):
+        summary["epsilon_lower_bound"] = accountant.epsilon_lower_bound(float(run.cfg.delta))  # docs/privacy.md
+    summary["epochs_completed"] = len(rows)
+    if run.world.main:
+        write_json_last_resort(run.out_dir / "summary.json", summary)  # a full disk must not leave `running`

@@ -124,6 +124,10 @@ RULES: dict[str, Rule] = {
     "calibration_accountant": optional(one_of("auto", "pld", "rdp", "gdp", "jl")),  # null: a certified one
     "device": device,
     "dtype": one_of("float32", "float64"),
+    "precision": one_of("fp32", "bf16"),  # fp16 (loss scaling) is not supported: refused here
+    "physical_batch_size": optional(integer(1)),
+    "distributed.backend": one_of("auto", "gloo", "nccl"),
+    "distributed.timeout_s": number(0, low_open=True),
     "sampling": one_of(*SAMPLINGS),
     "progress": boolean,
     "step_timing": one_of("sync", "epoch"),
@@ -148,6 +152,9 @@ def validate_config(cfg: DictConfig) -> None:
         accepted = rule(value)
         if accepted is not None:
             raise DprunError(f"{knob}={as_typed(value)} is not valid: {knob} must be {accepted}")
+    if str(cfg.get("precision", "fp32")) == "bf16" and str(cfg.get("dtype", "float32")) != "float32":
+        raise DprunError(f"precision=bf16 needs dtype=float32 (autocast runs bfloat16 copies of float32 weights), "
+                         f"got dtype={cfg.dtype}")
     for group in OPTION_GROUPS:
         if isinstance(cfg.get(group), DictConfig) and cfg[group].get("name"):
             keys = set(cfg[group].keys())

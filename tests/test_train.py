@@ -100,13 +100,15 @@ def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
 
 def test_eval_cap_and_per_epoch_cpu_peak_memory(tmp_path):
     from runner.metrics import peak_memory_bytes, reset_peak_memory
-    from runner.train import evaluate
+    from runner.evaluation import eval_subset, evaluate
 
     model = torch.nn.Linear(4, 3)
     x, y = torch.randn(100, 4), torch.randint(0, 3, (100,))
     loss_all, _ = evaluate(model, x, y, 10)
-    loss_cap, _ = evaluate(model, x, y, 10, max_batches=2)
-    assert loss_cap == pytest.approx(evaluate(model, x[:20], y[:20], 10)[0]) and loss_cap != loss_all
+    idx = eval_subset(y, 20)
+    loss_cap, _ = evaluate(model, x, y, 10, idx)
+    assert loss_cap == pytest.approx(evaluate(model, x[idx], y[idx], 10)[0]) and loss_cap != loss_all
+    assert eval_subset(y, 100) is None and eval_subset(y, 500) is None  # a cap at or above N: all of it
     if not Path("/proc/self/clear_refs").exists():
         return
     # Linux: the peak resets (/proc/self/clear_refs), so a job after a bigger one reports its own peak. In a fresh

@@ -9,8 +9,15 @@ A method turns a batch into a (privatized) update; library users, runner/train.p
 
 `attach` validates (the checks every private method shares) and then calls `prepare`, the subclass hook (norm-rule
 coverage, Opacus's hooks, DP-SBCD's auxiliary variables); `step` accepts only the model `attach` returned.
-`step` is the same for every method: the step's mechanism, the empty Poisson batch (nothing to compute: the
-clipped sum is zero, the noisy update still happens), then `privatize` and `update`:
+`configure` sets how a logical batch is processed, never what is released (a method refuses what it cannot do
+in one line, `unsupported`):
+
+    method.configure(physical_batch_size=128, precision="bf16", world=world)
+
+`step` is the same for every method: the step's mechanism; `clipped_sum`, which runs `privatize` on chunks of at
+most physical_batch_size examples (none for an empty batch: the clipped sum is zero, the noisy update still
+happens), under autocast for bf16, adds the chunks' clipped sums (float32 or the model's dtype) and then the
+ranks' (runner/distributed.py); then `update`, ONE noise draw and optimizer step per logical batch:
 
     privatize(model, loss_fn, x, y) -> Privatized     the core each method implements: leaves the SUM over the
         batch of per-example gradients clipped to norm `clip` in each trainable parameter's `.grad` and returns
@@ -27,9 +34,11 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from runner.distributed import World
 from runner.errors import DprunError
 from runner.accountants.mechanisms import Mechanism, NoPrivacy, SubsampledGaussian
 from runner.methods.noise import add_noise_and_scale
+from runner.precision import PRECISIONS, ROUNDING_MARGIN, autocast
 from runner.registry import Registry
 
 METHODS = Registry("method")
@@ -51,9 +60,28 @@ class StepOutput(Privatized):
     mechanism: Mechanism  # what the accountant is told about this step
 
 
-def clip_factors(norms: torch.Tensor, clip: float) -> torch.Tensor:
-    """min(1, C / (norm + 1e-6)), shape (B,). The 1e-6 keeps zero-gradient examples finite."""
-    return (clip / (norms + 1e-6)).clamp(max=1.0)
+def clip_factors(norms: torch.Tensor, clip: float, margin: float = 0.0) -> torch.Tensor:
+    """min(1, C / (norm (1 + margin) + 1e-6)), shape (B,). The 1e-6 keeps zero-gradient examples finite; the margin
+    (bf16 only, runner/precision.py) covers the rounding of a norm formed from reduced-precision tensors."""
+    return (clip / (norms * (1.0 + margin) + 1e-6)).clamp(max=1.0)
+
+
+def chunks(x, y, size: int | None):
+    """(x, y) cut into consecutive chunks of at most `size` rows; one chunk when size is None; none when empty."""
+    n = len(y)
+    step = n if size is None else int(size)
+    for start in range(0, n, max(step, 1)):
+        yield x[start:start + step], y[start:start + step]
+
+
+def add_into(total: list[torch.Tensor] | None, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The running clipped sum over chunks: total += each p.grad (a missing one counts as zero). The first chunk's
+    gradients become the total (no copy: one chunk costs nothing extra)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    if total is None:
+        return grads
+    torch._foreach_add_(total, grads)
+    return total
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -75,6 +103,11 @@ class Method:
     # True: privatize calls loss_fn once on the whole batch, so a masked padded batch gives the same step
     # (runner/methods/padding.py), and the whole step runs under compile=... (runner/methods/compiled.py)
     compiles: ClassVar[bool] = False
+
+    # how a logical batch is processed (configure()): chunk size, autocast, ranks. Never what is released.
+    physical_batch_size: int | None = None
+    precision: str = "fp32"
+    world: World = World()
 
     def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, **unknown: Any):
         if unknown:  # e.g. r=4: method options live in cfg (conf/method/<name>.yaml), never silently dropped
@@ -99,6 +132,39 @@ class Method:
         if value not in valid:
             raise DprunError(f"unknown method.{key} {value!r} for method={self.name}; valid: {', '.join(valid)}")
         return value
+
+    def configure(self, *, physical_batch_size: int | None = None, precision: str = "fp32",
+                  world: World | None = None) -> "Method":
+        """How each logical batch is processed: in chunks of at most `physical_batch_size` examples (None: one
+        pass), under `precision` (fp32 | bf16), on the ranks of `world`. DprunError (one line) for what the method
+        cannot do exactly; else the same released step, whatever the settings (tests/test_physical_batch.py)."""
+        if physical_batch_size is not None and (isinstance(physical_batch_size, bool) or int(physical_batch_size) < 1):
+            raise DprunError(f"physical_batch_size={physical_batch_size} must be an integer >= 1 or null")
+        if precision not in PRECISIONS:
+            raise DprunError(f"precision={precision!r} is not valid; valid: {', '.join(PRECISIONS)} (fp16 with loss "
+                             f"scaling is not supported)")
+        world = world or World()
+        for asked, feature in ((physical_batch_size is not None, "physical_batch_size"),
+                               (precision != "fp32", f"precision={precision}"), (world.size > 1, "distributed")):
+            why = self.unsupported(feature) if asked else None
+            if why:
+                raise DprunError(f"method={self.name} cannot run with {feature}: {why}")
+        self.physical_batch_size = None if physical_batch_size is None else int(physical_batch_size)
+        self.precision, self.world = precision, world
+        return self
+
+    def unsupported(self, feature: str) -> str | None:
+        """Why this method (with its options) cannot run with `feature` (physical_batch_size, precision=bf16,
+        distributed), or None. The default supports all three: the shared step chunks, autocasts and reduces."""
+        return None
+
+    def autocast(self, x: torch.Tensor):
+        """The context for the model's forward and the loss (never the norms): autocast under bf16."""
+        return autocast(x.device, self.precision)
+
+    def clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
+        """(B,) clip factors for (B,) norms, with the precision's rounding margin (runner/precision.py)."""
+        return clip_factors(norms, self.clip, ROUNDING_MARGIN[self.precision])
 
     # -- the one entry -----------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, data: Any = None) -> torch.nn.Module:
@@ -126,6 +192,12 @@ class Method:
         """Check the model can be handled (raise DprunError naming the module otherwise); return the model to train."""
         return model
 
+    def begin_step(self, model) -> None:
+        """Draws shared by every chunk and rank of one logical step (JL's directions); before any forward."""
+
+    def end_step(self) -> None:
+        """After the step's last chunk: forget what begin_step drew."""
+
     def privatize(self, model, loss_fn: LossFn, x, y) -> Privatized:
         raise NotImplementedError
 
@@ -149,21 +221,61 @@ class Method:
 
     # -- the shared step ---------------------------------------------------------------------------------
     def step(self, model, loss_fn: LossFn, x, y, optimizer, *, sample_rate: float, expected_batch_size: float,
-             generator: torch.Generator | None = None, indices: torch.Tensor | None = None) -> StepOutput:
+             generator: torch.Generator | None = None, indices: torch.Tensor | None = None,
+             privatize=None) -> StepOutput:
+        """One logical step on this rank's share (x, y) of the Poisson batch: clipped sum, noise, update.
+        `privatize`: what runs each chunk (default self.privatize; compile= passes a compiled, padded one)."""
         if self.model is None or model is not self.model:
             raise DprunError(f"method={self.name}: step a model returned by method.attach(model) (it validates and "
                              f"prepares it)")
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         mechanism = self.step_mechanism(sample_rate, indices)
-        if len(y) == 0:  # an empty Poisson batch: the clipped sum is zero (p.grad None -> zeros when noised)
-            empty = x.new_zeros(0, dtype=torch.get_default_dtype())
-            out = Privatized(empty, None, empty.clone() if self.private else None)
-        else:
-            out = self.privatize(model, loss_fn, x, y)
+        out = self.clipped_sum(model, loss_fn, x, y, privatize)
         self.update(model, optimizer, mechanism, x=x, y=y, indices=indices, expected_batch_size=expected_batch_size,
                     generator=generator)
         return StepOutput(out.losses, out.outputs, out.norms, mechanism)
+
+    def clipped_sum(self, model, loss_fn: LossFn, x, y, privatize=None) -> Privatized:
+        """p.grad = the sum over the whole logical batch (every chunk, every rank) of the clipped per-example
+        gradients. `privatize` (default self.privatize) runs one chunk: compile= passes a compiled, padded one."""
+        privatize = privatize or self.privatize
+        params = trainable(model)
+        self.begin_step(model)  # before the forward fork: the same draws on every rank
+        parts: list[Privatized] = []
+        total = None
+        try:
+            with self.world.forward_rng(x.device):
+                for xc, yc in chunks(x, y, self.physical_batch_size):
+                    if parts:  # the earlier chunks' sum is in `total`; this chunk's privatize writes p.grad afresh
+                        for p in params:
+                            p.grad = None
+                    parts.append(privatize(model, loss_fn, xc, yc))
+                    total = add_into(total, params)
+        finally:
+            self.end_step()
+        for p, t in zip(params, total or []):
+            p.grad = t
+        self.examples = len(y)  # the logical batch's size (non-private divides by it)
+        if self.world.size > 1:  # the global sum on every rank (an empty share adds zeros), with the global size
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            count = torch.full((1,), float(len(y)), device=x.device, dtype=params[0].dtype if params else None)
+            self.world.all_reduce_([p.grad for p in params] + [count])
+            self.examples = count
+        return joined(parts, x, self.private)
+
+
+def joined(parts: list[Privatized], x: torch.Tensor, private: bool) -> Privatized:
+    """The chunks' losses, outputs and norms, concatenated: (B,), (B, classes), (B,); empty for an empty batch."""
+    if not parts:
+        empty = x.new_zeros(0, dtype=torch.get_default_dtype())
+        return Privatized(empty, None, empty.clone() if private else None)
+    if len(parts) == 1:
+        return parts[0]
+    cat = lambda ts: None if any(t is None for t in ts) else torch.cat(ts)  # noqa: E731
+    return Privatized(cat([p.losses for p in parts]), cat([p.outputs for p in parts]), cat([p.norms for p in parts]))
 
 
 @METHODS.register("nonprivate")
@@ -176,7 +288,17 @@ class NonPrivate(Method):
     compiles = True
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:
-        outputs = model(x)
-        losses = loss_fn(outputs, y)
-        losses.mean().backward()
+        with self.autocast(x):
+            outputs = model(x)
+            losses = loss_fn(outputs, y)
+        losses.sum().backward()  # a sum, like every method: chunks and ranks add; update() divides
         return Privatized(losses.detach(), outputs.detach(), None)
+
+    @torch.no_grad()
+    def update(self, model, optimizer, mechanism, *, x, y, indices, expected_batch_size, generator) -> None:
+        """The mean gradient over the realised batch (no privacy to protect here), then the optimizer step."""
+        grads = [p.grad for p in trainable(model) if p.grad is not None]
+        if grads and not (isinstance(self.examples, int) and self.examples == 0):
+            torch._foreach_div_(grads, self.examples if isinstance(self.examples, int) else
+                                self.examples.clamp_min(1))
+        optimizer.step()

@@ -1,9 +1,13 @@
-"""`compile=off|default|reduce-overhead|cudagraphs`: the whole step (forward, per-example norms, clipping, backward,
-noise, optimizer update) run under torch.compile, on batches padded to one physical size (runner/methods/padding.py)
-so that one graph serves every Poisson batch.
+"""`compile=off|default|reduce-overhead|cudagraphs`: each chunk's private work (forward, per-example norms, clipping,
+backward: Method.privatize) run under torch.compile, on chunks padded to one physical size (runner/methods/padding.py)
+so that one graph serves every chunk of every Poisson batch; the chunks' sum, the all-reduce over ranks, the noise
+and the optimizer update (a few foreach kernels) run eager around it, in Method.step.
 
     step = build_step(method, mode="default", device=torch.device("cpu"), physical=320)
     out = step(model, loss_fn, x, y, optimizer, sample_rate=q, expected_batch_size=B)    # as Method.step
+
+The physical size: physical_batch_size when it is set (every chunk padded to it), else B + 4 sqrt(B) (the whole
+Poisson batch is one chunk; physical_batch()).
 
     off              Method.step, eager (the default)
     default          torch.compile(mode="default"): TorchInductor, CPU or CUDA
@@ -13,11 +17,11 @@ so that one graph serves every Poisson batch.
 
 Never silent: a mode that needs CUDA on another device runs compile=default instead, a method that is not
 compiled (Method.compiles) runs eager, and a step whose compilation fails runs eager from then on; each logs ONE line.
-Dynamo may split the step into several graphs (graph breaks, e.g. at the norm hooks or the optimizer); every
-part still runs, compiled or eager, and gives the eager step's numbers to float rounding (tests/test_compiled.py).
+Dynamo may split the chunk's work into several graphs (graph breaks, e.g. at the norm hooks); every part still
+runs, compiled or eager, and gives the eager step's numbers to float rounding (tests/test_compiled.py).
 The first step runs eager: it validates the model (e.g. reweight's in-place check, which cannot be made inside a
-compiled graph). Random draws inside the graph (noise, JL directions) come from torch's own generator, as eager
-(torch._inductor.config.fallback_random): the same seed gives the same noise, compiled or not.
+compiled graph). Random draws inside the graph (dropout) come from torch's own generator, as eager
+(torch._inductor.config.fallback_random); JL's directions and the noise are drawn eagerly, once per logical step.
 NOT YET MEASURED ON CUDA: reduce-overhead and cudagraphs are written for a GPU session (make bench-gpu).
 """
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 
 from runner.errors import DprunError
 from runner.methods.base import METHODS
-from runner.methods.padding import padded_step
+from runner.methods.padding import padded
 
 log = logging.getLogger("dprun")
 
@@ -77,28 +81,23 @@ class CompiledStep:
             kwargs = {"backend": "cudagraphs"} if mode == "cudagraphs" else {"mode": mode}
             if backend is not None:  # tests: backend="eager" traces the step with Dynamo but runs eager kernels
                 kwargs = {"backend": backend}
-            self.compiled = torch.compile(self._step, dynamic=False, **kwargs)
-
-    def _step(self, model, loss_fn, x, y, optimizer, **kw):
-        if self.physical and self.method.compiles:
-            return padded_step(self.method, model, loss_fn, x, y, optimizer, physical=self.physical, **kw)
-        return self.method.step(model, loss_fn, x, y, optimizer, **kw)
+            self.compiled = torch.compile(padded(method.privatize, physical), dynamic=False, **kwargs)
 
     def __call__(self, model, loss_fn, x, y, optimizer, **kw):
         if self.compiled is None or not self.validated:
             self.validated = True  # the first step eager: it validates the model (one-line errors)
-            return self._step(model, loss_fn, x, y, optimizer, **kw)
+            return self.method.step(model, loss_fn, x, y, optimizer, **kw)
         try:
-            return self.compiled(model, loss_fn, x, y, optimizer, **kw)
+            return self.method.step(model, loss_fn, x, y, optimizer, privatize=self.compiled, **kw)
         except DprunError:
             raise
-        except Exception as e:  # the step's compilation failed: eager from now on, logged once
+        except Exception as e:  # the chunk's compilation failed: eager from now on, logged once
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             log.warning("compile=%s failed for method=%s (%s: %s); running the eager step from now on",
                         self.mode, self.method.name, type(e).__name__, first)
             self.compiled, self.mode, self.physical = None, "off", None
             optimizer.zero_grad(set_to_none=True)
-            return self._step(model, loss_fn, x, y, optimizer, **kw)
+            return self.method.step(model, loss_fn, x, y, optimizer, **kw)
 
 
 def build_step(method, mode: str, device: torch.device, physical: int | None = None):

@@ -35,7 +35,7 @@ from torch.func import functional_call, jvp, vmap
 
 from runner.accountants.mechanisms import Mechanism, SubsampledJL
 from runner.errors import DprunError
-from runner.methods.base import METHODS, Method, Privatized, clip_factors
+from runner.methods.base import METHODS, Method, Privatized
 from runner.methods.rng import rng_state, set_rng_state
 
 log = logging.getLogger("dprun")
@@ -175,6 +175,19 @@ class JL(Method):
             raise DprunError("method=jl: the model has no trainable parameters")
         return model
 
+    def unsupported(self, feature: str) -> str | None:
+        if feature == "precision=bf16":
+            return ("the JL accountant assumes the norm estimates are projections of exactly the gradient that is "
+                    "released; under bf16 the projections and the backward round differently")
+        return None
+
+    def begin_step(self, model) -> None:
+        """The step's v_1..v_r, shared by every chunk (and rank) of the logical batch."""
+        self._directions = draw_directions(trainable_params(model), self.r)
+
+    def end_step(self) -> None:
+        self._directions = None
+
     def mechanism(self, sample_rate: float) -> Mechanism:
         return SubsampledJL(sample_rate=float(sample_rate), noise_multiplier=self.sigma, r=self.r)
 
@@ -214,10 +227,12 @@ class JL(Method):
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:
         params = trainable_params(model)
-        directions = draw_directions(params, self.r)  # name -> (r, *p.shape)
+        directions = getattr(self, "_directions", None)  # name -> (r, *p.shape): the step's (begin_step)
+        if directions is None:  # privatize called on its own: this call's draw
+            directions = draw_directions(params, self.r)
         losses, outputs, P, backward = self.projections(model, loss_fn, x, y, directions)
         norms = P.pow(2).mean(1).sqrt()  # (B,) M_i, the norm estimates
-        grads = backward(clip_factors(norms, self.clip))  # sum_i nu_i g_i, one backward
+        grads = backward(self.clip_factors(norms))  # sum_i nu_i g_i, one backward
         for n, p in params.items():
             g = grads[n].detach()
             p.grad = g if p.grad is None else p.grad + g

@@ -20,7 +20,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from runner.errors import DprunError
-from runner.methods.base import METHODS, Method, Privatized, clip_factors
+from runner.methods.base import METHODS, Method, Privatized
 
 
 @METHODS.register("multiloss")
@@ -37,8 +37,9 @@ class MultiLoss(Method):
         fixed.update(dict(model.named_buffers()))
 
         def loss_one(theta, xi, yi):  # one example: xi (*input_shape), yi ()
-            out = functional_call(model, (theta, fixed), (xi.unsqueeze(0),))  # (1, classes)
-            loss = loss_fn(out, yi.unsqueeze(0)).sum()
+            with self.autocast(xi):
+                out = functional_call(model, (theta, fixed), (xi.unsqueeze(0),))  # (1, classes)
+                loss = loss_fn(out, yi.unsqueeze(0)).sum()
             return loss, (loss.detach(), out.detach().squeeze(0))
 
         per_example = vmap(grad(loss_one, has_aux=True), in_dims=(None, 0, 0), randomness="different")
@@ -56,7 +57,7 @@ class MultiLoss(Method):
                 raise DprunError(f"method=multiloss: torch.func.vmap cannot trace {type(model).__name__}: {msg}; "
                                  f"try method=nxbp") from e
             norm = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads.values()))  # (b,)
-            factor = clip_factors(norm, self.clip)  # (b,)
+            factor = self.clip_factors(norm)  # (b,)
             for n, g in grads.items():
                 sums[n].add_(torch.tensordot(factor.to(g.dtype), g, dims=1))  # sum_i f_i g_i: p.shape
             del grads

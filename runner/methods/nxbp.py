@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.methods.base import METHODS, Method, Privatized, clip_factors, trainable
+from runner.methods.base import METHODS, Method, Privatized, trainable
 
 
 @METHODS.register("nxbp")
@@ -20,12 +20,13 @@ class NxBP(Method):
         sums = [torch.zeros_like(p) for p in params]
         norms, losses, outputs = [], [], []
         for i in range(len(y)):
-            out = model(x[i:i + 1])  # (1, classes)
-            loss = loss_fn(out, y[i:i + 1]).sum()
+            with self.autocast(x):
+                out = model(x[i:i + 1])  # (1, classes)
+                loss = loss_fn(out, y[i:i + 1]).sum()
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
             norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-            factor = clip_factors(norm, self.clip)
+            factor = self.clip_factors(norm)
             for s, g in zip(sums, grads):
                 s.add_(g, alpha=float(factor))
             norms.append(norm.detach())

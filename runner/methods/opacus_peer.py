@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from runner.errors import DprunError
-from runner.methods.base import METHODS, Method, Privatized, clip_factors, trainable
+from runner.methods.base import METHODS, Method, Privatized, trainable
 
 MODES = ("hooks", "ghost", "functorch")
 log = logging.getLogger("dprun")
@@ -79,6 +79,12 @@ class OpacusPeer(Method):
                              f"{type(model).__name__}: {first_line(e)}") from e
         return model
 
+    def unsupported(self, feature: str) -> str | None:
+        if feature == "precision=bf16" and self.mode == "ghost":
+            return ("grad_sample_mode=ghost's second backward rounds differently from the pass that measured the "
+                    "norms, so an example's contribution could exceed C; use grad_sample_mode=hooks or functorch")
+        return None
+
     def privatize(self, model, loss_fn, x, y) -> Privatized:
         if self.hooks is None or self.hooks._module is not model:
             raise DprunError("method=opacus: call method.attach(model) before privatize (it attaches Opacus's hooks)")
@@ -102,16 +108,17 @@ class OpacusPeer(Method):
 
     def grad_samples(self, model, params, loss_fn, x, y):
         """hooks / functorch: p.grad_sample (B, *p.shape) -> norms -> clipped sum (Opacus's clip_and_accumulate)."""
-        outputs = model(x)
-        losses = loss_fn(outputs, y)  # (B,)
+        with self.autocast(x):
+            outputs = model(x)
+            losses = loss_fn(outputs, y)  # (B,)
         losses.sum().backward()  # Opacus's hooks fill p.grad_sample; p.grad gets the unclipped sum (overwritten)
         samples = []
         for p in params:
             if not torch.is_tensor(p.grad_sample):  # None: unused parameter; list: an un-cleared earlier backward
                 raise AttributeError(f"Opacus computed no grad_sample for a parameter of shape {tuple(p.shape)}")
-            samples.append(p.grad_sample)  # (B, *p.shape)
+            samples.append(p.grad_sample.to(p.dtype))  # (B, *p.shape); bf16: norms and sum from the same upcast
         norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in samples]).norm(2, dim=0)  # (B,)
-        factor = clip_factors(norms, self.clip)  # (B,)
+        factor = self.clip_factors(norms)  # (B,)
         for p, g in zip(params, samples):
             p.grad = torch.einsum("i,i...", factor.to(g.dtype), g)  # sum_i f_i g_i
         self.hooks.set_grad_sample_to_none()
@@ -124,7 +131,7 @@ class OpacusPeer(Method):
         losses = loss_fn(outputs, y)  # (B,)
         losses.sum().backward(retain_graph=True)
         norms = self.hooks.get_norm_sample()  # (B,) from each parameter's p._norm_sample
-        factor = clip_factors(norms, self.clip)  # (B,)
+        factor = self.clip_factors(norms)  # (B,)
         for p in params:
             p.grad = None
         self.hooks.disable_hooks()

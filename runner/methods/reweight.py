@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from runner.errors import DprunError
-from runner.methods.base import METHODS, Method, Privatized, clip_factors, trainable
+from runner.methods.base import METHODS, Method, Privatized, trainable
 from runner.methods.rng import rng_state, set_rng_state
 from runner.norms import Recorder, plan_model
 from runner.norms.streaming import StreamingNorms
@@ -51,6 +51,13 @@ class ReweightGP(Method):
         self.plan(model)
         return model
 
+    def unsupported(self, feature: str) -> str | None:
+        if feature == "precision=bf16" and self.mode != "bk":
+            return (f"method.mode={self.mode}'s second backward rounds differently from the pass that measured the "
+                    f"norms, so an example's contribution could exceed C; use method.mode=bk (it sums the very "
+                    f"tensors whose norms it took)")
+        return None
+
     def plan(self, model):
         """The model's covered layers; re-checked whenever the set of trainable parameters changes."""
         if self._plan is None or self._model_id != id(model) or not self._plan.matches(model):
@@ -67,10 +74,10 @@ class ReweightGP(Method):
                 outputs = model(x)  # (B, classes)
                 losses = loss_fn(outputs, y)  # (B,)
             norms = streaming.backward(losses.sum(), len(y)).clamp_min(0).sqrt()  # (B,); the graph is kept
-            nu = clip_factors(norms, self.clip)  # (B,)
+            nu = self.clip_factors(norms)  # (B,)
             self.second_backward(params, (nu * losses).sum())
         else:
-            with Recorder(plan) as rec:
+            with Recorder(plan) as rec, self.autocast(x):
                 outputs = model(x)  # (B, classes)
                 losses = loss_fn(outputs, y)  # (B,)
             rec.backprops(losses.sum(), retain_graph=False)
@@ -84,7 +91,7 @@ class ReweightGP(Method):
                 norms_sq = norms_sq + rule.norm_sq(module, a, g, self.how, stashes.setdefault(id(module), {}))
                 del a, g
             norms = norms_sq.clamp_min(0).sqrt()  # (B,)
-            nu = clip_factors(norms, self.clip)  # (B,)
+            nu = self.clip_factors(norms)  # (B,)
             self.book_keeping(params, rec, stashes, nu)
         if not plan.matches(model):
             raise DprunError("the model's trainable parameters changed during the step; every trainable "
@@ -108,7 +115,7 @@ class ReweightGP(Method):
             if streaming.complete:
                 break
         norms = norms_sq.clamp_min(0).sqrt()  # (B,)
-        nu = clip_factors(norms, self.clip)  # (B,)
+        nu = self.clip_factors(norms)  # (B,)
         set_rng_state(state, x.device)  # the second forward draws the dropout masks the norms were formed with
         outputs = model(x)  # (B, classes)
         losses = loss_fn(outputs, y)  # (B,)

@@ -88,6 +88,14 @@ class SBCD(Method):
         self.num_seen, self.last_batch, self.epoch, self.power_v = 0, -1, 0, [None] * (self.depth + 1)
         return net
 
+    def unsupported(self, feature: str) -> str | None:
+        """Its step is not a clipped gradient sum: the block updates read and write the auxiliary variables of the
+        whole fixed batch at once, and its hidden-state noise is calibrated to that batch."""
+        return {"physical_batch_size": "its block updates read and write the whole fixed batch's auxiliary variables "
+                                       "at once (run it without physical_batch_size)",
+                "precision=bf16": "its spectral projection and prox step are calibrated in full precision",
+                "distributed": "its auxiliary variables (one per training example) live in one process"}.get(feature)
+
     def _decay(self) -> dict:
         return {"decay": float(self.option("noise_decay", 0.9)), "floor": float(self.option("noise_floor", 0.25))}
 
