@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset as TorchDataset, Sampler as TorchSampler
 from torch.utils.data.dataloader import default_collate
 
-from runner import accountants, methods
+from runner import accountants, distributed, methods
 from runner.data.base import DataInfo, Dataset
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
@@ -50,10 +50,11 @@ class PoissonBatchSampler(TorchSampler):
     def __init__(self, n: int, batch_size: int, generator: torch.Generator | None = None, kind: str = "poisson"):
         gen = generator if generator is not None else _child_generator()
         self.sampler = Sampler(kind, n, batch_size, gen, "cpu")
+        self.world = None  # make_private on several ranks: yield this rank's share of each global batch
 
     def __iter__(self) -> Iterator[list[int]]:
         for idx in self.sampler.epoch():
-            yield idx.tolist()
+            yield (idx if self.world is None else self.world.share(idx)).tolist()
 
     def __len__(self) -> int:
         return self.sampler.steps_per_epoch
@@ -135,6 +136,7 @@ class PrivateTraining:
             return
         x, y = self._tensors
         for idx in self._sampler.epoch():
+            idx = self.method.world.share(idx)  # several ranks: this rank's share of the global Poisson batch
             self._last_indices = idx
             yield x[idx], y[idx]
 
@@ -194,7 +196,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  batch_size: int | None = None, poisson: bool = True, accountant: str = "auto",
                  method_options: dict[str, Any] | None = None, r: int | None = None,
                  target_epsilon: float | None = None, epochs: int | None = None, delta: float | None = 1e-5,
-                 generator: torch.Generator | None = None, seed: int | None = None) -> PrivateTraining:
+                 generator: torch.Generator | None = None, seed: int | None = None,
+                 max_physical_batch_size: int | None = None, precision: str = "fp32") -> PrivateTraining:
     """Wrap a model, its optimizer and its training data for DP training with a dprun method.
 
     method: nonprivate | nxbp | multiloss | reweight | jl | sbcd | opacus (runner/methods/; docs/methods.md)
@@ -205,12 +208,20 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     method_options: the method's options, as in conf/method/<name>.yaml (e.g. {"mode": "twopass"}); r: JL dimension.
     target_epsilon (with epochs, delta): calibrate noise_multiplier so that epsilon after `epochs` epochs is at most it.
     generator / seed: the RNG for sampling (and noise on the CPU); None draws from torch's global RNG.
+    max_physical_batch_size: process each Poisson batch in chunks of at most this many examples (the same step:
+        one noise draw and one update per batch; Opacus's BatchMemoryManager without a second loop). None: one pass.
+    precision: "fp32" | "bf16" (forward/backward under autocast; norms, clipping, noise in float32).
+    torch.distributed: in a program that initialised the default process group, every rank passes the same data
+        and seed; each trains on its share of every global Poisson batch, the clipped sums are added over the ranks
+        and one noise draw is added (runner/distributed.py). step() takes the rank's share from batches().
     """
     if generator is None and seed is not None:
         generator = torch.Generator().manual_seed(int(seed))
     options = {**(method_options or {}), **({"r": int(r)} if r is not None else {})}  # r: method.r (JL dimension)
     check_options("method", method, options)  # a typo in an option name is an error, not a silent default
     m = methods.METHODS.build(method, cfg=options, clip=float(max_grad_norm), sigma=float(noise_multiplier))
+    world = distributed.current(int(seed or 0))  # the user's own process group, if they initialised one
+    m.configure(physical_batch_size=max_physical_batch_size, precision=precision, world=world)
     kind = m.sampling or ("poisson" if poisson else "shuffle")
 
     sampler = loader = tensors = None
@@ -230,6 +241,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         batch_size, n = loader.batch_sampler.sampler.batch_size, len(loader.dataset)
         if not poisson:
             loader.batch_sampler.sampler = Sampler("shuffle", n, batch_size, loader.batch_sampler.sampler.generator)
+        loader.batch_sampler.world = world
         dataset = None
     else:
         raise DprunError(f"data must be (x, y) tensors, a torch Dataset or a DataLoader, not {type(data).__name__}")

@@ -197,6 +197,15 @@ def _seeded_fork(device: torch.device, seed: int, step: int, rank: int):
     return fork()
 
 
+def current(seed: int = 0) -> World:
+    """The World of a default process group someone already initialised (the library API inside a user's own
+    torch.distributed program); one process otherwise."""
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
+                     dist.get_backend(), seed)
+    return World(seed=seed)
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -205,11 +214,8 @@ def init(device_name: str, timeout_s: float, seed: int, backend: str = "auto") -
     """The run's World: one process unless a launcher started several (torchrun, srun, submitit), in which case the
     default process group is initialised here (env://) with `timeout_s` on every collective, so that no rank waits
     forever for a rank that died. A process group the user initialised (library API) is used as it is."""
-    if dist.is_available() and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
-                     dist.get_backend(), seed)
-    if launched_world_size() <= 1:
-        return World(seed=seed)
+    if (dist.is_available() and dist.is_initialized()) or launched_world_size() <= 1:
+        return current(seed)
     if not dist.is_available():
         raise DprunError("this torch build has no torch.distributed; run one process")
     export_slurm_env()
