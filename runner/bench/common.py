@@ -76,12 +76,14 @@ class Contender(NamedTuple):
 
 
 def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimizer, sample_rate: float,
-              expected_batch_size: float, compile_mode: str = "") -> tuple[Contender | None, str]:
+              expected_batch_size: float, compile_mode: str = "", configure: dict | None = None
+              ) -> tuple[Contender | None, str]:
     """One method's Contender on its own copy of the model (Method.attach: validated and prepared, as in a run),
     or None and a note why there is none (the method rejects the model: "n/a: ..."; a bug: "error: ...").
-    compile_mode: step through runner/methods/compiled.py (its first steps compile: they are the warm-up)."""
+    compile_mode: step through runner/methods/compiled.py (its first steps compile: they are the warm-up).
+    configure: Method.configure's settings (physical_batch_size, precision)."""
     try:
-        method = METHODS.build(name, cfg=options, clip=1.0, sigma=1.0)
+        method = METHODS.build(name, cfg=options, clip=1.0, sigma=1.0).configure(**(configure or {}))
         model = method.attach(copy.deepcopy(base))
         opt = make_optimizer(model.parameters())
         gen = torch.Generator(device=x.device).manual_seed(0)

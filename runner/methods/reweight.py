@@ -130,9 +130,12 @@ class ReweightGP(Method):
             p.grad = torch.zeros_like(p) if g is None else g
 
     @staticmethod
+    @torch.no_grad()
     def book_keeping(params, rec, stashes, nu):
         """Each layer's clipped sum from its recorded inputs and output-gradients; no second backward. A layer's
-        records are freed as soon as its sum is formed."""
+        records are freed as soon as its sum is formed. Under no_grad: the conv rule calls the weight-gradient
+        kernel with the layer's weight, and recorded history would keep the step's records alive in p.grad (and,
+        over the chunks of a logical batch, every chunk's)."""
         sums = {}
         for _, module, rule, calls in rec.raw_layers():
             for name, s in rule.clipped_sums_calls(module, calls, nu, stashes.pop(id(module), None)).items():
