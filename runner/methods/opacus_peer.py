@@ -114,11 +114,11 @@ class OpacusPeer(Method):
         else:
             what = f"padding_idx={m.padding_idx}"
             wrong = f"{'ghost norm' if self.mode == 'ghost' else 'grad sampler'} gives the padding row a gradient"
-        effect = ("its norms over-estimate the true gradient's (the one released), so examples are clipped harder "
-                  "than nxbp's" if self.mode == "ghost" else "its per-example gradients differ from nxbp's, and each "
-                  "is clipped before the sum")
-        log.warning("method=opacus grad_sample_mode=%s: %s (%s, %s): Opacus 1.6's %s, so %s: every contribution is "
-                    "<= C, privacy holds (grad_sample_mode=functorch is exact)", self.mode, path, kind, what, wrong,
+        effect = ("its norms over-estimate the released (true) gradient's and examples are clipped harder than "
+                  "nxbp's" if self.mode == "ghost" else "its per-example gradients differ from nxbp's, each clipped "
+                  "before the sum")
+        log.warning("method=opacus grad_sample_mode=%s: %s (%s, %s): Opacus 1.6's %s, so %s; every contribution is "
+                    "<= C: privacy holds (grad_sample_mode=functorch is exact)", self.mode, path, kind, what, wrong,
                     effect)
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:
