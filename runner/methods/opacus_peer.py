@@ -13,7 +13,9 @@ Modes (opacus.grad_sample.prepare_module):
   functorch  the same, with torch.func for every layer
   ghost      GradSampleModuleFastGradientClipping: per-layer norms (ghost norm where Opacus has a rule), then the
              clipped sum by a second backward of sum_i factor_i * loss_i (Opacus's DPTensorFastGradientClipping).
-             Opacus rejects a layer called twice in one forward (recurrent cells) in this mode.
+             Opacus rejects a layer called twice in one forward (recurrent cells) in this mode. dprun refuses a
+             conv with padding_mode reflect/replicate/circular here: Opacus's norm assumes zero padding while the
+             second backward releases the true gradient, so an example could exceed C (not_exact below).
 
 attach() (its prepare hook) attaches Opacus's hooks to the model itself (prepare_module(..., wrap_model=False), the hook classes that
 GradSampleModule is built on), so the returned module is the original: same forward, parameters and state_dict keys.
@@ -47,6 +49,20 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def not_exact(model: torch.nn.Module):
+    """(path, module, issue) for each layer whose per-example gradient Opacus 1.6's own samplers get wrong (checked
+    against nxbp in all three modes, tests/test_clip_contribution.py): a convolution that pads its input with
+    padding_mode reflect/replicate/circular (its unfold pads with zeros), an Embedding with padding_idx (its grad
+    and ghost-norm samplers give that row a gradient). Strides, dilation, groups, 'same'/'valid', Conv3d,
+    ConvTranspose (torch.func), the norm layers and Linear are exact."""
+    for path, m in model.named_modules():
+        if isinstance(m, torch.nn.modules.conv._ConvNd) and m.padding_mode != "zeros" \
+                and any(m._reversed_padding_repeated_twice):
+            yield path, m, "padding_mode"
+        elif isinstance(m, torch.nn.Embedding) and m.padding_idx is not None:
+            yield path, m, "padding_idx"
+
+
 @METHODS.register("opacus")
 class OpacusPeer(Method):
     name = "opacus"
@@ -59,6 +75,8 @@ class OpacusPeer(Method):
 
     def prepare(self, model: torch.nn.Module, data=None) -> torch.nn.Module:
         prepare_module = import_opacus()
+        for path, m, issue in not_exact(model):  # before any hook moves: a refused model leaves the method as it was
+            self.check_layer(path or "<model>", m, issue)
         if self.hooks is not None:
             self.hooks.cleanup()  # one model per method instance: detach from the previous one
         kwargs = {"max_grad_norm": self.clip, "use_ghost_clipping": True} if self.mode == "ghost" else {}
@@ -66,11 +84,6 @@ class OpacusPeer(Method):
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
                                 "respect to module outputs since no inputs require gradients")
         warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
-        for path, m in model.named_modules():
-            if getattr(m, "padding_idx", None) is not None or getattr(m, "padding_mode", "zeros") != "zeros":
-                log.warning("method=opacus: %s (%s): Opacus 1.6's grad sampler ignores padding_idx / padding_mode, so "
-                            "its per-example gradients differ from nxbp's here (still clipped: privacy holds)",
-                            path, type(m).__name__)
         try:
             self.hooks = prepare_module(model, self.mode, False, batch_first=True, loss_reduction="sum",
                                         strict=True, **kwargs)
@@ -84,6 +97,35 @@ class OpacusPeer(Method):
             return ("grad_sample_mode=ghost's second backward rounds differently from the pass that measured the "
                     "norms, so an example's contribution could exceed C; use grad_sample_mode=hooks or functorch")
         return None
+
+    def check_layer(self, path: str, m: torch.nn.Module, issue: str) -> None:
+        """A layer Opacus 1.6 gets wrong (not_exact): refused where an example could exceed C, else one warning.
+
+        functorch differentiates the layer's own forward: exact, nothing to say. hooks: the per-example gradients
+        are wrong but each is clipped before the sum, so every contribution is <= C. ghost: the norm is Opacus's
+        but the released gradient is the TRUE one (the second backward), so only a norm that never under-estimates
+        keeps the bound: the padding_idx row (Opacus counts a gradient the true one lacks: an over-estimate) does,
+        a zero-padded unfold of a reflect/replicate/circular-padded input does not (measured: 1.13 C)."""
+        if self.mode == "functorch":
+            return
+        kind = type(m).__name__
+        if issue == "padding_mode" and self.mode == "ghost":
+            raise DprunError(f"method=opacus grad_sample_mode=ghost cannot clip {path} ({kind}, padding_mode="
+                             f"{m.padding_mode!r}): Opacus 1.6's ghost norm assumes zero padding but the released "
+                             f"gradient is the true one, so an example could exceed the clip bound; accepted: "
+                             f"padding_mode='zeros' (or padding=0); use method.grad_sample_mode=functorch (exact) or "
+                             f"hooks, or method=reweight")
+        if issue == "padding_mode":
+            what, wrong = f"padding_mode={m.padding_mode!r}", "grad sampler pads with zeros"
+        else:
+            what = f"padding_idx={m.padding_idx}"
+            wrong = f"{'ghost norm' if self.mode == 'ghost' else 'grad sampler'} gives the padding row a gradient"
+        effect = ("its norms over-estimate the released (true) gradient's and examples are clipped harder than "
+                  "nxbp's" if self.mode == "ghost" else "its per-example gradients differ from nxbp's, each clipped "
+                  "before the sum")
+        log.warning("method=opacus grad_sample_mode=%s: %s (%s, %s): Opacus 1.6's %s, so %s; every contribution is "
+                    "<= C: privacy holds (grad_sample_mode=functorch is exact)", self.mode, path, kind, what, wrong,
+                    effect)
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:
         if self.hooks is None or self.hooks._module is not model:
