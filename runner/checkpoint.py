@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +79,38 @@ def save(out_dir: str | Path, *, epoch: int, model, optimizer, sampler, method, 
     atomic_replace(path, lambda tmp: torch.save(state, tmp))  # a signal mid-save leaves no temp file
 
 
-def load(run_dir: str | Path) -> dict[str, Any]:
+def load(run_dir: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """The saved state; mmap=True maps the tensors instead of reading them (a cheap check that the file is whole)."""
     path = Path(run_dir) / FILE
     if not path.is_file():
         raise DprunError(f"resume={run_dir}: no {FILE} there (runs save one after each finished epoch)")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # cut short (a full disk, a copy
+        # stopped half-way) or overwritten: torch's error is a many-line traceback that does not say which file
+        raise DprunError(f"{path} is damaged or truncated ({str(e).splitlines()[0][:80]}); the run's metrics.csv "
+                         "and summary.json are intact, but it cannot be resumed: run it again for more epochs") from e
+
+
+def saved_summary(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DprunError(f"resume={run_dir}: no readable summary.json there ({type(e).__name__}); "
+                         "resume= takes the folder of a run dprun wrote") from e
+    if not isinstance(summary, dict) or not isinstance(summary.get("config"), dict):
+        raise DprunError(f"resume={run_dir}: its summary.json holds no run config")
+    return summary
+
+
+def nothing_to_train(run_dir: str | Path, done: int, epochs: int) -> bool:
+    """True if the run already has `epochs` epochs. Fewer is refused: the loop would train nothing and the records
+    would call a run with `done` epochs an `epochs`-epoch run."""
+    if epochs < done:
+        raise DprunError(f"resume={run_dir}: the run has completed {done} epochs, more than epochs={epochs}; "
+                         f"a resume trains on (epochs > {done}), it cannot shorten a run")
+    return epochs == done
 
 
 def check_config(run_dir: str | Path, cfg: dict) -> None:

@@ -146,7 +146,10 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         if can_checkpoint:
             raise DprunError(f"resume: {can_checkpoint}")
         checkpoint.check_config(cfg.resume, run_config)
-        start_epoch, rows = checkpoint.restore(checkpoint.load(cfg.resume), model=model, optimizer=optimizer,
+        state = checkpoint.load(cfg.resume)
+        if checkpoint.nothing_to_train(cfg.resume, state["epoch"], int(cfg.epochs)):  # refuses fewer epochs
+            return checkpoint.saved_summary(cfg.resume)  # already complete: its records stay as they are
+        start_epoch, rows = checkpoint.restore(state, model=model, optimizer=optimizer,
                                                sampler=sampler, method=method, accountant=accountant)
         rows_on_disk = len(rows)
         log.info("resumed %s after epoch %d", cfg.resume, start_epoch)

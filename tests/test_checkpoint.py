@@ -3,17 +3,23 @@ to epoch 4 equals one that ran 4 epochs straight — weights, losses and epsilon
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
 from conftest import compose_config
-from runner.checkpoint import FILE, resume_argv
+from runner.checkpoint import FILE, load, resume_argv
 from runner.errors import DprunError
 from runner.train import train
 
 RUN = ["method=reweight", "sigma=1.0", "max_steps_per_epoch=4", "progress=false", "optimizer=adam", "lr=0.01"]
+
+
+def files(folder):
+    """Every file under folder (.hydra/ included) -> its bytes."""
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
 def weights(run_dir):
@@ -76,6 +82,28 @@ def test_a_method_whose_state_a_checkpoint_would_miss_writes_none_and_refuses_re
     assert not (tmp_path / "a" / FILE).exists()
     with pytest.raises(DprunError, match=r"^resume: method=sbcd keeps auxiliary variables"):
         train(compose_config(sbcd + [f"resume={tmp_path / 'a'}"]), tmp_path / "a")
+
+
+def test_resume_never_shortens_a_run_and_leaves_a_complete_one_as_it_is(tmp_path):
+    """epochs below the completed ones: refused (the loop would train nothing and the records would call the run
+    shorter); epochs equal: the saved summary back and not a byte written."""
+    train(compose_config(RUN + ["epochs=2"]), tmp_path)
+    before = files(tmp_path)
+    with pytest.raises(DprunError, match=r"has completed 2 epochs, more than epochs=1"):
+        train(compose_config(RUN + ["epochs=1", f"resume={tmp_path}"]), tmp_path)
+    summary = train(compose_config(RUN + ["epochs=2", f"resume={tmp_path}"]), tmp_path)
+    assert summary["epochs_completed"] == 2 and summary["config"]["epochs"] == 2
+    assert files(tmp_path) == before
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path):
+    train(compose_config(RUN + ["epochs=1"]), tmp_path)
+    (tmp_path / FILE).write_bytes((tmp_path / FILE).read_bytes()[:2000])
+    for how in ({}, {"mmap": True}):
+        with pytest.raises(DprunError, match=rf"^{tmp_path / FILE} is damaged or truncated \(.*\); the run's "
+                                             r"metrics.csv and summary.json are intact") as e:
+            load(tmp_path, **how)
+        assert "\n" not in str(e.value)
 
 
 def test_resume_argv_reuses_the_runs_overrides_and_folder(tmp_path):
