@@ -1,7 +1,7 @@
 """Checkpoint and resume: `dprun ... resume=<run dir>` continues a run where its last finished epoch left it.
 
     dprun method=reweight epochs=20            # writes <run dir>/checkpoint.pt after every epoch
-    dprun resume=outputs/runs/.../<run dir>    # same overrides (read from <run dir>/.hydra/overrides.yaml), same folder
+    dprun resume=outputs/runs/.../<run dir>    # the run's own config (its summary.json), in the same folder
     dprun resume=<run dir> epochs=40           # ... and train on to epoch 40
 
 The checkpoint holds what the next epoch depends on, as plain tensors, dicts and lists (loaded with
@@ -10,16 +10,22 @@ generator (and fixed batches), torch's global RNG (noise, dropout), the method's
 told (mechanism class, fields, count, in order) and the metrics rows so far. A resumed run therefore continues with
 the same batches, the same noise and the same epsilon as one that was never interrupted (tests/test_checkpoint.py).
 The file is replaced atomically once per epoch; a run killed mid-epoch resumes from its last finished epoch.
+
+The run's config comes from its summary.json (the resolved config it ran with), not from Hydra's .hydra/ record:
+every folder dprun writes has one (out_dir= runs have no .hydra/; a sweep job's folder name holds `=` and `,`,
+which Hydra's override parser rejects). Only MAY_CHANGE keys may differ, and a resume is refused, or found to have
+nothing to train, before anything is written into the run's folder (resume_argv runs before Hydra starts).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from runner.accountants.mechanisms import Mechanism
 from runner.errors import DprunError
@@ -27,7 +33,8 @@ from runner.metrics import atomic_replace
 
 FILE = "checkpoint.pt"
 # keys that may differ between the interrupted run and its resumption (everything else must match)
-MAY_CHANGE = ("epochs", "resume", "out_dir", "progress", "eval_batch_size", "max_eval_batches", "checkpoint")
+MAY_CHANGE = ("epochs", "resume", "out_dir", "progress", "eval_batch_size", "max_eval_batches", "checkpoint",
+              "physical_batch_size", "distributed")  # the last two: how a step is processed, not what it releases
 
 
 def supported(method) -> str | None:
@@ -78,11 +85,42 @@ def save(out_dir: str | Path, *, epoch: int, model, optimizer, sampler, method, 
     atomic_replace(path, lambda tmp: torch.save(state, tmp))  # a signal mid-save leaves no temp file
 
 
-def load(run_dir: str | Path) -> dict[str, Any]:
+def load(run_dir: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """The saved state; mmap=True maps the tensors instead of reading them (a cheap check that the file is whole)."""
     path = Path(run_dir) / FILE
     if not path.is_file():
         raise DprunError(f"resume={run_dir}: no {FILE} there (runs save one after each finished epoch)")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # cut short (a full disk, a copy
+        # stopped half-way) or overwritten: torch's error is a many-line traceback that does not say which file
+        raise DprunError(f"{path} is damaged or truncated ({str(e).splitlines()[0][:80]}); the run's metrics.csv "
+                         "and summary.json are intact, but it cannot be resumed: run it again for more epochs") from e
+
+
+def saved_summary(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DprunError(f"resume={run_dir}: no readable summary.json there ({type(e).__name__}); "
+                         "resume= takes the folder of a run dprun wrote") from e
+    if not isinstance(summary, dict) or not isinstance(summary.get("config"), dict):
+        raise DprunError(f"resume={run_dir}: its summary.json holds no run config")
+    return summary
+
+
+class RunComplete(Exception):
+    """resume= of a run that already has the epochs asked for: nothing to train, nothing written (exit status 0)."""
+
+
+def nothing_to_train(run_dir: str | Path, done: int, epochs: int) -> bool:
+    """True if the run already has `epochs` epochs. Fewer is refused: the loop would train nothing and the records
+    would call a run with `done` epochs an `epochs`-epoch run."""
+    if epochs < done:
+        raise DprunError(f"resume={run_dir}: the run has completed {done} epochs, more than epochs={epochs}; "
+                         f"a resume trains on (epochs > {done}), it cannot shorten a run")
+    return epochs == done
 
 
 def check_config(run_dir: str | Path, cfg: dict) -> None:
@@ -117,17 +155,91 @@ def restore(state: dict[str, Any], *, model, optimizer, sampler, method, account
     return int(state["epoch"]), list(state["rows"])
 
 
+RESUME_CONFIG = "dprun_resume"  # Hydra's primary config for a resumed run, kept in Hydra's ConfigStore
+SET_BY_RESUME = ("resume", "out_dir")  # MAY_CHANGE keys the resume sets: the run goes on in its own folder
+
+
 def resume_argv(argv: list[str]) -> list[str]:
-    """`dprun resume=<dir> [k=v ...]`: the run's own overrides (its .hydra/overrides.yaml) first, the command line's
-    on top, and Hydra's run folder set to <dir> so the run continues in place."""
-    run_dir = next((a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("resume=")), None)
-    if not run_dir or "-m" in argv or "--multirun" in argv:
+    """`dprun resume=<dir> [k=v ...]` -> Hydra's argv for the run continued in <dir>, before Hydra starts.
+
+    The config is resumed_config()'s, stored as Hydra's primary config (RESUME_CONFIG) rather than passed as
+    overrides, so Hydra parses neither the folder's name nor the run's values. Hydra's run folder is <dir> with no
+    .hydra/ output: Hydra rewrites .hydra/ before dprun's code runs, and it is the run's record of how it was
+    launched. Raises DprunError (refused) or RunComplete before anything is written. Flags (--cfg job) pass on."""
+    at = next((i for i, a in enumerate(argv) if a.lstrip("+").startswith("resume=")), None)
+    if at is None or argv[at].split("=", 1)[1] in ("", "null"):
         return argv
-    run_dir = str(Path(run_dir).expanduser().resolve())
-    saved_file = Path(run_dir) / ".hydra" / "overrides.yaml"
-    saved = yaml.safe_load(saved_file.read_text()) if saved_file.is_file() else []
-    key = lambda o: o.lstrip("+~").split("=", 1)[0]
-    given = {key(a) for a in argv if "=" in a}
-    keep = [o for o in saved or [] if key(o) not in given and key(o) not in ("resume", "hydra.run.dir")]
-    rest = [a if not a.lstrip("+").startswith("resume=") else f"resume={run_dir}" for a in argv]
-    return keep + rest + [f"hydra.run.dir={run_dir}"]
+    run_dir, rest = _folder(argv[at].split("=", 1)[1]), argv[:at] + argv[at + 1:]
+    if {"-m", "--multirun"} & set(rest):
+        raise DprunError("resume= continues one run: leave out -m (resume each job's folder on its own)")
+    overrides = [a for a in rest if "=" in a and not a.startswith("-")]
+    cfg = resumed_config(run_dir, overrides)
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=RESUME_CONFIG, node={
+        "defaults": [{"override hydra/job_logging": "disabled"}, "_self_"], **cfg,  # as conf/config.yaml's
+        "hydra": {"run": {"dir": str(run_dir)}, "output_subdir": None, "job": {"chdir": False}}})
+    return [a for a in rest if a not in overrides] + [f"--config-name={RESUME_CONFIG}"]
+
+
+def _folder(value: str) -> Path:
+    """resume='s folder. dprun reads it before Hydra, so a sweep job's `0_model=cnn,seed=1` needs no quoting or
+    escape; a value quoted or escaped the way Hydra's grammar asks is understood too."""
+    for candidate in (value, value.strip("'\""), re.sub(r"\\(.)", r"\1", value)):
+        if Path(candidate).expanduser().is_dir():
+            return Path(candidate).expanduser().resolve()
+    raise DprunError(f"resume={value}: no such folder (resume= takes the folder of a run dprun wrote)")
+
+
+def resumed_config(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    """The run's config as its summary.json records it, with the command line's MAY_CHANGE values on top; refused
+    (DprunError) or RunComplete unless there is something to train from an intact checkpoint."""
+    from omegaconf import OmegaConf
+
+    from runner.methods import METHODS
+    from runner.validate import validate_config
+
+    saved = saved_summary(run_dir)["config"]
+    cfg = {**saved, **_changes(run_dir, saved, overrides), "resume": str(run_dir),
+           "out_dir": str(run_dir) if saved.get("out_dir") else None}  # null: Hydra's run folder, run_dir
+    validate_config(OmegaConf.create(cfg))  # e.g. epochs=abc, before it is compared below
+    method = str((saved.get("method") or {}).get("name"))
+    if method in METHODS and METHODS.get(method).not_resumable:
+        raise DprunError(f"resume={run_dir}: {METHODS.get(method).not_resumable}")
+    done = int(load(run_dir, mmap=True)["epoch"])  # a damaged file is refused here, before Hydra starts
+    if nothing_to_train(run_dir, done, int(cfg["epochs"])):
+        raise RunComplete(f"resume={run_dir}: the run is already complete ({done} epochs, epochs={cfg['epochs']}); "
+                          f"nothing to train (epochs=N with N > {done} trains on)")
+    return cfg
+
+
+def _changes(run_dir: Path, saved: dict, overrides: list[str]) -> dict[str, Any]:
+    """The command line's values of MAY_CHANGE keys. Any other key may only restate the run's own value
+    (`method=reweight` for a reweight run): a resume is the same run."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from runner.overrides import CONFIG_GROUPS
+
+    parser, changes = OverridesParser.create(), {}
+    may_change = [k for k in MAY_CHANGE if k not in SET_BY_RESUME]
+    for arg in overrides:
+        try:
+            override = parser.parse_override(arg)
+        except HydraException as e:
+            raise DprunError(f"resume={run_dir}: cannot read {arg!r} (key=value)") from e
+        if override.is_sweep_override():
+            raise DprunError(f"resume={run_dir}: {arg} is a sweep; a resume continues one run")
+        key, value = override.key_or_group, None if override.is_delete() else override.value()
+        if key in may_change:
+            changes[key] = value
+            continue
+        has: Any = saved
+        for part in key.split("."):
+            has = has.get(part) if isinstance(has, dict) else None
+        if key in CONFIG_GROUPS and isinstance(has, dict):  # method=reweight: the group's chosen option
+            has = has.get("name")
+        if value != has or key in SET_BY_RESUME:
+            raise DprunError(f"resume={run_dir}: {arg} would change the run ({key}={has!r} there); a resume "
+                             f"continues the run as its summary.json records it, changing only {', '.join(may_change)}")
+    return changes

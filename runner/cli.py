@@ -199,9 +199,16 @@ def main() -> None:
     except DprunError as e:
         print(f"dprun: {e}", file=sys.stderr)
         sys.exit(2)
-    from runner.checkpoint import resume_argv
+    from runner.checkpoint import RunComplete, resume_argv
 
-    sys.argv[1:] = resume_argv(sys.argv[1:])  # resume=<dir>: that run's overrides, continued in its folder
+    try:  # resume=<dir>: that run's own config (summary.json), continued in its folder; checked before Hydra writes
+        sys.argv[1:] = resume_argv(sys.argv[1:])
+    except RunComplete as e:  # nothing to train: not an error
+        print(f"dprun: {e}")
+        sys.exit(0)
+    except DprunError as e:
+        print(f"dprun: {e}", file=sys.stderr)
+        sys.exit(2)
     sys.argv[1:] = rank_argv(sys.argv[1:])
     _hydra_main()
 

@@ -115,7 +115,10 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     world = distributed.init(str(cfg.device), float(cfg.distributed.timeout_s), int(cfg.seed),
                              str(cfg.distributed.backend))
     try:
-        run = set_up(cfg, out_dir, world)
+        try:
+            run = set_up(cfg, out_dir, world)
+        except checkpoint.RunComplete:  # resume= of a run that has its epochs: its records stay as they are
+            return checkpoint.saved_summary(cfg.resume)
         try:
             for epoch in range(run.start_epoch + 1, int(cfg.epochs) + 1):
                 stats = run_epoch(run, epoch)
@@ -207,7 +210,10 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
         if can_checkpoint:
             raise DprunError(f"resume: {can_checkpoint}")
         checkpoint.check_config(cfg.resume, run_config)
-        run.start_epoch, run.rows = checkpoint.restore(checkpoint.load(cfg.resume), model=model, optimizer=optimizer,
+        state = checkpoint.load(cfg.resume)
+        if checkpoint.nothing_to_train(cfg.resume, state["epoch"], int(cfg.epochs)):  # refuses fewer epochs
+            raise checkpoint.RunComplete(f"resume={cfg.resume}: the run already has {state['epoch']} epochs")
+        run.start_epoch, run.rows = checkpoint.restore(state, model=model, optimizer=optimizer,
                                                        sampler=sampler, method=method, accountant=accountant)
         run.rows_on_disk = len(run.rows)
         world.steps = run.start_epoch * steps_per_epoch  # the ranks' forward streams continue where they were

@@ -3,13 +3,18 @@ to epoch 4 equals one that ran 4 epochs straight — weights, losses and epsilon
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import compose_config
-from runner.checkpoint import FILE, resume_argv
+from runner.checkpoint import FILE, RESUME_CONFIG, load, resume_argv
 from runner.errors import DprunError
 from runner.train import train
 
@@ -78,8 +83,143 @@ def test_a_method_whose_state_a_checkpoint_would_miss_writes_none_and_refuses_re
         train(compose_config(sbcd + [f"resume={tmp_path / 'a'}"]), tmp_path / "a")
 
 
-def test_resume_argv_reuses_the_runs_overrides_and_folder(tmp_path):
-    (tmp_path / ".hydra").mkdir()
-    (tmp_path / ".hydra" / "overrides.yaml").write_text("- method=jl\n- epochs=2\n- r=4\n")
-    argv = resume_argv([f"resume={tmp_path}", "epochs=5"])
-    assert argv == ["method=jl", "r=4", f"resume={tmp_path}", "epochs=5", f"hydra.run.dir={tmp_path}"]
+def test_resume_never_shortens_a_run_and_leaves_a_complete_one_as_it_is(tmp_path):
+    """epochs below the completed ones: refused (the loop would train nothing and the records would call the run
+    shorter); epochs equal: the saved summary back and not a byte written."""
+    train(compose_config(RUN + ["epochs=2"]), tmp_path)
+    before = files(tmp_path)
+    with pytest.raises(DprunError, match=r"has completed 2 epochs, more than epochs=1"):
+        train(compose_config(RUN + ["epochs=1", f"resume={tmp_path}"]), tmp_path)
+    summary = train(compose_config(RUN + ["epochs=2", f"resume={tmp_path}"]), tmp_path)
+    assert summary["epochs_completed"] == 2 and summary["config"]["epochs"] == 2
+    assert files(tmp_path) == before
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path):
+    train(compose_config(RUN + ["epochs=1"]), tmp_path)
+    (tmp_path / FILE).write_bytes((tmp_path / FILE).read_bytes()[:2000])
+    for how in ({}, {"mmap": True}):
+        with pytest.raises(DprunError, match=rf"^{tmp_path / FILE} is damaged or truncated \(.*\); the run's "
+                                             r"metrics.csv and summary.json are intact") as e:
+            load(tmp_path, **how)
+        assert "\n" not in str(e.value)
+
+
+def test_resume_argv_continues_the_run_from_its_summary_config(tmp_path):
+    """The config is summary.json's with the command line's epochs on top, handed to Hydra as its primary config
+    (so Hydra never parses the folder's name); Hydra runs in the folder and writes no .hydra/ there."""
+    from hydra.core.config_store import ConfigStore
+
+    run = tmp_path / "0_model=mlp,seed=0"
+    train(compose_config(RUN + ["epochs=1"]), run)
+    saved = json.loads((run / "summary.json").read_text())["config"]
+    argv = resume_argv([f"resume={run}", "epochs=3", "method=reweight", "--cfg", "job"])  # restating is fine
+    assert argv == ["--cfg", "job", f"--config-name={RESUME_CONFIG}"]
+    node = OmegaConf.to_container(ConfigStore.instance().load(f"{RESUME_CONFIG}.yaml").node)
+    assert node.pop("hydra") == {"run": {"dir": str(run)}, "output_subdir": None, "job": {"chdir": False}}
+    assert node.pop("defaults") == [{"override hydra/job_logging": "disabled"}, "_self_"]
+    assert node == {**saved, "epochs": 3, "resume": str(run)}
+    assert resume_argv(["epochs=3"]) == ["epochs=3"]
+
+
+# --- through the command line -----------------------------------------------------------------------------------
+
+CLI_RUN = ["dataset=digits", "method=reweight", "max_steps_per_epoch=3", "progress=false", "seed=1"]
+
+
+def dprun(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def files(folder):
+    """Every file under folder (.hydra/ included) -> its bytes."""
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """model=cnn (a sweep's job below), 2 epochs straight."""
+    folder = tmp_path_factory.mktemp("straight")
+    proc = dprun(*CLI_RUN, "model=cnn", "epochs=2", f"out_dir={folder / 'run'}", cwd=folder)
+    assert proc.returncode == 0, proc.stderr
+    return folder / "run"
+
+
+@pytest.mark.parametrize("made_with", ["out_dir", "sweep"])
+def test_every_folder_dprun_writes_resumes_with_the_documented_command(tmp_path, straight, made_with):
+    """An out_dir= run (no .hydra/; made from another folder, with a relative path) and a sweep job's folder
+    (`0_model=cnn,seed=1`: `=` and `,` that Hydra's parser rejects) resume from their summary.json to the same
+    weights, losses and epsilon as the straight run."""
+    (tmp_path / "a").mkdir()
+    if made_with == "out_dir":
+        proc, run = dprun(*CLI_RUN, "model=cnn", "epochs=1", "out_dir=runs/x", cwd=tmp_path / "a"), tmp_path / "a/runs/x"
+    else:
+        proc = dprun("-m", *CLI_RUN, "model=choice(cnn)", "seed=choice(1)", "epochs=1", "hydra.sweep.dir=s",
+                     cwd=tmp_path / "a")
+        run = tmp_path / "a/s/0_model=cnn,seed=1"
+    assert proc.returncode == 0, proc.stderr
+    hydra_records = {k: v for k, v in files(run).items() if k.parts[0] == ".hydra"}
+    assert bool(hydra_records) == (made_with == "sweep")
+    proc = dprun(f"resume={run}", "epochs=2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert {k: v for k, v in files(run).items() if k.parts[0] == ".hydra"} == hydra_records  # as launched
+    assert not (tmp_path / "outputs").exists()  # no Hydra folder of its own
+    a, b = pd.read_csv(straight / "metrics.csv"), pd.read_csv(run / "metrics.csv")
+    assert a.epoch.tolist() == b.epoch.tolist() == [1, 2]
+    for col in ("train_loss", "test_acc", "epsilon"):
+        assert a[col].tolist() == pytest.approx(b[col].tolist(), rel=1e-6), col
+    wa, wb = weights(straight), weights(run)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-6, atol=1e-7, msg=k)
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["epochs_completed"], summary["config"]["epochs"]) == ("finished", 2, 2)
+
+
+@pytest.fixture(scope="module")
+def two_epochs(tmp_path_factory):
+    """A finished 2-epoch run in a Hydra run folder (with its .hydra/ record)."""
+    folder = tmp_path_factory.mktemp("two")
+    proc = dprun(*CLI_RUN, "epochs=2", f"hydra.run.dir={folder / 'run'}", cwd=folder)
+    assert proc.returncode == 0, proc.stderr
+    return folder / "run"
+
+
+def truncate(run):
+    (run / FILE).write_bytes((run / FILE).read_bytes()[:2000])
+
+
+REFUSED = {  # case -> (what is done to the run first, the command line's arguments, the one line says)
+    "fewer-epochs": (None, ["epochs=1"], "has completed 2 epochs, more than epochs=1"),
+    "other-method": (None, ["method=nxbp", "epochs=3"], "method=nxbp would change the run (method='reweight' there)"),
+    "truncated-checkpoint": (truncate, ["epochs=3"], f"{FILE} is damaged or truncated"),
+    "no-checkpoint": (lambda run: (run / FILE).unlink(), ["epochs=3"], f"no {FILE} there"),
+    "multirun": (None, ["-m", "epochs=3,4"], "resume= continues one run: leave out -m"),
+}
+
+
+@pytest.mark.parametrize("case", [*REFUSED, "complete"])
+def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(tmp_path, two_epochs, case):
+    """Refused: one line, exit 2. Already complete (epochs=2 of 2): one line, exit 0. Either way not a byte of the
+    run's folder changes (Hydra would have rewritten .hydra/ before dprun's own checks ran)."""
+    run = tmp_path / "run"
+    shutil.copytree(two_epochs, run)
+    damage, args, says = REFUSED.get(case, (None, ["epochs=2"], "the run is already complete (2 epochs, epochs=2)"))
+    if damage:
+        damage(run)
+    before = files(run)
+    proc = dprun(f"resume={run}", *args, cwd=tmp_path)
+    assert proc.returncode == (0 if case == "complete" else 2), proc.stderr
+    lines = (proc.stdout if case == "complete" else proc.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dprun: ") and says in lines[0], proc.stdout + proc.stderr
+    assert files(run) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nor anything beside it
+
+
+def test_after_a_refused_resume_the_documented_one_works(tmp_path, two_epochs):
+    run = tmp_path / "run"
+    shutil.copytree(two_epochs, run)
+    assert dprun(f"resume={run}", "method=nxbp", cwd=tmp_path).returncode == 2
+    proc = dprun(f"resume={run}", "epochs=3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert pd.read_csv(run / "metrics.csv").epoch.tolist() == [1, 2, 3]
