@@ -27,6 +27,11 @@ Search: start at `memory_study.start`, double while the probe fits (up to `memor
 between the largest batch that fit and the smallest that did not until they are `resolution` apart. A probe that
 fails for another reason than memory (a bug) ends that method's search with status `error`; the next method runs.
 
+Logical batches (`memory_study.physical_batch_size=P`, issue 20): a second search per method with every logical
+batch processed in chunks of P (the same private step), up to max_batch (the training set), into
+<stamp>/<method>@P<P>/b<B>/. Its memory does not grow with the logical batch, so the largest logical batch is
+expected to be the whole data set; study.json records it as methods[m]["logical"], the figure as a second bar.
+
 Artificial cap (`memory_study.memory_cap_bytes`, or env DPRUN_MEMORY_CAP_BYTES): on CUDA the allocator is limited
 to it (torch.cuda.set_per_process_memory_fraction: a real OOM at the cap, e.g. the paper's 11 GB on a larger GPU);
 on any device a probe whose measured peak (CUDA: max allocated; CPU: the probe process's peak resident set size,
@@ -249,8 +254,10 @@ def study_settings(scale: str, passthrough: list[str]) -> dict:
 
     cfg = compose([f"experiment={EXPERIMENT}", f"scale={scale}", *passthrough])
     ms = cfg.get("memory_study") or {}
+    physical = ms.get("physical_batch_size")
     return {"methods": list(ms.get("methods") or DEFAULT_METHODS), "start": int(ms.get("start") or 8),
             "max_batch": int(ms.get("max_batch") or 1024), "resolution": int(ms.get("resolution") or 1),
+            "physical_batch_size": int(physical) if physical else None,
             "memory_cap_bytes": memory_cap(cfg), "device": str(cfg.device)}
 
 
@@ -269,16 +276,20 @@ def run_study(scale: str, passthrough: list[str], methods: Optional[list[str]] =
             "sweep cannot reset; use --isolation subprocess with a memory cap")
     out = {"scale": scale, "isolation": isolation, "overrides": passthrough, **settings, "methods": {}}
 
+    P = settings["physical_batch_size"]
     for method in methods:
-        def probe(b: int, method=method) -> Probe:
-            run_dir = study_dir / method / f"b{b}"
+        def probe(b: int, method=method, physical=None) -> Probe:
+            folder = method if physical is None else f"{method}@P{physical}"
+            run_dir = study_dir / folder / f"b{b}"
             overrides = probe_overrides(scale, method, b, passthrough)
+            if physical is not None:
+                overrides.append(f"physical_batch_size={physical}")
             if isolation == "subprocess":
                 p = probe_subprocess(overrides, run_dir, method, b, timeout)
             else:
                 p = probe_inprocess(overrides, run_dir)
             peak = f", peak {p.peak_mem_bytes / 2**20:.0f} MiB" if p.peak_mem_bytes else ""
-            log(f"memory_study: {method} B={b}: {p.status}{peak}" + (f" ({p.error})" if p.error else ""))
+            log(f"memory_study: {folder} B={b}: {p.status}{peak}" + (f" ({p.error})" if p.error else ""))
             return p
 
         found = search(probe, settings["start"], settings["max_batch"], settings["resolution"])
@@ -287,6 +298,14 @@ def run_study(scale: str, passthrough: list[str], methods: Optional[list[str]] =
                                   "probes": [asdict(p) for p in found.probes]}
         log(f"memory_study: {method}: largest batch that fit {found.largest_ok}, first out of memory "
             f"{found.first_oom}" + (" (stopped by an error)" if found.stopped_by_error else ""))
+        if P:  # the same method with logical batches in chunks of P: up to the whole training set
+            logical = search(lambda b, method=method: probe(b, method, P), max(P, settings["start"]),
+                             settings["max_batch"], settings["resolution"])
+            out["methods"][method]["logical"] = {
+                "physical_batch_size": P, "largest_ok": logical.largest_ok, "first_oom": logical.first_oom,
+                "stopped_by_error": logical.stopped_by_error, "probes": [asdict(p) for p in logical.probes]}
+            log(f"memory_study: {method} at physical_batch_size={P}: largest logical batch that fit "
+                f"{logical.largest_ok} (the training set: {settings['max_batch']})")
         write_json(study_dir / "study.json", out)  # after every method: a killed study keeps what it found
     return out
 

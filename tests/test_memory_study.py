@@ -17,7 +17,7 @@ from runner import memory_study as ms
 
 # lk_memory preset, shrunk: digits-shaped synthetic data (1x8x8), the 2-layer MLP, one step per probe
 TINY = ["device=cpu", "dataset.like=digits", "dataset.image_size=null", "model=mlp", "dataset.train_size=128",
-        "max_steps_per_epoch=1", "warmup_steps=0"]
+        "max_steps_per_epoch=1", "warmup_steps=0", "memory_study.physical_batch_size=null"]
 
 
 def fake_probe(limit, calls):
@@ -155,3 +155,41 @@ def test_real_probe_process_out_of_memory(tmp_path):
     assert p.status == "oom" and "memory cap" in p.error
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
 
+
+
+def test_at_a_fixed_physical_batch_the_largest_logical_batch_is_the_data_set(tmp_path, monkeypatch):
+    """Issue 20's column: a chunk of more than K examples runs out of memory (injected in privatize, which sees one
+    chunk); in one pass the largest batch is K, with physical_batch_size=8 every logical batch up to the training
+    set (128) trains, and the figure shows both."""
+    from runner.methods.base import Method
+
+    K = 11
+    real_step = Method.clipped_sum
+
+    def chunked_or_oom(self, model, loss_fn, x, y, privatize=None):
+        inner = privatize or self.privatize
+
+        def checked(m, lf, xc, yc):
+            if len(yc) > K:
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(yc)} GiB (injected)")
+            return inner(m, lf, xc, yc)
+        return real_step(self, model, loss_fn, x, y, checked)
+
+    monkeypatch.setattr(Method, "clipped_sum", chunked_or_oom)
+    over = [o for o in TINY if not o.startswith("memory_study.physical_batch_size")]
+    out = ms.run_study("smoke", over + ["memory_study.start=8", "memory_study.physical_batch_size=8"], ["reweight"],
+                       "inprocess", tmp_path, stamp="p", log=lambda s: None)
+    res = out["methods"]["reweight"]
+    assert (res["largest_ok"], res["first_oom"]) == (K, K + 1)
+    assert res["logical"]["physical_batch_size"] == 8
+    assert (res["logical"]["largest_ok"], res["logical"]["first_oom"]) == (128, None)  # the whole training set
+    assert [p["batch_size"] for p in res["logical"]["probes"]] == [8, 16, 32, 64, 128]
+
+    from runner.figures.lee_kifer import memory_table
+    from runner.plots import select_runs
+    from runner.report import collect
+
+    table = memory_table(select_runs(collect(tmp_path), "lk_memory", "smoke", keep_failed=True), None, "smoke")
+    row = table.set_index("label").loc["ReweightGP"]
+    assert row["largest batch trained"] == K and row["largest logical batch at P"] == 128
+    assert row["physical batch P"] == 8

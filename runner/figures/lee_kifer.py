@@ -136,6 +136,8 @@ def study_probes(runs) -> pd.DataFrame | None:
     newest = {}  # method folder name -> the newest study folder holding it (study folders are named by time)
     for d in probe_dirs:
         study, method = d.parent.parent, d.parent.name
+        if "@P" in method:  # <method>@P<P>: the same method with logical batches in chunks of P
+            continue
         if method not in newest or study.name > newest[method].name:
             newest[method] = study
     rows = []
@@ -153,14 +155,42 @@ def study_probes(runs) -> pd.DataFrame | None:
                      "paper (11 GB GPU): first failed at": PAPER_MEMORY.get(label),
                      "probes": len(probes), "errors": int((probes["status"] == "error").sum()),
                      "memory cap GiB": float(cap.iloc[0]) / 2**30 if len(cap) else None,
+                     **logical_columns(study, method),
                      "study": str(study)})
     return pd.DataFrame(rows)
+
+
+def logical_columns(study, method: str) -> dict:
+    """The largest logical batch that trained with physical_batch_size=P (the study's <method>@P<P> probes)."""
+    import json
+
+    folders = sorted(study.glob(f"{method}@P*"))
+    if not folders:
+        return {}
+    probes = pd.DataFrame([json.loads(f.read_text()) for f in folders[-1].glob("b*/probe.json")])
+    ok = probes[probes["status"] == "ok"] if len(probes) else probes
+    return {"physical batch P": int(folders[-1].name.split("@P")[1]),
+            "largest logical batch at P": int(ok["batch_size"].max()) if len(ok) else None,
+            "logical batch failed at": (int(probes[probes["status"] == "oom"]["batch_size"].min())
+                                        if (probes["status"] == "oom").any() else None)}
 
 
 def draw_memory(data, caption, scale):
     fig, (ax,) = panels(1, 1, "Lee & Kifer section 6.7: largest batch before out-of-memory (ResNet-101, 256x256)", 6)
     data = data.set_index("label").reindex([l for l in LK_ORDER if l in set(data["label"])])
-    ax.bar(range(len(data)), pd.to_numeric(data["largest batch trained"], errors="coerce"), label="ours")
+    logical = pd.to_numeric(data.get("largest logical batch at P", pd.Series(dtype=float)), errors="coerce")
+    width = 0.4 if logical.notna().any() else 0.8
+    shift = -width / 2 if logical.notna().any() else 0.0
+    ax.bar([i + shift for i in range(len(data))], pd.to_numeric(data["largest batch trained"], errors="coerce"),
+           width=width, label="ours: the whole batch in one pass")
+    if logical.notna().any():  # physical_batch_size=P: the logical batch is limited by the data set, not memory
+        P = int(pd.to_numeric(data["physical batch P"], errors="coerce").dropna().iloc[0])
+        ax.bar([i + width / 2 for i in range(len(data))], logical, width=width, hatch="//", color="tab:green",
+               label=f"ours: logical batch in chunks of P={P} (physical_batch_size)")
+        for i, v in enumerate(logical):
+            if pd.notna(v):
+                ax.annotate(f"{v:g}", (i + width / 2, v), ha="center", va="bottom", fontsize=8)
+        ax.set_yscale("log", base=2)  # the data set's size next to a one-pass batch of tens
     paper = pd.to_numeric(data["paper (11 GB GPU): first failed at"], errors="coerce")
     ax.scatter(range(len(data)), paper, color="k", marker="_", s=400,
                label="paper: first failed at (GTX 1080 Ti, 11 GB)", zorder=3)
@@ -169,7 +199,7 @@ def draw_memory(data, caption, scale):
     for i, (ok, bad) in enumerate(zip(pd.to_numeric(data["largest batch trained"], errors="coerce"),
                                       pd.to_numeric(data["first batch that failed"], errors="coerce"))):
         if pd.notna(ok):  # the bisection's bracket: the largest batch that fit, the first that ran out of memory
-            ax.annotate(f"{ok:g}" + (f" (OOM at {bad:g})" if pd.notna(bad) else " (no OOM)"), (i, ok),
+            ax.annotate(f"{ok:g}" + (f" (OOM at {bad:g})" if pd.notna(bad) else " (no OOM)"), (i + shift, ok),
                         ha="center", va="bottom", fontsize=8)
     cap = pd.to_numeric(data.get("memory cap GiB", pd.Series(dtype=float)), errors="coerce").dropna()
     if len(cap):
@@ -179,7 +209,10 @@ def draw_memory(data, caption, scale):
         ax.text(0.5, 0.6, f"ours: {note}", transform=ax.transAxes, ha="center", va="center",
                 fontsize=11, color="tab:red", bbox=dict(facecolor="white", edgecolor="tab:red"))
         ax.set_ylim(0, 64)
-    ax.legend(fontsize=7)
+    if logical.notna().any():
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1, frameon=False)
+    else:
+        ax.legend(fontsize=7)
     return finish(fig, caption)
 
 
