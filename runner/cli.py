@@ -119,8 +119,11 @@ def _hydra_main(cfg: DictConfig) -> None:
         # own report follows); a single process keeps Hydra's traceback
         if launched_world_size() == 1:
             raise
-        print(f"{prefix}failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
-              file=sys.stderr)
+        from runner.distributed import broken_collective
+
+        why = "another rank stopped (its line says why)" if broken_collective(e) else \
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        print(f"{prefix}{'stopped' if broken_collective(e) else 'failed'}: {why}", file=sys.stderr)
         sys.exit(1)
 
 
@@ -196,6 +199,15 @@ def main() -> None:
         check_launcher_extra(sys.argv[1:])
         check_keys(sys.argv[1:])
         check_reused_dirs(sys.argv[1:])
+    except DprunError as e:
+        print(f"dprun: {e}", file=sys.stderr)
+        sys.exit(2)
+    from runner import launch
+
+    try:
+        nproc = launch.requested(sys.argv[1:])
+        if nproc > 1 and launched_world_size() == 1:  # dprun distributed.nproc_per_node=N: start the N ranks
+            sys.exit(launch.launch(sys.argv[1:], nproc))
     except DprunError as e:
         print(f"dprun: {e}", file=sys.stderr)
         sys.exit(2)

@@ -165,9 +165,45 @@ class World:
                              f"{every[differ[0]].tolist()} != rank 0's {every[0].tolist()}; the step is not identical "
                              f"on every rank (a rank-dependent random draw or a non-deterministic kernel)")
 
+    def report_failure(self, message: str) -> None:
+        """Tell the other ranks why this one stops, through the process group's store (best effort: a rank killed
+        by SIGKILL reports nothing): rank 0's summary.json then names the rank that failed and its error."""
+        if self.size == 1:
+            return
+        try:
+            dist.distributed_c10d._get_default_store().set(f"dprun/failed/{self.rank}", message)
+        except Exception:  # noqa: BLE001  the store may be gone with the job: nothing more to do
+            pass
+
+    def peer_failure(self, wait_s: float = 1.0) -> str | None:
+        """'rank r: <its error>' of another rank that reported one (waiting up to wait_s for it), else None."""
+        if self.size == 1:
+            return None
+        import time
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            for r in range(self.size):
+                key = f"dprun/failed/{r}"
+                try:
+                    if r != self.rank and dist.distributed_c10d._get_default_store().check([key]):
+                        return f"rank {r}: {dist.distributed_c10d._get_default_store().get(key).decode()}"
+                except Exception:  # noqa: BLE001  the store went away: no report to read
+                    return None
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()
+
+
+def broken_collective(e: BaseException) -> bool:
+    """An error raised because ANOTHER rank is gone (a collective whose peer closed, or timed out)."""
+    text = str(e).lower()
+    return isinstance(e, getattr(dist, "DistError", ())) or any(
+        k in text for k in ("gloo", "nccl", "connection closed", "connection reset", "timed out", "broken pipe"))
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int):

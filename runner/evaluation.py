@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runner.precision import to_float32
+
 SUBSET_SEED = 0  # fixed: every run (and every resume) evaluates the same examples
 
 
@@ -51,7 +53,7 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_siz
     for i in range(0, len(indices), batch_size):
         idx = indices[i:i + batch_size]
         out = model(x[idx])
-        loss += F.cross_entropy(out.float(), y[idx], reduction="sum").item()
+        loss += F.cross_entropy(to_float32(out), y[idx], reduction="sum").item()
         correct += (out.argmax(1) == y[idx]).sum().item()
     model.train()
     if world is not None:

@@ -129,15 +129,32 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
             raise
         except KeyboardInterrupt:
             run.summary["status"] = "interrupted"
+            blame_peer(run)  # under torchrun: the SIGTERM that follows another rank's failure
             raise
         except Exception as e:  # e.g. CUDA out of memory: recorded so that reports never mistake it for a running job
             run.summary.update(status="failed", error=f"{type(e).__name__}: {e}".splitlines()[0])
+            if distributed.broken_collective(e):  # another rank died first: name it
+                blame_peer(run)
+            else:  # this rank's own failure: the root cause the others will name
+                world.report_failure(run.summary["error"])
             raise
         finally:
             finish(run)
     finally:
         distributed.shutdown(world)
     return run.summary
+
+
+def blame_peer(run: Run) -> None:
+    """On several ranks, when another rank reported a failure (its error in the store), rank 0's summary says so:
+    status failed, error 'rank r: ...'; that rank's error caused this one's (a broken collective, or the SIGTERM
+    the launcher sends the others)."""
+    peer = run.world.peer_failure() if run.world.size > 1 else None
+    if peer:
+        run.summary.update(status="failed", error=peer)
+    elif run.summary.get("status") == "failed":  # a broken collective, no report: the peer was killed
+        run.summary["error"] = ("another rank stopped without reporting an error (killed from outside: SIGKILL, the "
+                                "OOM killer, a lost node): " + run.summary["error"][:120])
 
 
 # -- set-up ------------------------------------------------------------------------------------------------------
@@ -255,7 +272,9 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
     cfg, device, world = run.cfg, run.device, run.world
     reset_peak_memory(device)
     # loss and accuracy stay on the device until the epoch ends: an .item() per step would sync the GPU
-    step_times, loss_sum, correct, seen = [], torch.zeros((), device=device), torch.zeros((), device=device), 0
+    # float64 sums: the same totals whichever rank (or process count) adds them
+    step_times, seen = [], 0
+    loss_sum, correct = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step with a non-finite loss
     per_step_timing = cfg.get("step_timing", "sync") == "sync"
     norm_log = [] if cfg.get("log_norms", False) and run.method.private else None  # (B,) per step, on device

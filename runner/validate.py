@@ -127,6 +127,7 @@ RULES: dict[str, Rule] = {
     "precision": one_of("fp32", "bf16"),  # fp16 (loss scaling) is not supported: refused here
     "physical_batch_size": optional(integer(1)),
     "distributed.backend": one_of("auto", "gloo", "nccl"),
+    "distributed.nproc_per_node": integer(1),
     "distributed.timeout_s": number(0, low_open=True),
     "sampling": one_of(*SAMPLINGS),
     "progress": boolean,

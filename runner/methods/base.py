@@ -263,7 +263,7 @@ class Method:
                     p.grad = torch.zeros_like(p)
             count = torch.full((1,), float(len(y)), device=x.device, dtype=params[0].dtype if params else None)
             self.world.all_reduce_([p.grad for p in params] + [count])
-            self.examples = count
+            self.examples = count[0]  # 0-dim: the divisor of non-private's summed gradient
         return joined(parts, x, self.private)
 
 

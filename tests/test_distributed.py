@@ -1,0 +1,301 @@
+"""Data-parallel training on torch.distributed: 2 real processes, gloo on the CPU, against 1 process.
+
+Library level (torch.multiprocessing, the user's own process group): after k steps every method's weights on
+both ranks equal the one-process run's (float64, noise included), epsilon too; a tiny batch gives ranks empty
+shares without a hang or a desynchronisation; a 2-process run stopped after epoch 1 and resumed equals the
+straight run (also resumed on 1 process: the sampling does not depend on the world size).
+Command line: torchrun and `dprun distributed.nproc_per_node=2`; only rank 0 writes, the files equal the
+one-process run's apart from world size and timings; a rank that fails or is killed ends the job within a timeout
+with one line naming it, summary.json failed or interrupted, the complete epochs kept; Slurm's path through the
+submitit launcher with 2 tasks (submitit_local: the same code as launcher=slurm without a cluster).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from runner import distributed
+from runner.distributed import World, first_host
+
+CASES = [("nonprivate", {}), ("nxbp", {}), ("reweight", {"mode": "bk"}), ("reweight", {"mode": "recompute"}),
+         ("jl", {"r": 2}), ("multiloss", {}), ("opacus", {"grad_sample_mode": "hooks"})]
+TIMEOUT = 240  # seconds for any multi-process job here (CI: 2 cores)
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def library_run(name, options, batch_size, steps):
+    """make_private on a small float64 MLP; the weights after `steps` Poisson steps and epsilon. The same code on
+    1 process (no process group) and on each rank of 2 (the user's own process group)."""
+    import dprun
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (40,), generator=g)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.3), (x, y), method=name,
+                                 method_options=options, noise_multiplier=0.8, max_grad_norm=0.5,
+                                 batch_size=batch_size, seed=1, max_physical_batch_size=3)
+    taken = 0
+    while taken < steps:
+        for xb, yb in private.batches():
+            private.step(xb, yb, loss_fn)
+            taken += 1
+            if taken == steps:
+                break
+    eps = private.get_epsilon() if private.private else None
+    return [p.detach().clone() for p in private.model.parameters()], eps
+
+
+def composed_run(precision="fp32", compiled=False, steps=3):
+    """reweight on a float32 MLP with physical batches of 3, under bf16 and/or compile= (Dynamo tracing the padded
+    chunk, eager kernels): the weights after `steps` steps; its World is the current process group's."""
+    from runner.methods import METHODS
+    from runner.methods.compiled import CompiledStep
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    method = METHODS.build("reweight", clip=0.5, sigma=0.8).configure(
+        physical_batch_size=3, precision=precision, world=distributed.current(seed=1))
+    model = method.attach(model)
+    step = CompiledStep(method, "default", torch.device("cpu"), physical=3, backend="eager") if compiled \
+        else method.step
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(10, 6, generator=g), torch.randint(0, 3, (10,), generator=g)
+    noise = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        idx = method.world.share(torch.arange(10))
+        step(model, loss_fn, x[idx], y[idx], opt, sample_rate=0.5, expected_batch_size=10.0, generator=noise)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _library_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=__import__("datetime").timedelta(seconds=60))
+    results = {}
+    for name, options in CASES:
+        results[f"{name}{options}"] = library_run(name, options, batch_size=8, steps=4)
+    results["empty-shares"] = library_run("reweight", {}, batch_size=1, steps=12)  # shares of 0 or 1 examples
+    results["bf16"] = composed_run(precision="bf16")
+    results["compiled"] = composed_run(compiled=True)
+    model = torch.nn.Linear(2, 2)  # replicas that differ are caught, on every rank
+    with torch.no_grad():
+        model.weight.fill_(float(rank))
+    try:
+        distributed.current().check_replicas(model, torch.device("cpu"), "after epoch 1")
+        results["check"] = "passed"
+    except Exception as e:  # noqa: BLE001
+        results["check"] = str(e)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def spawn(fn, world, workdir: Path, *args):
+    """fn(rank, world, init_file, workdir, *args) on `world` fresh processes; fails the test after TIMEOUT."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.start_processes(fn, args=(world, str(workdir / "init"), str(workdir), *args), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT
+    while not ctx.join(timeout=max(1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the {world}-process job did not end within {TIMEOUT} s")
+
+
+def test_two_ranks_give_the_one_process_weights_and_epsilon_for_every_method(tmp_path):
+    pytest.importorskip("opacus")
+    spawn(_library_worker, 2, tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for name, options in CASES:
+        want, want_eps = library_run(name, options, batch_size=8, steps=4)
+        for r in range(2):
+            got, eps = ranks[r][f"{name}{options}"]
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"{name} {options} rank {r}")
+            assert eps == want_eps, (name, options)
+    want, _ = library_run("reweight", {}, batch_size=1, steps=12)
+    for r in range(2):
+        for a, b in zip(ranks[r]["empty-shares"][0], want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # precision= and compile= compose with the ranks: the one-process step (float32: summation order only)
+    for key, want in (("bf16", composed_run(precision="bf16")), ("compiled", composed_run(compiled=False))):
+        for r in range(2):
+            for a, b in zip(ranks[r][key], want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{key} rank {r}")
+    for r in range(2):
+        assert ranks[r]["check"].startswith("replicas diverged after epoch 1: rank 1's parameter checksum")
+
+
+def _train_worker(rank, world, init_file, out_dir, overrides, folder):
+    from conftest import compose_config
+    from runner.train import train
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=__import__("datetime").timedelta(seconds=60))
+    train(compose_config(overrides), Path(out_dir) / folder)
+    dist.destroy_process_group()
+
+
+def test_a_two_process_run_stopped_and_resumed_equals_the_straight_run(tmp_path):
+    from conftest import compose_config
+    from runner.train import train
+
+    base = ["method=reweight", "dtype=float64", "progress=false", "max_steps_per_epoch=5", "batch_size=32"]
+    straight = train(compose_config(base + ["epochs=2"]), tmp_path / "straight")  # one process
+    spawn(_train_worker, 2, tmp_path / "a", base + ["epochs=1"], tmp_path / "cut")
+    assert json.loads((tmp_path / "cut" / "summary.json").read_text())["world_size"] == 2
+    spawn(_train_worker, 2, tmp_path / "b", base + ["epochs=2", f"resume={tmp_path / 'cut'}"], tmp_path / "cut")
+    resumed = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert resumed["status"] == "finished" and resumed["epochs_completed"] == 2
+    for key in ("train_loss", "test_loss", "test_acc", "epsilon"):
+        assert resumed["final"][key] == pytest.approx(straight["final"][key], rel=1e-12, abs=1e-15), key
+    # and on ONE process after a 2-process first epoch: the global Poisson batches do not depend on the ranks
+    train(compose_config(base + ["epochs=1"]), tmp_path / "one")
+    one = train(compose_config(base + ["epochs=2", f"resume={tmp_path / 'one'}"]), tmp_path / "one")
+    assert one["final"]["train_loss"] == pytest.approx(resumed["final"]["train_loss"], rel=1e-12)
+
+
+# -- the command line -------------------------------------------------------------------------------------------
+def run_cli(args, cwd, env=None, launcher="torchrun"):
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", "-m", "runner.cli"] \
+        if launcher == "torchrun" else [sys.executable, "-m", "runner.cli", "distributed.nproc_per_node=2"]
+    return subprocess.run([*prefix, *args], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, **(env or {})})
+
+
+ISSUE_RUN = ["method=reweight", "dataset=digits", "epochs=1", "dtype=float64", "seed=0", "progress=false"]
+TIMING = ("epoch_time_s", "step_time_s", "peak_mem_bytes")
+
+
+def test_torchrun_gives_the_one_process_run_and_only_rank_0_writes(tmp_path):
+    """The issue's command, with torchrun; the same final loss, accuracy and epsilon as one process, and the same
+    files (apart from world size and timings), written by rank 0 alone."""
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    single = subprocess.run([sys.executable, "-m", "runner.cli", *ISSUE_RUN, f"out_dir={tmp_path / 'one' / 'run'}"],
+                            cwd=tmp_path / "one", capture_output=True, text=True, timeout=TIMEOUT)
+    assert single.returncode == 0, single.stderr
+    proc = run_cli([*ISSUE_RUN, f"out_dir={tmp_path / 'two' / 'run'}"], cwd=tmp_path / "two")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = lambda root: sorted(str(p.relative_to(root)) for p in root.rglob("*")  # noqa: E731
+                                if ".hydra" not in p.parts and p.is_file())
+    assert files(tmp_path / "two") == files(tmp_path / "one")  # nothing more (rank 1 wrote nothing)
+    one, two = (pd.read_csv(tmp_path / d / "run" / "metrics.csv") for d in ("one", "two"))
+    pd.testing.assert_frame_equal(two.drop(columns=list(TIMING)), one.drop(columns=list(TIMING)), rtol=1e-12)
+    s1, s2 = (json.loads((tmp_path / d / "run" / "summary.json").read_text()) for d in ("one", "two"))
+    assert (s1["world_size"], s2["world_size"], s2["backend"]) == (1, 2, "gloo")
+    differ = {k for k in s1 if s1[k] != s2[k]} - {"world_size", "backend", "final", "config"}
+    assert differ == set(), differ
+    assert {k: v for k, v in s2["final"].items() if k not in TIMING} == pytest.approx(
+        {k: v for k, v in s1["final"].items() if k not in TIMING}, rel=1e-12)
+    assert s2["config"] == {**s1["config"], "out_dir": s2["config"]["out_dir"]}
+
+
+SITECUSTOMIZE = """
+import os, signal
+if os.environ.get("RANK") == "1" and os.environ.get("DPRUN_TEST_FAIL"):
+    import runner.methods.base as base
+    how, at = os.environ["DPRUN_TEST_FAIL"].split("@")
+    real, seen = base.Method.step, [0]
+    def step(self, *a, **k):
+        seen[0] += 1
+        if seen[0] == int(at):
+            if how == "raise":
+                raise RuntimeError("injected failure on rank 1")
+            os.kill(os.getpid(), getattr(signal, how))
+        return real(self, *a, **k)
+    base.Method.step = step
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "SIGKILL"])
+def test_a_rank_that_fails_mid_epoch_ends_the_job_with_one_line(tmp_path, how):
+    """Rank 1 raises (or is killed) in epoch 2 (digits: 23 steps an epoch at B=64): the job ends within the
+    timeout, rank 0's summary says failed (naming rank 1's error when it could report one) or interrupted, and
+    epoch 1 is kept."""
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "inject"), os.environ.get("PYTHONPATH", "")]),
+           "DPRUN_TEST_FAIL": f"{how}@26"}
+    start = time.monotonic()
+    proc = run_cli(["method=reweight", "epochs=3", "progress=false", f"out_dir={tmp_path / 'run'}"], tmp_path, env,
+                   launcher="dprun")
+    assert time.monotonic() - start < TIMEOUT
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("dprun:")]
+    assert lines[-1].startswith("dprun: distributed run failed: rank 1 ") and lines[-1].count("\n") == 0, lines
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["epochs_completed"] == 1 and pd.read_csv(tmp_path / "run" / "metrics.csv").epoch.tolist() == [1]
+    if how == "raise":
+        assert "dprun: rank 1: failed: RuntimeError: injected failure on rank 1" in proc.stderr
+        assert "exit code 1" in lines[-1]
+        assert summary["status"] == "failed" and summary["error"] == "rank 1: RuntimeError: injected failure on rank 1"
+    else:
+        assert "killed by SIGKILL" in lines[-1]
+        assert summary["status"] in ("failed", "interrupted")
+
+
+def test_slurm_path_two_tasks_through_the_submitit_launcher(tmp_path):
+    """launcher=submitit_local with tasks_per_node=2: each task is a rank, torch.distributed initialised from
+    submitit's environment (on a cluster, launcher=slurm: the same code); a sweep (-m) of such jobs."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    proc = subprocess.run([sys.executable, "-m", "runner.cli", "-m", "launcher=submitit_local",
+                           "hydra.launcher.tasks_per_node=2", "method=reweight", "dataset=digits", "epochs=1",
+                           "max_steps_per_epoch=4", "progress=false", "seed=0,1", f"hydra.sweep.dir={tmp_path / 's'}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted((tmp_path / "s").glob("*/summary.json"))]
+    assert len(summaries) == 2
+    for s in summaries:
+        assert s["status"] == "finished" and s["world_size"] == 2 and s["backend"] == "gloo"
+
+
+# -- pieces ------------------------------------------------------------------------------------------------------
+def test_shares_cover_the_global_batch_in_order_and_may_be_empty():
+    idx = torch.tensor([3, 8, 9])
+    shares = [World(rank=r, size=2).share(idx) for r in range(2)]
+    assert torch.equal(torch.cat(shares), idx) and [len(s) for s in shares] == [2, 1]
+    assert [len(World(rank=r, size=4).share(idx)) for r in range(4)] == [1, 1, 1, 0]
+
+
+def test_slurm_environment_is_mapped_for_srun(monkeypatch):
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
+    assert distributed.launched_world_size() == 8 and distributed.launched_rank() == 5
+    distributed.export_slurm_env()
+    assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")} == {
+        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu07", "MASTER_PORT": str(20000 + 4242)}
+    assert first_host("node1,node2") == "node1" and first_host("a[003-005,9],b1") == "a003"
+
+
+def test_buckets_flatten_many_tensors_into_few_calls():
+    tensors = [torch.zeros(10) for _ in range(5)] + [torch.zeros(1000)]
+    buckets = list(distributed._buckets(tensors, limit=200))  # 40 bytes each, then one 4000-byte tensor alone
+    assert [len(b) for b in buckets] == [5, 1]
+
+
+def test_sbcd_is_refused_on_several_ranks_in_one_line():
+    from runner.errors import DprunError
+    from runner.methods import METHODS
+
+    with pytest.raises(DprunError, match=r"^method=sbcd cannot run with distributed: its auxiliary variables"):
+        METHODS.build("sbcd").configure(world=World(rank=0, size=2))
