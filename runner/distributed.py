@@ -96,6 +96,7 @@ class World:
     seed: int = 0  # the run's seed: each rank's forward randomness (dropout) is derived from it, the step and the rank
     steps: int = 0  # logical steps taken (forward_rng's stream index; restored on resume)
     owned: bool = False  # True: init() started the process group, so shutdown() ends it (never a user's own)
+    bytes_reduced: int = 0  # gradient bytes all_reduce_ has summed so far (runner/bench/distributed.py)
 
     @property
     def main(self) -> bool:
@@ -122,6 +123,7 @@ class World:
                 for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
                     t.copy_(part.view_as(t))
                 sent += flat.numel() * flat.element_size()
+        self.bytes_reduced += sent
         return sent
 
     def sum(self, values: list[float], device: torch.device) -> list[float]:
