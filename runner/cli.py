@@ -170,6 +170,11 @@ def check_keys(argv: list[str]) -> None:
 
 
 def main() -> None:
+    if "--version" in sys.argv[1:]:  # dprun's version, not Hydra's (Hydra would answer --version itself)
+        from runner import __version__
+
+        print(f"dprun {__version__}")
+        return
     note = extra_sweeps_note(sys.argv[1:])
     if note:
         print(note, file=sys.stderr)
