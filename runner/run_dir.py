@@ -3,6 +3,7 @@
     ensure_fresh("outputs/runs/x")                    # DprunError if x holds summary.json or metrics.csv
     check_reused_dirs(["out_dir=outputs/runs/x"])     # the same, from the command line, before Hydra writes .hydra/
     check_reused_dirs(["-m", "hydra.sweep.dir=s"])    # DprunError if s holds an earlier sweep
+    discard_unstarted("outputs/runs/x")               # a refused run's folder (.hydra/ + dprun.log only) goes
 
 Hydra's default run and sweep folders are unique (time + a random id), but `out_dir=`, `hydra.run.dir=` and
 `hydra.sweep.dir=` name a folder explicitly, and re-using one would silently replace the earlier run's metrics and
@@ -15,6 +16,7 @@ from pathlib import Path
 from runner.errors import DprunError
 
 RESULT_FILES = ("summary.json", "metrics.csv")  # what makes a folder a run; .hydra/ alone does not
+HYDRA_RECORD = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra writes into <run dir>/.hydra/
 
 
 def holds_run(folder: str | Path) -> bool:
@@ -53,6 +55,28 @@ def check_reused_dirs(argv: list[str]) -> None:
                                  f"hydra.sweep.dir=, or leave it unset for a new folder")
         elif not (key == "hydra.run.dir" and multirun):
             ensure_fresh(value)
+
+
+def discard_unstarted(folder: str | Path) -> bool:
+    """Remove a run folder that holds nothing but Hydra's .hydra/ record and dprun.log: what a run refused before
+    training leaves. Anything else in it (results, a checkpoint, a user's file, a link) keeps the whole folder, and
+    only those known files are ever deleted. -> whether the folder was removed."""
+    folder = Path(folder)
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    hydra = folder / ".hydra"
+    known = {folder / "dprun.log", *(hydra / name for name in HYDRA_RECORD)}
+    files = [p for p in folder.rglob("*") if p != hydra]  # rglob does not descend into linked folders
+    if hydra.is_symlink() or (hydra.exists() and not hydra.is_dir()):
+        return False
+    if any(p not in known or p.is_symlink() or not p.is_file() for p in files):
+        return False
+    for path in files:
+        path.unlink()
+    if hydra.exists():
+        hydra.rmdir()
+    folder.rmdir()
+    return True
 
 
 def hydra_config(folder: Path) -> dict:

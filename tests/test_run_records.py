@@ -77,6 +77,41 @@ def test_train_refuses_a_used_folder_before_loading_data(tmp_path, monkeypatch):
         runner.train.train(compose_config(TINY), tmp_path)
 
 
+def test_a_refused_run_leaves_no_folder(tmp_path):
+    """Refused before training (a bad value; missing data files): no folder is left behind, not Hydra's run folder
+    and not a new out_dir; an out_dir that existed before stays."""
+    for bad in (["clip=0"], ["dataset=mnist", f"data_dir={tmp_path / 'nowhere'}"]):
+        proc = dprun(*TINY, *bad, cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stderr.startswith("dprun: "), proc.stderr
+        assert not [p for p in (tmp_path / "outputs").rglob("*") if p.name in (".hydra", "dprun.log")]
+    proc = dprun(*TINY, "clip=0", f"out_dir={tmp_path / 'new'}", cwd=tmp_path)
+    assert proc.returncode == 2 and not (tmp_path / "new").exists()
+    assert not list((tmp_path / "outputs").rglob(".hydra"))
+    (tmp_path / "mine").mkdir()
+    assert dprun(*TINY, "clip=0", f"out_dir={tmp_path / 'mine'}", cwd=tmp_path).returncode == 2
+    assert (tmp_path / "mine").is_dir()  # the user's folder; only the log of the refusal is in it
+
+
+def test_discard_unstarted_removes_only_a_folder_holding_hydras_record_and_the_log(tmp_path):
+    from runner.run_dir import discard_unstarted
+
+    def folder(name, *extra):
+        f = tmp_path / name
+        (f / ".hydra").mkdir(parents=True)
+        for rel in ("dprun.log", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", *extra):
+            (f / rel).write_text("x")
+        return f
+
+    assert discard_unstarted(folder("refused")) and not (tmp_path / "refused").exists()
+    for name, extra in [("started", "summary.json"), ("notes", "notes.txt"), ("more", ".hydra/mine.yaml")]:
+        assert not discard_unstarted(folder(name, extra)) and (tmp_path / name / extra).exists()
+    linked = folder("linked")
+    (linked / "dprun.log").unlink()
+    (linked / "dprun.log").symlink_to(tmp_path / "notes" / "notes.txt")
+    assert not discard_unstarted(linked) and (tmp_path / "notes" / "notes.txt").exists()
+    assert not discard_unstarted(tmp_path / "absent")
+
+
 # --- stopping a run: SIGTERM, Ctrl-C, a full disk ---------------------------------------------------------------
 
 def start_and_signal(tmp_path, sig):
