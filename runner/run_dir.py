@@ -94,19 +94,24 @@ def hydra_config(folder: Path) -> dict:
     return out if isinstance(out, dict) else {}
 
 
-def _results_went_elsewhere(folder: Path, cfg: dict) -> bool:
-    """With out_dir= set, Hydra's folder keeps only .hydra/ and the results land in out_dir (relative to the
-    directory dprun ran in, which Hydra records as hydra.runtime.cwd)."""
+def out_dir_of(folder: Path, cfg: dict) -> Path | None:
+    """Where a run that named out_dir= put its files (Hydra's own folder keeps only .hydra/): relative to the
+    directory dprun ran in, which Hydra records as hydra.runtime.cwd. None without out_dir."""
     out_dir = cfg.get("out_dir")
     if not out_dir:
-        return False
+        return None
     target = Path(str(out_dir))
     if not target.is_absolute():
         from omegaconf import OmegaConf
 
         cwd = OmegaConf.select(OmegaConf.load(folder / ".hydra" / "hydra.yaml"), "hydra.runtime.cwd", default=None)
         target = Path(cwd or ".") / target
-    return holds_run(target)
+    return target
+
+
+def _results_went_elsewhere(folder: Path, cfg: dict) -> bool:
+    target = out_dir_of(folder, cfg)
+    return target is not None and holds_run(target)
 
 
 def unstarted_runs(root: str | Path) -> list[tuple[Path, dict]]:

@@ -154,6 +154,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         log.info("resumed %s after epoch %d", cfg.resume, start_epoch)
     summary: dict[str, Any] = {
         "status": "running",
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),  # UTC; dprun-report sorts by it
         "config": run_config,
         "method": method.name,
         "sigma": method.sigma if method.private else None,

@@ -92,6 +92,18 @@ def test_a_refused_run_leaves_no_folder(tmp_path):
     assert (tmp_path / "mine").is_dir()  # the user's folder; only the log of the refusal is in it
 
 
+def test_a_sweeps_refused_job_keeps_its_folder_and_the_report_says_why(tmp_path):
+    from runner.report import collect
+
+    proc = dprun("-m", "clip=0,1.0", *TINY, cwd=tmp_path)
+    assert proc.returncode != 0 and "dprun: clip=0" in proc.stderr  # Hydra reports the failed job at the end
+    runs = collect(tmp_path / "outputs").set_index("folder")
+    [refused] = [f for f in runs.index if f.endswith("0_clip=0")]
+    assert runs.loc[refused, "status"] == "failed-to-start" and "clip=0" in runs.loc[refused, "error"]
+    assert set(runs["status"]) == {"failed-to-start", "finished"}
+    assert runs["started_at"].notna().all() and list(runs["started_at"]) == sorted(runs["started_at"])
+
+
 def test_discard_unstarted_removes_only_a_folder_holding_hydras_record_and_the_log(tmp_path):
     from runner.run_dir import discard_unstarted
 
@@ -231,6 +243,9 @@ def test_report_lists_failed_interrupted_and_never_started_runs(tmp_path, capsys
     hydra = tmp_path / "nostart" / ".hydra"  # what Hydra leaves when the run fails before its first summary.json
     hydra.mkdir(parents=True)
     (hydra / "config.yaml").write_text("method:\n  name: reweight\ndataset:\n  name: mnist\nout_dir: null\n")
+    (hydra.parent / "dprun.log").write_text("2026-01-01 10:00:00,000 ERROR run failed: DprunError: first\n"
+                                            "2026-01-01 10:00:01,000 INFO more\n"
+                                            "2026-01-01 10:00:02,000 ERROR run failed: MemoryError: the real one\n")
     assert main(["--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     listed = out[out.index("did not finish"):]
@@ -240,6 +255,8 @@ def test_report_lists_failed_interrupted_and_never_started_runs(tmp_path, capsys
     runs = pd.read_csv(tmp_path / "tables" / "runs.csv")
     nostart = runs[runs["status"] == "failed-to-start"].iloc[0]
     assert (nostart["method"], nostart["dataset"]) == ("reweight", "mnist")
+    assert nostart["error"] == "run failed: MemoryError: the real one"  # the last error line of its dprun.log
+    assert "run failed: MemoryError: the real one" in listed
 
 
 def test_report_does_not_list_the_hydra_folder_of_an_out_dir_run(tmp_path):
