@@ -45,3 +45,49 @@ def test_the_default_dataset_needs_no_extra():
     missing = {m: dists.get(m) for m in third_party
                if not any(requirement_name(d) in core for d in dists.get(m, []))}
     assert not missing, f"dataset={dataset} imports packages outside the core install: {missing}"
+
+
+def test_an_editable_install_is_a_path_entry_so_a_folder_named_dprun_cannot_shadow_the_package(tmp_path, monkeypatch):
+    """A script beside the clone (a folder named dprun, the real package one level down) must import the package.
+    setuptools' editable import hook runs after Python's path search, which takes that folder for an empty namespace
+    package; a plain .pth entry (the checkout root) is searched by the path search itself, and a regular package
+    beats a namespace portion. setup.py's layout must therefore select setuptools' static-.pth strategy."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import runpy
+
+    editable = pytest.importorskip("setuptools.command.editable_wheel")
+    import setuptools
+    from setuptools.dist import Distribution
+
+    monkeypatch.chdir(ROOT)
+    attrs: dict = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: attrs.update(kw))  # setup.py's arguments, not a build
+    runpy.run_path(str(ROOT / "setup.py"))
+    dist = Distribution({"name": "dprun", **attrs})
+    cmd = editable.editable_wheel(dist)
+    cmd.ensure_finalized()
+    strategy = cmd._select_strategy("dprun", "0.1.0", str(tmp_path / "build"))
+    entries = [Path(p).resolve() for p in getattr(strategy, "path_entries", [])]
+    assert isinstance(strategy, editable._StaticPth) and entries == [ROOT.resolve()], type(strategy).__name__
+
+    # the install's .pth, a clone folder named dprun (no __init__.py at its top) and a script beside it
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "__editable__.dprun-0.1.0.pth").write_text("\n".join(map(str, entries)) + "\n")
+    (tmp_path / "work" / "dprun" / "docs").mkdir(parents=True)
+    script = tmp_path / "work" / "script.py"
+    script.write_text("import importlib.util, site, sys\n"
+                      "if sys.argv[1:]: site.addsitedir(sys.argv[1])  # what the installed .pth does\n"
+                      "print(importlib.util.find_spec('dprun').origin)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def origin(*args):
+        out = subprocess.run([sys.executable, "-s", str(script), *args], env=env, capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path / "work")
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert origin() == "None"  # the hazard: without the path entry the folder is a namespace package
+    assert Path(origin(str(tmp_path / "site"))) == ROOT.resolve() / "dprun" / "__init__.py"
