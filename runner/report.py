@@ -15,12 +15,12 @@ wrote .hydra/; runs with neither come first); `folder` is the run's folder relat
 configuration (dataset, model, method, r, batch_size, sigma, clip, lr, epochs, seed, sampling, data source, device,
 torch version, experiment, scale), then the final epoch's metrics and `epoch_time_est_s`: the seconds a full
 (uncapped) epoch takes, from the median step time times the expected steps per epoch, so capped smoke runs give
-comparable seconds per epoch; `capped` marks a run whose max_steps_per_epoch cut its epochs short (`full_steps_per_epoch`
-beside it). A folder holding only Hydra's .hydra/ is a run that stopped before its first summary.json (a sweep's
-refused job, a crash while loading): a row with status `failed-to-start`, the configuration Hydra recorded and, as
-`error`, the last error line of its dprun.log. A run whose files cannot be read is skipped with one line on stderr;
-the runs that did not finish are listed after the table, and runs whose calibrated sigma missed target_epsilon are
-named.
+comparable seconds per epoch; `capped` marks a run whose max_steps_per_epoch cut its epochs short (beside it
+`full_steps_per_epoch`). A folder holding only Hydra's .hydra/ is a run that stopped before its first summary.json
+(a sweep's refused job, a crash while loading): a row with status `failed-to-start`, the configuration Hydra
+recorded and, as `error`, the last error line of its dprun.log. A run whose files cannot be read is skipped with one
+line on stderr; the runs that did not finish are listed after the table, and runs whose calibrated sigma missed
+target_epsilon are named.
 """
 from __future__ import annotations
 
@@ -238,7 +238,8 @@ def read_folder(folder: Path, hydra_cfg: dict[str, Any] | None) -> tuple[dict[st
 
 
 def is_reference(run_dir: Path, root: Path) -> bool:
-    """A committed reference run: under <root>/reference/, or --root itself is in an outputs/reference/ folder."""
+    """A committed reference run: under <root>/reference/, or --root itself is inside an outputs/reference/ folder
+    (then they were asked for by name, and are listed)."""
     parts = Path(root).resolve().parts
     inside = any(a == "outputs" and b == REFERENCE for a, b in zip(parts, parts[1:]))
     return inside or Path(run_dir).relative_to(root).parts[:1] == (REFERENCE,)
@@ -252,9 +253,9 @@ def collect(root: str | Path = "outputs", experiment: str | None = None, scale: 
     root = Path(root)
     found = [(run_dir, None) for run_dir in find_runs(root)] + unstarted_runs(root)
     for run_dir, hydra_cfg in sorted(found, key=lambda f: str(f[0])):
+        if not reference and run_dir.relative_to(root).parts[:1] == (REFERENCE,):
+            continue  # <root>/reference/: the committed runs, not the user's
         source = REFERENCE if is_reference(run_dir, root) else "user"
-        if source == REFERENCE and not reference:
-            continue
         try:
             row, epochs = read_folder(run_dir, hydra_cfg)
         except Exception as e:  # noqa: BLE001  one damaged folder must not hide every other run
@@ -294,8 +295,10 @@ def local_time(iso: Any) -> str:
 def summary_view(runs: pd.DataFrame) -> str:
     runs = runs.assign(started=runs["started_at"].map(local_time) if "started_at" in runs else "")
     if "capped" in runs:  # "3/98": steps per epoch taken / a full epoch's, for runs that max_steps_per_epoch cut
-        runs["capped"] = [f"{int(s)}/{int(f)}" if c is True else "" for c, s, f in
-                          zip(runs["capped"], runs.get("steps_per_epoch", 0), runs.get("full_steps_per_epoch", 0))]
+        none = pd.Series(math.nan, runs.index)
+        steps, full = runs.get("steps_per_epoch", none), runs.get("full_steps_per_epoch", none)
+        runs["capped"] = [f"{int(s)}/{int(f)}" if pd.notna(c) and bool(c) else ""
+                          for c, s, f in zip(runs["capped"], steps, full)]
     if "source" in runs and runs["source"].nunique() < 2:
         runs = runs.drop(columns="source")  # shown only where reference and user runs are mixed
     cols = [c for c in SUMMARY_VIEW if c in runs]

@@ -18,7 +18,8 @@ def requirement_name(req: str) -> str:
 def core_closure() -> set[str]:
     """The distributions `pip install dprun` brings: pyproject's dependencies and theirs (no extras)."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    todo = [requirement_name(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    todo = [requirement_name(r) for r in project["dependencies"]]
     seen: set[str] = set()
     while todo:
         name = todo.pop()

@@ -34,7 +34,8 @@ class Sampler:
             raise DprunError(f"batch_size={batch_size} must be between 1 and the training set size {n}")
         self.kind, self.n, self.batch_size, self.generator, self.device = kind, n, batch_size, generator, device
         self.sample_rate = batch_size / n
-        self.steps_per_epoch = poisson_steps_per_epoch(n, batch_size) if kind == "poisson" else math.ceil(n / batch_size)
+        self.steps_per_epoch = (poisson_steps_per_epoch(n, batch_size) if kind == "poisson"
+                                else math.ceil(n / batch_size))
         self._fixed: list[torch.Tensor] | None = None
 
     def _perm(self) -> torch.Tensor:
