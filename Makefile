@@ -3,9 +3,23 @@
 # (checked when each command runs, so `make install demo` uses the venv it just made).
 VENV ?= .venv
 PY ?= $$(test -x $(VENV)/bin/python && echo $(VENV)/bin/python || echo python)
-# torch for a venv without one: the CPU build from PyTorch's CPU index, unless nvidia-smi finds a GPU (then PyPI's
-# CUDA build). A torch already in the venv is kept. TORCH_INDEX= (empty) uses pip's configured index.
+# torch for a venv without one (a torch already in the venv is kept; README "Set up" says the same):
+#  - nvidia-smi lists a GPU: `pip install torch`, PyPI's CUDA build;
+#  - else the CPU build from TORCH_INDEX (PyTorch's CPU wheel index), if one 5-second look reaches it;
+#  - else (TORCH_INDEX= empty, or unreachable) pip's own configured index (a mirror, local wheels), but only when pip's
+#    dry run shows a CPU build there: PyPI's Linux torch is the CUDA build (nvidia-* packages, several GB), which a
+#    machine without a GPU cannot use, so then it stops with one line giving the command for the CPU build.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+# stdin: `pip install --dry-run --report -`; prints "cpu|cuda <torch version>" (cuda: it would bring nvidia-* packages)
+define TORCH_BUILD
+import json, sys
+install = json.load(sys.stdin)["install"]
+names = [p["metadata"]["name"].lower() for p in install]
+version = next((p["metadata"]["version"] for p in install if p["metadata"]["name"].lower() == "torch"), "none")
+print("cuda" if any(n.startswith("nvidia-") for n in names) or "+cu" in version else "cpu", version)
+endef
+export TORCH_BUILD
 SCALE ?= smoke
 
 .PHONY: help install torch demo test test-slow bench
@@ -14,14 +28,26 @@ help: ## list the targets (coloured on a terminal only)
 	@if [ -t 1 ]; then c='\033[36m'; n='\033[0m'; else c=''; n=''; fi; \
 	grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | awk -v c="$$c" -v n="$$n" 'BEGIN {FS = ":.*## "}; {printf "  %s%-18s%s %s\n", c, $$1, n, $$2}'
 
-install: torch ## make .venv, add torch (CPU build unless a GPU; an installed torch is kept), dprun[demo,test] (editable)
-	$(VENV)/bin/python -m pip install -q -e ".[demo,test]"
+install: torch ## make .venv, add torch (CPU build unless a GPU; an installed torch is kept), dprun[test] (editable)
+	$(VENV)/bin/python -m pip install -q -e ".[test]"
 
 torch: ## make the venv if missing and install torch into it if it has none (CPU build on a machine without a GPU)
 	@test -x $(VENV)/bin/python || python3 -m venv $(VENV)
-	@if $(VENV)/bin/python -c "import torch" 2>/dev/null; then echo "keeping torch $$($(VENV)/bin/python -c 'import torch; print(torch.__version__)')"; \
-	elif nvidia-smi -L 2>/dev/null | grep -q '^GPU ' || [ -z "$(TORCH_INDEX)" ]; then $(VENV)/bin/python -m pip install -q torch; \
-	else $(VENV)/bin/python -m pip install -q torch --index-url $(TORCH_INDEX); fi
+	@py=$(VENV)/bin/python; \
+	if $$py -c "import torch" 2>/dev/null; then echo "keeping torch $$($$py -c 'import torch; print(torch.__version__)')"; \
+	elif nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then \
+	  echo "torch: nvidia-smi lists a GPU: installing PyPI's CUDA build (pip install torch, several GB)"; \
+	  $$py -m pip install -q torch; \
+	elif [ -n "$(TORCH_INDEX)" ] && $$py -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip('/') + '/torch/', timeout=5)" "$(TORCH_INDEX)" 2>/dev/null; then \
+	  $$py -m pip install -q torch --index-url "$(TORCH_INDEX)"; \
+	else \
+	  if [ -n "$(TORCH_INDEX)" ]; then echo "torch: $(TORCH_INDEX) is unreachable from here (one try, 5 s); looking at pip's configured index instead"; fi; \
+	  $$py -m pip install -q "pip>=22.2"; \
+	  set -- $$($$py -m pip install torch --dry-run --quiet --report - 2>/dev/null | $$py -c "$$TORCH_BUILD" 2>/dev/null); \
+	  if [ "$$1" = cpu ]; then echo "torch: installing torch $$2, a CPU build, from pip's configured index"; $$py -m pip install -q torch; \
+	  elif [ "$$1" = cuda ]; then echo "torch: pip's configured index offers torch $$2, the CUDA build (nvidia-* packages, several GB), and this machine has no GPU, so nothing was installed; install the CPU build, then make install again: $$py -m pip install torch --index-url $(CPU_INDEX) (or a mirror of it, or a wheel file)"; exit 1; \
+	  else echo "torch: pip's configured index offers no torch for this Python (pip install torch --dry-run failed; pip config list shows the index); install torch into $(VENV), then make install again"; exit 1; fi; \
+	fi
 
 demo: ## the built-in demo: non-private MLP on scikit-learn's digits, CPU, seconds
 	$(PY) -m runner.cli

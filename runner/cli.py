@@ -22,7 +22,7 @@ from runner.interrupt import interrupted_exit, sigterm_as_interrupt
 from runner.overrides import CONFIG_GROUPS, check_group_choices
 from runner.paths import CONF_DIR, register_resolvers
 from runner.registry import unknown_name_message
-from runner.run_dir import check_reused_dirs
+from runner.run_dir import check_reused_dirs, discard_unstarted
 
 register_resolvers()  # before @hydra.main composes conf/
 EXIT_DIVERGED = 3  # a run whose loss or parameters became non-finite (status `diverged`); 2: refused; 1: failed
@@ -102,6 +102,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         for handler in logging.getLogger().handlers:
             handler.addFilter(_NoEpochLines())
     prefix = "dprun: " if launched_world_size() == 1 else f"dprun: rank {rank}: "
+    out_dir = Path(output_dir(cfg))
+    new_out_dir = not out_dir.exists()  # a refused run removes only folders made for it
     try:
         run(cfg)
     except DprunError as e:
@@ -110,6 +112,8 @@ def _hydra_main(cfg: DictConfig) -> None:
             raise  # a sweep goes on with its other jobs; Hydra reports the failed one at the end
         from runner.train import Diverged
 
+        if rank == 0 and not isinstance(e, Diverged):
+            discard_refused(cfg, out_dir if new_out_dir else None)
         sys.exit(EXIT_DIVERGED if isinstance(e, Diverged) else 2)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the complete epochs are on disk; one line, no traceback
         line, code = interrupted_exit(e, output_dir(cfg))
@@ -125,6 +129,19 @@ def _hydra_main(cfg: DictConfig) -> None:
             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         print(f"{prefix}{'stopped' if broken_collective(e) else 'failed'}: {why}", file=sys.stderr)
         sys.exit(1)
+
+
+def discard_refused(cfg: DictConfig, out_dir: Path | None) -> None:
+    """A single run refused before training (bad input, missing data: a DprunError before summary.json) leaves no
+    folder: Hydra's run folder and a new out_dir go if they hold only .hydra/ and dprun.log (run_dir.discard_unstarted);
+    the one line on the terminal is the record. Kept: a resumed run's folder (the earlier run's) and, in a sweep, the
+    refused job's folder: dprun-report lists it as failed-to-start with the reason from its dprun.log, so a missing
+    cell of the grid stays visible (docs/figures.md)."""
+    if cfg.get("resume"):
+        return
+    discard_unstarted(HydraConfig.get().runtime.output_dir)
+    if out_dir is not None:
+        discard_unstarted(out_dir)
 
 
 def extra_sweeps_note(argv: list[str]) -> str | None:
@@ -191,6 +208,11 @@ def check_keys(argv: list[str]) -> None:
 
 
 def main() -> None:
+    if "--version" in sys.argv[1:]:  # dprun's version, not Hydra's (Hydra would answer --version itself)
+        from runner import __version__
+
+        print(f"dprun {__version__}")
+        return
     note = extra_sweeps_note(sys.argv[1:])
     if note:
         print(note, file=sys.stderr)

@@ -4,7 +4,9 @@
     dprun-eps --n 60000 --batch-size 256 --sigma 1.3 --epochs 15 --r 1 2 4 10 30 inf   # a table over r
     dprun-eps ... --accountant rdp          # r = inf only; JL dimensions always use the jl accountant
 
-Steps = round(epochs * n / batch_size), Poisson sampling at q = batch_size / n. r = inf is the exact Gaussian
+Steps = round(epochs x steps per epoch), where an epoch is max(1, round(n / batch_size)) steps: the count a run takes
+(runner/data/sampler.py), so `--epochs 20` gives the epsilon a 20-epoch run publishes. Poisson sampling at
+q = batch_size / n. r = inf is the exact Gaussian
 mechanism (accountant pld unless --accountant says otherwise). An infinite epsilon is printed with the certified
 lower bound of the JL analysis, e.g. "inf (> 430)".
 """
@@ -17,6 +19,7 @@ import time
 
 from runner import accountants
 from runner.accountants import SubsampledGaussian, SubsampledJL
+from runner.data.sampler import poisson_steps_per_epoch
 from runner.errors import DprunError
 
 
@@ -32,10 +35,35 @@ def parse_r(text: str) -> float:
     return r
 
 
+def total_steps(n: int, batch_size: int, epochs: float) -> int:
+    """The steps of `epochs` epochs as a run counts them (a fraction of an epoch rounds to whole steps)."""
+    return round(epochs * poisson_steps_per_epoch(n, batch_size))
+
+
+def check_args(n: int, batch_size: int, sigma: float, epochs: float, delta: float) -> int:
+    """The number of steps, or a one-line DprunError naming the one bad value and what is accepted."""
+    if n < 1:
+        raise DprunError(f"--n={n} must be a positive integer (the training set size)")
+    if not 1 <= batch_size <= n:
+        raise DprunError(f"--batch-size={batch_size} must be between 1 and --n={n}")
+    if not sigma > 0:  # also NaN
+        raise DprunError(f"--sigma={sigma} must be > 0 (sigma=0 adds no noise: no finite epsilon)")
+    if not 0 < delta < 1:
+        raise DprunError(f"--delta={delta} must be in (0, 1)")
+    if not 0 < epochs < math.inf:
+        raise DprunError(f"--epochs={epochs} must be a positive number")
+    steps = total_steps(n, batch_size, epochs)
+    if steps < 1:
+        per_epoch = poisson_steps_per_epoch(n, batch_size)
+        raise DprunError(f"--epochs={epochs} is 0 steps at {per_epoch} steps per epoch (N={n}, B={batch_size}); "
+                         f"give at least one step: --epochs >= {1 / per_epoch:.3g}")
+    return steps
+
+
 def epsilon_row(n: int, batch_size: int, sigma: float, epochs: float, delta: float, r: float,
                 accountant: str | None) -> tuple[float, float, str]:
     """-> (epsilon, seconds, printable) for one r."""
-    q, steps = batch_size / n, int(round(epochs * n / batch_size))
+    q, steps = batch_size / n, total_steps(n, batch_size, epochs)
     start = time.perf_counter()
     if math.isinf(r):
         name = accountant or "pld"
@@ -54,8 +82,13 @@ def epsilon_row(n: int, batch_size: int, sigma: float, epochs: float, delta: flo
     return eps, time.perf_counter() - start, text
 
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # bad input is one line (argparse would print its usage block first)
+        self.exit(2, f"{self.prog}: {message} (dprun-eps --help lists the options)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dprun-eps", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="dprun-eps", description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, required=True, help="training set size N")
     p.add_argument("--batch-size", type=int, required=True, help="expected batch size B (q = B/N)")
     p.add_argument("--sigma", type=float, required=True, help="noise multiplier")
@@ -65,12 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accountant", default=None, help="rdp | pld | gdp for r=inf (default pld); jl for finite r")
     args = p.parse_args(argv)
     try:
-        if args.n < 1 or not 1 <= args.batch_size <= args.n:
-            raise DprunError(f"--batch-size={args.batch_size} must be in [1, --n={args.n}]")
-        if args.sigma <= 0 or args.epochs <= 0:
-            raise DprunError(f"--sigma={args.sigma} and --epochs={args.epochs} must be > 0")
-        steps = int(round(args.epochs * args.n / args.batch_size))
-        print(f"N={args.n} B={args.batch_size} q={args.batch_size / args.n:.5g} steps={steps} sigma={args.sigma} "
+        steps = check_args(args.n, args.batch_size, args.sigma, args.epochs, args.delta)
+        print(f"N={args.n} B={args.batch_size} q={args.batch_size / args.n:.5g} steps={steps} "
+              f"({poisson_steps_per_epoch(args.n, args.batch_size)} per epoch) sigma={args.sigma} "
               f"delta={args.delta:g}")
         print(f"{'r':>5}  {'epsilon':>22}  {'seconds':>8}")
         for r in args.r:

@@ -6,7 +6,8 @@ figure sweeps, the studies and the tests (so no module needs to import the CLI f
     register_resolvers()                     # before @hydra.main or any other composition of conf/ (idempotent)
 
 CONF_DIR is the package's runner/conf in a wheel (setup.py copies the top-level conf/ there at build time) or, in
-a source checkout or editable install, the repository's conf/.
+a source checkout or editable install, the repository's conf/ (through the link runner/conf -> ../conf, or directly
+where a checkout has no links).
 """
 from __future__ import annotations
 

@@ -1,19 +1,26 @@
-"""`dprun-report`: every run under outputs/ -> one pandas table (CSV) and a readable summary, one row per run.
+"""`dprun-report`: your runs under outputs/ -> one pandas table (CSV) and a readable summary, one row per run.
 
     dprun -m method=nonprivate,reweight,jl r=1,4 dataset=digits epochs=2
-    dprun-report                                   # all runs: prints one row per run, writes outputs/tables/runs.csv
+    dprun-report                                   # your runs: one row per run, oldest first; outputs/tables/runs.csv
     dprun-report --experiment jl_table2            # only the runs of one preset (experiment_name)
     dprun-report --scale smoke --epochs            # the per-epoch long table (one row per run and epoch)
+    dprun-report --reference                       # also the committed reference runs (outputs/reference/)
     dprun-report --root /scratch/outputs --out all.csv
 
 A run is any folder holding summary.json (runner/train.py writes it first, then metrics.csv after each epoch):
-single runs under outputs/runs/**, sweeps under outputs/multirun/**. Columns: the configuration (dataset, model,
-method, r, batch_size, sigma, clip, lr, epochs, seed, sampling, data source, device, torch version, experiment,
-scale), then the final epoch's metrics and `epoch_time_est_s`: the seconds a full (uncapped) epoch takes, from the
-median step time times the expected steps per epoch, so capped smoke runs give comparable seconds per epoch.
-A folder holding only Hydra's .hydra/ is a run that stopped before its first summary.json: a row with status
-`failed-to-start` and the configuration Hydra recorded. A run whose files cannot be read is skipped with one line
-on stderr; the runs that did not finish are listed after the table.
+single runs under outputs/runs/**, sweeps under outputs/multirun/**. The runs under <root>/reference/ are the
+repository's committed reference runs, not yours: left out unless --reference (then the `source` column says
+`reference` or `user`). Rows are sorted by start time, newest last (`started_at`: summary.json's, else when Hydra
+wrote .hydra/; runs with neither come first); `folder` is the run's folder relative to --root. Columns: the
+configuration (dataset, model, method, r, batch_size, sigma, clip, lr, epochs, seed, sampling, data source, device,
+torch version, experiment, scale), then the final epoch's metrics and `epoch_time_est_s`: the seconds a full
+(uncapped) epoch takes, from the median step time times the expected steps per epoch, so capped smoke runs give
+comparable seconds per epoch; `capped` marks a run whose max_steps_per_epoch cut its epochs short (beside it
+`full_steps_per_epoch`). A folder holding only Hydra's .hydra/ is a run that stopped before its first summary.json
+(a sweep's refused job, a crash while loading): a row with status `failed-to-start`, the configuration Hydra
+recorded and, as `error`, the last error line of its dprun.log. A run whose files cannot be read is skipped with one
+line on stderr; the runs that did not finish are listed after the table, and runs whose calibrated sigma missed
+target_epsilon are named.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from typing import Any
 import pandas as pd
 
 from runner.errors import DprunError
-from runner.run_dir import unstarted_runs
+from runner.run_dir import out_dir_of, unstarted_runs
 
 # (column, path into summary.json's resolved config)
 CONFIG_COLUMNS = [
@@ -43,10 +50,12 @@ CONFIG_COLUMNS = [
 METRIC_COLUMNS = ["test_acc", "test_loss", "train_loss", "train_acc", "epsilon", "epsilon_lower_bound",
                   "epsilon_gdp_approx", "epsilon_hsa_assumed", "epsilon_poisson_assumed", "epoch_time_s",
                   "step_time_s", "peak_mem_bytes"]
-SUMMARY_VIEW = ["experiment", "scale", "dataset", "model", "method", "method_options", "batch_size", "sigma", "epochs",
-                "sampling", "status", "test_acc", "epsilon", "epsilon_gdp_approx", "epsilon_hsa_assumed",
-                "epsilon_poisson_assumed", "delta", "epoch_time_est_s", "device"]
+SUMMARY_VIEW = ["started", "experiment", "scale", "dataset", "model", "method", "method_options", "batch_size", "sigma",
+                "epochs", "sampling", "status", "test_acc", "epsilon", "epsilon_gdp_approx", "epsilon_hsa_assumed",
+                "epsilon_poisson_assumed", "delta", "epoch_time_est_s", "device", "capped", "source", "folder"]
 FAILED_TO_START = "failed-to-start"  # status of a folder holding only Hydra's .hydra/ record
+NO_SUMMARY = "no summary.json: stopped before training (bad input, missing data, out of memory), or still loading data"
+REFERENCE = "reference"  # <root>/reference/: the committed reference runs (outputs/reference/), not the user's
 # the columns that identify "the same run" when a preset was run twice (latest() keeps the newest): the whole
 # resolved config (config_key) and the device; the named columns are functions of them, and stand in for
 # config_key in tables written before it existed
@@ -148,9 +157,13 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
         "dprun_version": versions.get("dprun"),
         "error": summary.get("error"),
         "run_dir": str(run_dir),
-        "finished_at": datetime.fromtimestamp((run_dir / "summary.json").stat().st_mtime, timezone.utc)
-        .isoformat(timespec="seconds"),  # UTC, so the strings sort in time order
+        "started_at": summary.get("started_at") or hydra_time(run_dir),
+        "finished_at": utc_iso((run_dir / "summary.json").stat().st_mtime),
+        "target_epsilon": dig(cfg, "target_epsilon"),
+        "planned_epsilon": summary.get("planned_epsilon"),  # the certified epsilon planned at calibration
+        "target_epsilon_met": summary.get("target_epsilon_met"),
     })
+    row.update(capping(row))
     epochs = read_metrics(run_dir)
     last = epochs.iloc[-1] if len(epochs) else {}
     for col in METRIC_COLUMNS:
@@ -167,14 +180,53 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
     return row, epochs
 
 
+def utc_iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, timezone.utc).isoformat(timespec="seconds")  # UTC: sorts as text
+
+
+def hydra_time(folder: Path) -> str | None:
+    """When Hydra wrote the run's .hydra/ record (the job's start), for runs whose summary.json has no started_at."""
+    record = folder / ".hydra" / "config.yaml"
+    return utc_iso(record.stat().st_mtime) if record.is_file() else None
+
+
+def capping(row: dict[str, Any]) -> dict[str, Any]:
+    """`capped`: max_steps_per_epoch took fewer steps per epoch than a full epoch (`full_steps_per_epoch`, by the
+    sampler's own rule; N = batch_size / sample_rate)."""
+    cap, q, b = row.get("max_steps_per_epoch"), row.get("sample_rate"), row.get("batch_size")
+    if not cap or not q or not b:
+        return {"capped": False, "full_steps_per_epoch": row.get("steps_per_epoch")}
+    from runner.data.sampler import poisson_steps_per_epoch  # here: it imports torch, which most reports never need
+
+    n = round(float(b) / float(q))
+    full = poisson_steps_per_epoch(n, int(b)) if row.get("sampling") in (None, "poisson") else math.ceil(n / int(b))
+    return {"capped": int(cap) < full, "full_steps_per_epoch": full}
+
+
+def last_error(folder: Path, cfg: dict[str, Any]) -> str | None:
+    """The last ERROR line of the run's dprun.log (in its folder, or in the out_dir it named), without the time
+    stamp: e.g. `run failed: DprunError: batch_size=100000 must be ...`; None if there is none."""
+    try:
+        logs = [folder / "dprun.log", *[d / "dprun.log" for d in [out_dir_of(folder, cfg)] if d is not None]]
+    except Exception:  # noqa: BLE001  a damaged hydra.yaml: the folder's own log is still worth reading
+        logs = [folder / "dprun.log"]
+    for log in logs:
+        if log.is_file():
+            errors = [ln.split(" ERROR ", 1)[1].strip() for ln in log.read_text(errors="replace").splitlines()
+                      if " ERROR " in ln]
+            if errors:
+                return errors[-1]
+    return None
+
+
 def unstarted_row(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:
-    """One row for a folder holding only Hydra's .hydra/ record: its configuration, status `failed-to-start`."""
+    """One row for a folder holding only Hydra's .hydra/ record: its configuration, status `failed-to-start`, the
+    error its dprun.log recorded."""
     row: dict[str, Any] = {name: dig(cfg, path) for name, path in CONFIG_COLUMNS}
     row.update({col: math.nan for col in METRIC_COLUMNS})
-    row.update({"status": FAILED_TO_START, "epochs_completed": 0, "run_dir": str(folder),
-                "error": "no summary.json: stopped before training (bad input, missing data, out of memory), "
-                         "or still loading data",
-                "finished_at": (folder / ".hydra").stat().st_mtime})
+    row.update({"status": FAILED_TO_START, "epochs_completed": 0, "run_dir": str(folder), "capped": False,
+                "error": last_error(folder, cfg) or NO_SUMMARY,
+                "started_at": hydra_time(folder), "finished_at": utc_iso((folder / ".hydra").stat().st_mtime)})
     return row
 
 
@@ -185,12 +237,25 @@ def read_folder(folder: Path, hydra_cfg: dict[str, Any] | None) -> tuple[dict[st
     return unstarted_row(folder, hydra_cfg), pd.DataFrame()
 
 
+def is_reference(run_dir: Path, root: Path) -> bool:
+    """A committed reference run: under <root>/reference/, or --root itself is inside an outputs/reference/ folder
+    (then they were asked for by name, and are listed)."""
+    parts = Path(root).resolve().parts
+    inside = any(a == "outputs" and b == REFERENCE for a, b in zip(parts, parts[1:]))
+    return inside or Path(run_dir).relative_to(root).parts[:1] == (REFERENCE,)
+
+
 def collect(root: str | Path = "outputs", experiment: str | None = None, scale: str | None = None,
-            per_epoch: bool = False) -> pd.DataFrame:
-    """All runs under root as one table: one row per run, or (per_epoch) one row per run and epoch."""
+            per_epoch: bool = False, reference: bool = False) -> pd.DataFrame:
+    """The runs under root as one table, oldest first: one row per run, or (per_epoch) one row per run and epoch.
+    The committed reference runs (<root>/reference/) only with reference=True."""
     frames, rows = [], []
+    root = Path(root)
     found = [(run_dir, None) for run_dir in find_runs(root)] + unstarted_runs(root)
     for run_dir, hydra_cfg in sorted(found, key=lambda f: str(f[0])):
+        if not reference and run_dir.relative_to(root).parts[:1] == (REFERENCE,):
+            continue  # <root>/reference/: the committed runs, not the user's
+        source = REFERENCE if is_reference(run_dir, root) else "user"
         try:
             row, epochs = read_folder(run_dir, hydra_cfg)
         except Exception as e:  # noqa: BLE001  one damaged folder must not hide every other run
@@ -201,12 +266,15 @@ def collect(root: str | Path = "outputs", experiment: str | None = None, scale: 
             continue
         if scale is not None and row["scale"] != scale:
             continue
+        row.update(source=source, folder=run_dir.relative_to(root).as_posix())
         rows.append(row)
-        if per_epoch and len(epochs):
-            frames.append(epochs.assign(**{k: v for k, v in row.items() if k not in epochs}))
+        frames.append(epochs.assign(**{k: v for k, v in row.items() if k not in epochs}) if per_epoch else None)
+    order = sorted(range(len(rows)), key=lambda i: (rows[i].get("started_at") is not None,
+                                                    rows[i].get("started_at") or "", rows[i]["folder"]))
     if per_epoch:
+        frames = [frames[i] for i in order if frames[i] is not None and len(frames[i])]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    return pd.DataFrame(rows)
+    return pd.DataFrame([rows[i] for i in order])
 
 
 def latest(runs: pd.DataFrame) -> pd.DataFrame:
@@ -219,7 +287,20 @@ def latest(runs: pd.DataFrame) -> pd.DataFrame:
     return done.groupby(keys, dropna=False, sort=False).tail(1).reset_index(drop=True)
 
 
+def local_time(iso: Any) -> str:
+    """"2026-11-23T20:05:35+00:00" -> "2026-11-23 21:05" in this machine's time zone (Hydra's folder names use it)."""
+    return "" if not isinstance(iso, str) else datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M")
+
+
 def summary_view(runs: pd.DataFrame) -> str:
+    runs = runs.assign(started=runs["started_at"].map(local_time) if "started_at" in runs else "")
+    if "capped" in runs:  # "3/98": steps per epoch taken / a full epoch's, for runs that max_steps_per_epoch cut
+        none = pd.Series(math.nan, runs.index)
+        steps, full = runs.get("steps_per_epoch", none), runs.get("full_steps_per_epoch", none)
+        runs["capped"] = [f"{int(s)}/{int(f)}" if pd.notna(c) and bool(c) else ""
+                          for c, s, f in zip(runs["capped"], steps, full)]
+    if "source" in runs and runs["source"].nunique() < 2:
+        runs = runs.drop(columns="source")  # shown only where reference and user runs are mixed
     cols = [c for c in SUMMARY_VIEW if c in runs]
     view = runs[cols].copy()
     view = view.drop(columns=[c for c in cols if c.startswith("epsilon_") and view[c].isna().all()])
@@ -257,11 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experiment", help="keep only runs with this experiment_name (a preset's name)")
     p.add_argument("--scale", choices=["smoke", "paper"], help="keep only runs of this scale")
     p.add_argument("--epochs", action="store_true", help="the per-epoch long table instead of one row per run")
+    p.add_argument("--reference", "--all", action="store_true", dest="reference",
+                   help="also the committed reference runs under <root>/reference/ (column `source` tells them apart)")
     p.add_argument("--out", help="CSV to write (default: <root>/tables/runs.csv, or runs_<experiment>.csv)")
     p.add_argument("--quiet", action="store_true", help="write the CSV, print only its path")
     args = p.parse_args(argv)
     try:
-        table = collect(args.root, args.experiment, args.scale, per_epoch=args.epochs)
+        table = collect(args.root, args.experiment, args.scale, per_epoch=args.epochs, reference=args.reference)
     except DprunError as e:
         print(f"dprun-report: {e}", file=sys.stderr)
         return 2
@@ -270,8 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(out, index=False)
     if table.empty:
+        hidden = "" if args.reference or not (Path(args.root) / REFERENCE).is_dir() else \
+            f" (the committed reference runs under {Path(args.root) / REFERENCE} are listed with --reference)"
         print(f"dprun-report: no runs under {args.root}" + (f" with experiment={args.experiment}" if args.experiment
-                                                          else "") + f"; wrote an empty {out}")
+                                                          else "") + f"; wrote an empty {out}{hidden}")
         return 0
     unfinished = "" if args.epochs else unfinished_view(table)
     if not args.quiet:
@@ -286,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dprun-report: {infinite['run_dir'].nunique()} runs have epsilon=inf: no finite guarantee at their "
               "delta (sigma=0, or JL with small r: the heavy tail of Z_r)" + (f"; certified lower bounds up to "
               f"{bound.max():.3g} in column epsilon_lower_bound" if len(bound) else "") + ". See docs/privacy.md")
+    missed = table[table["target_epsilon_met"] == False] if "target_epsilon_met" in table else []  # noqa: E712
+    if len(missed):
+        print(f"dprun-report: {missed['run_dir'].nunique()} runs missed their target_epsilon (sigma calibrated with "
+              f"a non-certified calibration_accountant; columns planned_epsilon, target_epsilon): "
+              + ", ".join(missed["folder"].drop_duplicates()))
     note = f" ({len(unfinished.splitlines()) - 1} did not finish)" if unfinished else ""
     print(f"dprun-report: {n} runs{note}, {len(table)} rows -> {out}")
     return 0

@@ -3,6 +3,7 @@
     ensure_fresh("outputs/runs/x")                    # DprunError if x holds summary.json or metrics.csv
     check_reused_dirs(["out_dir=outputs/runs/x"])     # the same, from the command line, before Hydra writes .hydra/
     check_reused_dirs(["-m", "hydra.sweep.dir=s"])    # DprunError if s holds an earlier sweep
+    discard_unstarted("outputs/runs/x")               # a refused run's folder (.hydra/ + dprun.log only) goes
 
 Hydra's default run and sweep folders are unique (time + a random id), but `out_dir=`, `hydra.run.dir=` and
 `hydra.sweep.dir=` name a folder explicitly, and re-using one would silently replace the earlier run's metrics and
@@ -15,6 +16,7 @@ from pathlib import Path
 from runner.errors import DprunError
 
 RESULT_FILES = ("summary.json", "metrics.csv")  # what makes a folder a run; .hydra/ alone does not
+HYDRA_RECORD = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra writes into <run dir>/.hydra/
 
 
 def holds_run(folder: str | Path) -> bool:
@@ -55,6 +57,28 @@ def check_reused_dirs(argv: list[str]) -> None:
             ensure_fresh(value)
 
 
+def discard_unstarted(folder: str | Path) -> bool:
+    """Remove a run folder that holds nothing but Hydra's .hydra/ record and dprun.log: what a run refused before
+    training leaves. Anything else in it (results, a checkpoint, a user's file, a link) keeps the whole folder, and
+    only those known files are ever deleted. -> whether the folder was removed."""
+    folder = Path(folder)
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    hydra = folder / ".hydra"
+    known = {folder / "dprun.log", *(hydra / name for name in HYDRA_RECORD)}
+    files = [p for p in folder.rglob("*") if p != hydra]  # rglob does not descend into linked folders
+    if hydra.is_symlink() or (hydra.exists() and not hydra.is_dir()):
+        return False
+    if any(p not in known or p.is_symlink() or not p.is_file() for p in files):
+        return False
+    for path in files:
+        path.unlink()
+    if hydra.exists():
+        hydra.rmdir()
+    folder.rmdir()
+    return True
+
+
 def hydra_config(folder: Path) -> dict:
     """The job config Hydra recorded in folder/.hydra/config.yaml, resolved where the resolvers allow."""
     from omegaconf import OmegaConf
@@ -70,19 +94,24 @@ def hydra_config(folder: Path) -> dict:
     return out if isinstance(out, dict) else {}
 
 
-def _results_went_elsewhere(folder: Path, cfg: dict) -> bool:
-    """With out_dir= set, Hydra's folder keeps only .hydra/ and the results land in out_dir (relative to the
-    directory dprun ran in, which Hydra records as hydra.runtime.cwd)."""
+def out_dir_of(folder: Path, cfg: dict) -> Path | None:
+    """Where a run that named out_dir= put its files (Hydra's own folder keeps only .hydra/): relative to the
+    directory dprun ran in, which Hydra records as hydra.runtime.cwd. None without out_dir."""
     out_dir = cfg.get("out_dir")
     if not out_dir:
-        return False
+        return None
     target = Path(str(out_dir))
     if not target.is_absolute():
         from omegaconf import OmegaConf
 
         cwd = OmegaConf.select(OmegaConf.load(folder / ".hydra" / "hydra.yaml"), "hydra.runtime.cwd", default=None)
         target = Path(cwd or ".") / target
-    return holds_run(target)
+    return target
+
+
+def _results_went_elsewhere(folder: Path, cfg: dict) -> bool:
+    target = out_dir_of(folder, cfg)
+    return target is not None and holds_run(target)
 
 
 def unstarted_runs(root: str | Path) -> list[tuple[Path, dict]]:

@@ -208,6 +208,8 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
                                                    total_steps, float(cfg.target_epsilon), float(cfg.delta))
         log.info("calibrated sigma=%.4f for epsilon=%s at delta=%s (accountant=%s)", method.sigma,
                  cfg.target_epsilon, cfg.delta, calibrator)
+        target = accountants.check_target(accountant_name, calibrator, method.mechanism(sampler.sample_rate),  # met?
+                                          total_steps, float(cfg.target_epsilon), float(cfg.delta))
     if accountant is not None:
         accountants.check_for_method(accountant, method, sampler.sample_rate)  # before training
 
@@ -237,9 +239,11 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
         log.info("resumed %s after epoch %d", cfg.resume, run.start_epoch)
     run.summary = {
         "status": "running",
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),  # UTC; dprun-report sorts by it
         "config": run_config,
         "method": method.name,
         "sigma": method.sigma if method.private else None,
+        **(target if cfg.target_epsilon is not None else {}),  # planned_epsilon, target_epsilon_met
         "accountant": accountant_name if method.private else None,
         "accountant_approximate": bool(accountant is not None and accountant.approximate),
         "accountant_certified": bool(accountant is not None and accountant.certified),  # the named accountant's own

@@ -15,7 +15,18 @@ CONF = ROOT / "conf"
 # the tests' subprocesses (`python -m runner.cli` from a tmp folder) import runner from this checkout, not from the
 # checkout the venv's editable install points at: run from a git worktree, they would otherwise test other code
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def shared_data() -> Path:
+    """The real datasets the real-data tests read (never modify; they skip where a dataset is absent): $DPRUN_DATA_DIR
+    when set, as for dprun itself, else ../shared/data beside the checkout (or beside the worktrees' folder)."""
+    if os.environ.get("DPRUN_DATA_DIR"):
+        return Path(os.environ["DPRUN_DATA_DIR"]).expanduser()
+    beside = [ROOT.parent / "shared" / "data", ROOT.parents[1] / "shared" / "data"]
+    return next((p for p in beside if p.is_dir()), beside[0])
+
+
+SHARED_DATA = shared_data()
 
 
 def compose_config(overrides: list[str] | None = None):

@@ -1,7 +1,7 @@
 """calibrate_sigma: round trip within 1% for any accountant; impossible targets are one-line errors."""
 import pytest
 
-from runner.accountants import ACCOUNTANTS, SubsampledGaussian, SubsampledJL, calibrate_sigma
+from runner.accountants import ACCOUNTANTS, SubsampledGaussian, SubsampledJL, calibrate_sigma, check_target
 from runner.errors import DprunError
 
 
@@ -39,3 +39,25 @@ def test_impossible_target_is_one_line():
     with pytest.raises(DprunError, match="target_epsilon=0.0001 is unreachable") as err:
         calibrate_sigma("rdp", FakeMethod().mechanism, 0.5, 10_000, 1e-4, 1e-5)
     assert "\n" not in str(err.value) and "epsilon=" in str(err.value)
+
+
+def test_check_target_warns_when_a_gdp_sigma_misses_the_certified_target(caplog):
+    q, steps, target = 0.02, 200, 2.0
+    method = FakeMethod()
+    method.sigma = calibrate_sigma("gdp", method.mechanism, q, steps, target, 1e-5)  # the CLT: can underestimate
+    facts = check_target("pld", "gdp", method.mechanism(q), steps, target, 1e-5)
+    published = epsilon("pld", method.mechanism(q), steps)
+    assert facts == {"calibration_accountant": "gdp", "planned_epsilon": pytest.approx(published),
+                     "target_epsilon_met": False} and published > target
+    [warning] = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "target_epsilon=2 is not met" in warning.getMessage() and f"{published:.4g}" in warning.getMessage()
+
+
+@pytest.mark.parametrize("publisher", ["pld", "gdp"])  # gdp publishes PLD's certified epsilon
+def test_check_target_with_a_certified_calibrator_meets_it_quietly(caplog, publisher):
+    q, steps, target = 0.02, 200, 2.0
+    method = FakeMethod()
+    method.sigma = calibrate_sigma("pld", method.mechanism, q, steps, target, 1e-5)
+    facts = check_target(publisher, "pld", method.mechanism(q), steps, target, 1e-5)
+    assert facts["target_epsilon_met"] is True and 0.99 * target <= facts["planned_epsilon"] <= target
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

@@ -93,6 +93,27 @@ def test_help_lists_groups_knobs_and_examples_with_nothing_unresolved(tmp_path):
     assert "powered by Hydra" not in proc.stdout
 
 
+def test_help_lists_every_knob_of_config_yaml(tmp_path):
+    """A knob added to conf/config.yaml without a line in the help's Knobs section fails here."""
+    import re
+
+    import yaml
+
+    proc = dprun("--help", cwd=tmp_path)
+    knobs = proc.stdout[proc.stdout.index("Knobs ("):proc.stdout.index("Examples:")]
+    keys = set(yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())) - {"defaults", "hydra"}
+    missing = sorted(k for k in keys if not re.search(rf"(^|\s){re.escape(k)}(=|\s|$)", knobs, re.MULTILINE))
+    assert not missing, f"conf/config.yaml knobs without a line in the help template: {missing}"
+
+
+def test_version_is_dprun_s_and_exits_0(tmp_path):
+    from runner import __version__
+
+    proc = dprun("--version", cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout == f"dprun {__version__}\n" and proc.stderr == ""
+    assert not (tmp_path / "outputs").exists()  # answered before Hydra: no run folder
+
+
 @pytest.mark.parametrize("arg", ["+batchsize=32", "batchsize=32"])
 def test_an_unknown_key_is_refused_in_one_line(tmp_path, arg):
     line = one_line_error(dprun(arg, cwd=tmp_path))

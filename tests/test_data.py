@@ -13,11 +13,10 @@ import torch
 
 from runner.data import download, imdb, integrity, load_dataset, mnist
 from runner.data import cifar10 as cifar
+from conftest import SHARED_DATA
 from runner.errors import DprunError
 
-# /work/shared/data (read-only, never modified): next to the checkout (/work/main) or to the worktrees (/work/wt/x)
-REAL = next((p for p in (Path(__file__).resolve().parents[i] / "shared" / "data" for i in (2, 3)) if p.is_dir()),
-            Path(__file__).resolve().parents[2] / "shared" / "data")
+REAL = SHARED_DATA  # the real datasets: $DPRUN_DATA_DIR, else ../shared/data (tests/conftest.py)
 
 
 # ---- writers for the real formats ----
@@ -325,7 +324,7 @@ def test_mnist_download_true_fetches_and_loads(tiny_release, tmp_path, monkeypat
 
 # ---- the real data (skipped when absent) ----
 
-@pytest.mark.skipif(not (REAL / "mnist").is_dir(), reason="no real MNIST in /work/shared/data")
+@pytest.mark.skipif(not (REAL / "mnist").is_dir(), reason=f"no real MNIST in {REAL}")
 def test_real_mnist():
     d = load_dataset({"name": "mnist"}, REAL)
     assert d.train_x.shape == (60000, 1, 28, 28) and d.test_x.shape == (10000, 1, 28, 28)
@@ -334,7 +333,7 @@ def test_real_mnist():
     assert abs(d.train_x.std().item() - 1) < 0.01
 
 
-@pytest.mark.skipif(not (REAL / "fashion-mnist").is_dir(), reason="no real Fashion-MNIST in /work/shared/data")
+@pytest.mark.skipif(not (REAL / "fashion-mnist").is_dir(), reason=f"no real Fashion-MNIST in {REAL}")
 def test_real_fmnist():
     d = load_dataset({"name": "fmnist"}, REAL)
     assert d.train_y.bincount().tolist() == [6000] * 10 and d.test_y.bincount().tolist() == [1000] * 10
@@ -342,7 +341,7 @@ def test_real_fmnist():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (REAL / "imdb").is_dir(), reason="no real IMDB in /work/shared/data")
+@pytest.mark.skipif(not (REAL / "imdb").is_dir(), reason=f"no real IMDB in {REAL}")
 def test_real_imdb_and_its_cache(tmp_path):
     cfg = {"name": "imdb", "vocab_size": 8185, "seq_len": 150, "cache_dir": str(tmp_path)}
     t0 = time.perf_counter()
@@ -355,3 +354,20 @@ def test_real_imdb_and_its_cache(tmp_path):
     assert d.train_y.bincount().tolist() == [12500, 12500] and d.test_y.bincount().tolist() == [12500, 12500]
     assert int(d.train_x.max()) == 8184 and torch.equal(d.test_x, again.test_x)
     assert t2 - t1 < 5
+
+
+def test_the_real_data_tests_read_DPRUN_DATA_DIR_when_set(tmp_path):
+    """tests/conftest.py's SHARED_DATA is the one place the real-data tests find their files."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    tests = Path(__file__).resolve().parent
+    code = "import conftest; print(conftest.SHARED_DATA)"
+    env = {**os.environ, "DPRUN_DATA_DIR": str(tmp_path / "mine")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tests, env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == str(tmp_path / "mine"), out.stderr
+    own = [p.name for p in tests.glob("*.py") if p.name != "conftest.py"
+           and re.search(r'"shared"\s*/\s*"data"|/work/shar[e]d', p.read_text())]
+    assert not own, f"these tests look for the real data themselves, not through conftest.SHARED_DATA: {own}"

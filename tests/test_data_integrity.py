@@ -1,8 +1,9 @@
 """Damaged or incomplete data never trains silently: one-line DprunErrors naming the file, nothing cached from it.
 
-Small files in the real formats are written here; the real files in /work/shared/data are COPIED to tmp_path
-(never modified in place) and those tests are skipped when they are absent. The module-level constants are patched
-with raising=False so that each test also runs (and fails for its real reason) on a loader without them.
+Small files in the real formats are written here; the real files (tests/conftest.py SHARED_DATA: $DPRUN_DATA_DIR,
+else ../shared/data) are COPIED to tmp_path (never modified in place) and those tests are skipped when they are
+absent. The module-level constants are patched with raising=False so that each test also runs (and fails for its
+real reason) on a loader without them.
 """
 import gzip
 import os
@@ -15,12 +16,10 @@ import pytest
 import torch
 
 from runner.data import imdb, load_dataset, mnist
+from conftest import SHARED_DATA
 from runner.errors import DprunError
 
-ROOT = Path(__file__).resolve().parents[1]
-# /work/shared/data: next to the checkout (/work/main) or next to the worktrees' folder (/work/wt/<name>)
-REAL = next((p for p in (ROOT.parent / "shared" / "data", ROOT.parents[1] / "shared" / "data") if p.is_dir()),
-            ROOT.parent / "shared" / "data")
+REAL = SHARED_DATA  # the real datasets: $DPRUN_DATA_DIR, else ../shared/data (tests/conftest.py)
 PER_CLASS = 30  # reviews per split and class in the small aclImdb written here
 
 
@@ -182,7 +181,7 @@ def test_imdb_states_what_is_outside_the_accounting(small_imdb, tmp_path):
 def real_imdb(tmp_path) -> Path:
     src = REAL / "imdb" / "aclImdb_labeled_text.tar.gz"
     if not src.is_file():
-        pytest.skip("no real IMDB tarball in /work/shared/data")
+        pytest.skip(f"no real IMDB tarball in {REAL}")
     dest = tmp_path / "data" / "imdb" / src.name
     dest.parent.mkdir(parents=True)
     shutil.copyfile(src, dest)
@@ -269,7 +268,7 @@ def test_too_few_mnist_images_is_refused(tmp_path):
 @pytest.mark.parametrize("name, sub", [("mnist", "mnist"), ("fmnist", "fashion-mnist")])
 def test_real_idx_file_with_one_changed_label_fails_its_checksum(tmp_path, name, sub):
     if not (REAL / sub).is_dir():
-        pytest.skip(f"no real {name} in /work/shared/data")
+        pytest.skip(f"no real {name} in {REAL}")
     shutil.copytree(REAL / sub, tmp_path / sub)
     labels = tmp_path / sub / "t10k-labels-idx1-ubyte.gz"
     raw = bytearray(gzip.decompress(labels.read_bytes()))
@@ -282,7 +281,7 @@ def test_real_idx_file_with_one_changed_label_fails_its_checksum(tmp_path, name,
 
 def test_real_mnist_gz_truncated_names_the_file(tmp_path):
     if not (REAL / "mnist").is_dir():
-        pytest.skip("no real MNIST in /work/shared/data")
+        pytest.skip(f"no real MNIST in {REAL}")
     shutil.copytree(REAL / "mnist", tmp_path / "mnist")
     bad = tmp_path / "mnist" / "t10k-images-idx3-ubyte.gz"
     truncate(bad, 0.9)

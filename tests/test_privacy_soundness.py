@@ -99,10 +99,12 @@ def test_gdp_target_epsilon_publishes_a_certified_epsilon_within_the_target(tmp_
     assert eps <= target * 1.001
     assert eps == pytest.approx(reference, rel=0.02)
     assert "epsilon_gdp_approx" in table and table.epsilon_gdp_approx.iloc[-1] < eps  # the CLT underestimates here
+    assert summary["target_epsilon_met"] is True and summary["planned_epsilon"] == pytest.approx(eps, rel=1e-9)
 
 
-def test_gdp_calibration_only_when_named_and_the_published_epsilon_stays_certified(tmp_path):
-    """calibration_accountant=gdp picks sigma by the CLT, as asked; `epsilon` is still the PLD value, above the target."""
+def test_gdp_calibration_only_when_named_and_the_published_epsilon_stays_certified(tmp_path, caplog):
+    """calibration_accountant=gdp picks sigma by the CLT, as asked; `epsilon` is still the PLD value, above the target,
+    and the run says so before training (a WARNING naming both numbers) and in summary.json."""
     target = 2.0
     train(compose_config(DIGITS + ["method=reweight", "accountant=gdp", "calibration_accountant=gdp", "epochs=2",
                                    f"target_epsilon={target}"]), tmp_path)
@@ -111,6 +113,11 @@ def test_gdp_calibration_only_when_named_and_the_published_epsilon_stays_certifi
     pld.step(SubsampledGaussian(summary["sample_rate"], summary["sigma"]), summary["steps_per_epoch"] * 2)
     assert table.epsilon_gdp_approx.iloc[-1] == pytest.approx(target, rel=0.01)
     assert table.epsilon.iloc[-1] == pytest.approx(pld.epsilon(1e-5), rel=1e-9) and table.epsilon.iloc[-1] > target
+    published = table.epsilon.iloc[-1]
+    assert summary["target_epsilon_met"] is False and summary["planned_epsilon"] == pytest.approx(published, rel=1e-9)
+    assert summary["calibration_accountant"] == "gdp"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "target_epsilon" in r.getMessage()]
+    assert len(warned) == 1 and "target_epsilon=2 is not met" in warned[0] and f"epsilon={published:.4g}" in warned[0]
 
 
 def test_gdp_epsilon_is_never_the_published_one_without_calibration(tmp_path):

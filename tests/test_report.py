@@ -13,7 +13,7 @@ from runner.report import collect, latest, main
 
 
 def make_run(folder, method, r=1, experiment="default", scale="smoke", epochs=2, step=0.01, status="finished",
-             sample_rate=0.1, capped=None, mtime=None, extra=None, sigma=0.9):
+             sample_rate=0.1, capped=None, mtime=None, extra=None, sigma=0.9, started=None):
     cfg = {"experiment_name": experiment, "scale": scale, "dataset": {"name": "synthetic", "like": "cifar10"},
            "model": {"name": "papernot_cnn"}, "method": {"name": method}, "r": r, "batch_size": 256, "sigma": 0.9,
            "clip": 2.0, "lr": 0.1, "optimizer": {"name": "sgd"}, "epochs": epochs, "seed": 0,
@@ -33,7 +33,8 @@ def make_run(folder, method, r=1, experiment="default", scale="smoke", epochs=2,
                                          "device": "cpu", "device_name": "cpu (test)",
                                          "versions": {"torch": "2.13.0"}, "final": rows[-1],
                                          "epochs_completed": epochs,
-                                         "sigma": None if method == "nonprivate" else sigma})
+                                         "sigma": None if method == "nonprivate" else sigma,
+                                         **({"started_at": started} if started else {})})
     if mtime:
         os.utime(folder / "summary.json", (mtime, mtime))
 
@@ -139,3 +140,47 @@ def test_a_run_without_noise_shows_inf_without_an_infinite_lower_bound(tmp_path,
     out = capsys.readouterr().out
     assert "inf (> inf)" not in out and " inf " in out.splitlines()[1] + " "
     assert "1 runs have epsilon=inf" in out and "sigma=0" in out and "lower bounds up to" not in out
+
+
+def test_the_default_table_is_yours_oldest_first_with_folder_start_and_capped_runs_marked(tmp_path, capsys):
+    """After a sweep: the committed reference runs (outputs/reference/) are left out unless asked for, rows are in
+    start order with their folder, and runs cut short by max_steps_per_epoch say so."""
+    root = tmp_path / "outputs"
+    make_run(root / "runs" / "b", "nxbp", started="2026-01-02T10:00:00+00:00")
+    make_run(root / "multirun" / "s" / "0_jl", "jl", capped=3, started="2026-01-01T10:00:00+00:00")  # 3 of 10 steps
+    make_run(root / "multirun" / "s" / "1_jl", "jl", capped=30, started="2026-01-01T10:00:01+00:00")  # 30 >= 10
+    make_run(root / "reference" / "paper" / "runs" / "x", "reweight")
+    table = collect(root)
+    assert list(table["folder"]) == ["multirun/s/0_jl", "multirun/s/1_jl", "runs/b"]  # oldest first, no reference
+    assert list(table["started_at"]) == sorted(table["started_at"])
+    assert list(table["capped"]) == [True, False, False] and table["full_steps_per_epoch"].iloc[0] == 10
+    mixed = collect(root, reference=True)
+    assert dict(zip(mixed["folder"], mixed["source"]))["reference/paper/runs/x"] == "reference"
+    assert set(mixed["source"]) == {"reference", "user"}
+    assert main(["--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    header, first = out.splitlines()[:2]
+    assert "started" in header and "folder" in header and "capped" in header and "source" not in header
+    assert "multirun/s/0_jl" in first and "3/10" in first and "2026-01-01" in first
+    assert "reference" not in out and "3 runs, 3 rows" in out
+    assert main(["--root", str(root), "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "source" in out.splitlines()[0] and "reference/paper/runs/x" in out and "4 runs, 4 rows" in out
+
+
+def test_only_reference_runs_says_how_to_see_them(tmp_path, capsys):
+    make_run(tmp_path / "reference" / "x", "reweight")
+    assert main(["--root", str(tmp_path)]) == 0
+    assert "listed with --reference" in capsys.readouterr().out
+
+
+def test_a_run_that_missed_its_target_epsilon_is_named(tmp_path, capsys):
+    make_run(tmp_path / "runs" / "gdp", "reweight", extra={"target_epsilon": 2.0})
+    summary = json.loads((tmp_path / "runs" / "gdp" / "summary.json").read_text())
+    summary.update(planned_epsilon=3.279, target_epsilon_met=False, calibration_accountant="gdp")
+    (tmp_path / "runs" / "gdp" / "summary.json").write_text(json.dumps(summary))
+    make_run(tmp_path / "runs" / "ok", "reweight")
+    row = collect(tmp_path).set_index("folder").loc["runs/gdp"]
+    assert (row["target_epsilon"], row["planned_epsilon"], row["target_epsilon_met"]) == (2.0, 3.279, False)
+    assert main(["--root", str(tmp_path)]) == 0
+    assert "1 runs missed their target_epsilon" in capsys.readouterr().out

@@ -77,6 +77,53 @@ def test_train_refuses_a_used_folder_before_loading_data(tmp_path, monkeypatch):
         runner.train.train(compose_config(TINY), tmp_path)
 
 
+def test_a_refused_run_leaves_no_folder(tmp_path):
+    """Refused before training (a bad value; missing data files): no folder is left behind, not Hydra's run folder
+    and not a new out_dir; an out_dir that existed before stays."""
+    for bad in (["clip=0"], ["dataset=mnist", f"data_dir={tmp_path / 'nowhere'}"]):
+        proc = dprun(*TINY, *bad, cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stderr.startswith("dprun: "), proc.stderr
+        assert not [p for p in (tmp_path / "outputs").rglob("*") if p.name in (".hydra", "dprun.log")]
+    proc = dprun(*TINY, "clip=0", f"out_dir={tmp_path / 'new'}", cwd=tmp_path)
+    assert proc.returncode == 2 and not (tmp_path / "new").exists()
+    assert not list((tmp_path / "outputs").rglob(".hydra"))
+    (tmp_path / "mine").mkdir()
+    assert dprun(*TINY, "clip=0", f"out_dir={tmp_path / 'mine'}", cwd=tmp_path).returncode == 2
+    assert (tmp_path / "mine").is_dir()  # the user's folder; only the log of the refusal is in it
+
+
+def test_a_sweeps_refused_job_keeps_its_folder_and_the_report_says_why(tmp_path):
+    from runner.report import collect
+
+    proc = dprun("-m", "clip=0,1.0", *TINY, cwd=tmp_path)
+    assert proc.returncode != 0 and "dprun: clip=0" in proc.stderr  # Hydra reports the failed job at the end
+    runs = collect(tmp_path / "outputs").set_index("folder")
+    [refused] = [f for f in runs.index if f.endswith("0_clip=0")]
+    assert runs.loc[refused, "status"] == "failed-to-start" and "clip=0" in runs.loc[refused, "error"]
+    assert set(runs["status"]) == {"failed-to-start", "finished"}
+    assert runs["started_at"].notna().all() and list(runs["started_at"]) == sorted(runs["started_at"])
+
+
+def test_discard_unstarted_removes_only_a_folder_holding_hydras_record_and_the_log(tmp_path):
+    from runner.run_dir import discard_unstarted
+
+    def folder(name, *extra):
+        f = tmp_path / name
+        (f / ".hydra").mkdir(parents=True)
+        for rel in ("dprun.log", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", *extra):
+            (f / rel).write_text("x")
+        return f
+
+    assert discard_unstarted(folder("refused")) and not (tmp_path / "refused").exists()
+    for name, extra in [("started", "summary.json"), ("notes", "notes.txt"), ("more", ".hydra/mine.yaml")]:
+        assert not discard_unstarted(folder(name, extra)) and (tmp_path / name / extra).exists()
+    linked = folder("linked")
+    (linked / "dprun.log").unlink()
+    (linked / "dprun.log").symlink_to(tmp_path / "notes" / "notes.txt")
+    assert not discard_unstarted(linked) and (tmp_path / "notes" / "notes.txt").exists()
+    assert not discard_unstarted(tmp_path / "absent")
+
+
 # --- stopping a run: SIGTERM, Ctrl-C, a full disk ---------------------------------------------------------------
 
 def start_and_signal(tmp_path, sig):
@@ -196,6 +243,9 @@ def test_report_lists_failed_interrupted_and_never_started_runs(tmp_path, capsys
     hydra = tmp_path / "nostart" / ".hydra"  # what Hydra leaves when the run fails before its first summary.json
     hydra.mkdir(parents=True)
     (hydra / "config.yaml").write_text("method:\n  name: reweight\ndataset:\n  name: mnist\nout_dir: null\n")
+    (hydra.parent / "dprun.log").write_text("2026-01-01 10:00:00,000 ERROR run failed: DprunError: first\n"
+                                            "2026-01-01 10:00:01,000 INFO more\n"
+                                            "2026-01-01 10:00:02,000 ERROR run failed: MemoryError: the real one\n")
     assert main(["--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     listed = out[out.index("did not finish"):]
@@ -205,6 +255,8 @@ def test_report_lists_failed_interrupted_and_never_started_runs(tmp_path, capsys
     runs = pd.read_csv(tmp_path / "tables" / "runs.csv")
     nostart = runs[runs["status"] == "failed-to-start"].iloc[0]
     assert (nostart["method"], nostart["dataset"]) == ("reweight", "mnist")
+    assert nostart["error"] == "run failed: MemoryError: the real one"  # the last error line of its dprun.log
+    assert "run failed: MemoryError: the real one" in listed
 
 
 def test_report_does_not_list_the_hydra_folder_of_an_out_dir_run(tmp_path):

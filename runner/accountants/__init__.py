@@ -14,7 +14,7 @@ from runner.accountants.base import ACCOUNTANTS, Accountant, UnsupportedMechanis
 from runner.accountants.mechanisms import (HiddenStateStep, Mechanism, NoPrivacy, SubsampledGaussian,  # noqa: F401
                                          SubsampledJL)
 from runner.accountants import gdp, hsa, jl, pld, rdp  # noqa: F401,E402  (each registers its accountant)
-from runner.accountants.calibrate import calibrate_sigma  # noqa: F401,E402
+from runner.accountants.calibrate import calibrate_sigma, check_target  # noqa: F401,E402
 from runner.errors import DprunError  # noqa: E402
 
 

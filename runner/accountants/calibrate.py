@@ -8,20 +8,31 @@
 (SubsampledGaussian or SubsampledJL with its r); we vary only noise_multiplier (dataclasses.replace), so the
 calibration works for every mechanism that has one. epsilon(sigma) is non-increasing, so bisection on log sigma
 finds it; we return the upper end of the final bracket, i.e. a sigma whose epsilon is <= target (within 1%).
+
+    facts = check_target("pld", "gdp", method.mechanism(q), steps=3516, target_epsilon=2.0, delta=1e-5)
+    # {"calibration_accountant": "gdp", "planned_epsilon": 2.9, "target_epsilon_met": False} + a logged WARNING
+
+A sigma from a non-certified accountant (calibration_accountant=gdp: a CLT approximation that can underestimate)
+can miss the target by the certified count the run publishes; check_target says so instead of leaving it to the
+first epoch's numbers.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
-from typing import Callable
+from typing import Any, Callable
 
 from runner.accountants.base import ACCOUNTANTS
 from runner.accountants.mechanisms import Mechanism
 from runner.errors import DprunError
 
 SIGMA_MIN, SIGMA_MAX = 0.05, 1000.0
+log = logging.getLogger("dprun")
 
 
+@functools.lru_cache(maxsize=128)  # check_target asks again for the calibrated sigma's epsilon (seconds for jl)
 def epsilon_for(accountant_name: str, mechanism: Mechanism, steps: int, delta: float) -> float:
     acc = ACCOUNTANTS.build(accountant_name)
     acc.step(mechanism, count=int(steps))
@@ -63,3 +74,24 @@ def calibrate_sigma(accountant_name: str, mechanism_for: Callable[[float], Mecha
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if eps(mid) > target_epsilon else (lo, mid)
     return hi
+
+
+def check_target(accountant_name: str, calibrator: str, mechanism: Mechanism, steps: int, target_epsilon: float,
+                 delta: float) -> dict[str, Any]:
+    """After calibration: the certified epsilon the run publishes (`accountant_name`'s certified_epsilon: the PLD one
+    for gdp) after all its planned `steps` of `mechanism` (at the calibrated sigma), and whether it meets the target;
+    a WARNING naming both numbers when it does not. The dict goes into summary.json."""
+    publisher = accountant_name if accountant_name in ACCOUNTANTS else calibrator  # accountant=none publishes none
+    if ACCOUNTANTS.get(publisher).certified:
+        planned = epsilon_for(publisher, mechanism, int(steps), delta)  # the calibrator's own: already computed
+    else:
+        acc = ACCOUNTANTS.build(publisher)
+        acc.step(mechanism, count=int(steps))
+        planned = acc.certified_epsilon(delta)
+    met = planned <= target_epsilon
+    if not met:
+        log.warning("target_epsilon=%g is not met: sigma=%.4g, calibrated with accountant=%s, gives a certified "
+                    "epsilon=%.4g after the run's %d steps (accountant=%s, the one published); calibrate with a "
+                    "certified accountant (calibration_accountant=null) to meet it", target_epsilon,
+                    mechanism.noise_multiplier, calibrator, planned, steps, publisher)
+    return {"calibration_accountant": calibrator, "planned_epsilon": planned, "target_epsilon_met": met}

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from runner.data.base import DATASETS, DataInfo, Dataset
-from runner.errors import DprunError
 
 PIXEL_MAX = 16.0  # the digits' pixels are counts 0..16 (4x4 blocks of a 32x32 bitmap)
 MEAN, STD = 0.5, 0.5  # data-independent: [0, 1] -> [-1, 1]
@@ -26,12 +25,8 @@ def normalise(images: np.ndarray) -> torch.Tensor:
 
 @DATASETS.register("digits")
 def load_digits(cfg, root) -> Dataset:
-    try:
-        from sklearn.datasets import load_digits as sk_digits
-        from sklearn.model_selection import train_test_split
-    except ImportError as e:
-        raise DprunError("dataset=digits needs scikit-learn: pip install 'dprun[demo]' (or -e '.[demo]' in a "
-                         "checkout)") from e
+    from sklearn.datasets import load_digits as sk_digits  # a core dependency; imported here, where it is used,
+    from sklearn.model_selection import train_test_split    # since importing scikit-learn takes a second
 
     bunch = sk_digits()
     x = bunch.images  # (1797, 8, 8) float64 counts 0..16

@@ -1,7 +1,8 @@
 """Batch samplers over example indices, on the data's device.
 
 Poisson (the default; the accountants assume it): each example joins each batch independently with
-probability q = batch_size / N, so batch sizes vary (and may be 0). An epoch is round(N / batch_size) batches.
+probability q = batch_size / N, so batch sizes vary (and may be 0). An epoch is max(1, round(N / batch_size)) batches
+(poisson_steps_per_epoch: the one rule, also what dprun-eps counts).
 Shuffle: a random permutation cut into batches (logged with a warning: the accountants' numbers then assume a
 sampling the run did not do). Fixed: one random partition into disjoint batches drawn once and reused every
 epoch, each example once per epoch (what DP-SBCD's hidden-state analysis assumes).
@@ -19,6 +20,12 @@ from runner.registry import unknown_name_message
 SAMPLINGS = ("poisson", "shuffle", "fixed")
 
 
+def poisson_steps_per_epoch(n: int, batch_size: int) -> int:
+    """Steps in one Poisson epoch: the expected number of batches that cover N examples, at least one. A run takes
+    this many per epoch and dprun-eps counts epochs x this many, so the two always agree."""
+    return max(1, round(n / batch_size))
+
+
 class Sampler:
     def __init__(self, kind: str, n: int, batch_size: int, generator: torch.Generator, device="cpu"):
         if kind not in SAMPLINGS:
@@ -27,7 +34,8 @@ class Sampler:
             raise DprunError(f"batch_size={batch_size} must be between 1 and the training set size {n}")
         self.kind, self.n, self.batch_size, self.generator, self.device = kind, n, batch_size, generator, device
         self.sample_rate = batch_size / n
-        self.steps_per_epoch = max(1, round(n / batch_size)) if kind == "poisson" else math.ceil(n / batch_size)
+        self.steps_per_epoch = (poisson_steps_per_epoch(n, batch_size) if kind == "poisson"
+                                else math.ceil(n / batch_size))
         self._fixed: list[torch.Tensor] | None = None
 
     def _perm(self) -> torch.Tensor:

@@ -411,10 +411,11 @@ EPS_R = {"smoke": (1, 4, 10), "paper": (1, 2, 4, 6, 8, 10, 20, 30)}
 
 def epsilon_r(runs, epochs, scale) -> pd.DataFrame:
     from runner.accountants import ACCOUNTANTS, SubsampledGaussian, SubsampledJL
+    from runner.data.sampler import poisson_steps_per_epoch
 
     rows = []
     for n, b, sigma in EPS_PANELS:
-        q, steps = b / n, round(n / b)
+        q, steps = b / n, poisson_steps_per_epoch(n, b)  # a run's steps per epoch
         for r in (None, *EPS_R[scale]):
             acc = ACCOUNTANTS.build("pld" if r is None else "jl")
             mech = SubsampledGaussian(q, sigma) if r is None else SubsampledJL(q, sigma, int(r))
@@ -488,10 +489,11 @@ def fig7(runs, epochs, scale) -> pd.DataFrame:
     """delta(epsilon) of the jl accountant's composed PLD, and the trade-off curve it certifies:
     f(alpha) = sup_eps max(0, 1 - delta(eps) - e^eps alpha, e^-eps (1 - delta(eps) - alpha)) (Dong et al.)."""
     from runner.accountants import ACCOUNTANTS, SubsampledJL
+    from runner.data.sampler import poisson_steps_per_epoch
 
     n, b, sigma, r, ep = FIG7_SETTING
     acc = ACCOUNTANTS.build("jl")
-    acc.step(SubsampledJL(b / n, sigma, r), ep * round(n / b))
+    acc.step(SubsampledJL(b / n, sigma, r), ep * poisson_steps_per_epoch(n, b))
     deltas = np.array([acc.delta(float(e)) for e in FIG7_EPS])
     alpha = np.linspace(0.0, 1.0, 401)
     lines = 1.0 - deltas[:, None] - np.exp(FIG7_EPS)[:, None] * alpha[None, :]
