@@ -68,10 +68,21 @@ bench-clip: ## exact clipping methods vs non-private and Opacus, side by side (B
 bench-jl: ## DP-SGD-JL step time vs r (forward-mode vs double-vjp) vs non-private and ReweightGP (BENCH_ARGS="--quick")
 	$(PY) -m runner.bench.jl $(BENCH_ARGS)
 
+.PHONY: bench-logical
+bench-logical: ## a logical batch of 2,048 in chunks of 128 vs one pass of 128, and bf16 vs fp32, side by side -> outputs/bench/logical_<device>.csv
+	$(PY) -m runner.bench.logical $(BENCH_ARGS)
+
+.PHONY: bench-dist
+bench-dist: ## data-parallel steps/s and bytes all-reduced per step, 1 vs 2 processes (gloo on CPU) -> outputs/bench/distributed_cpu.csv
+	$(PY) -m runner.bench.distributed --device cpu --nproc 1,2 $(BENCH_ARGS)
+
 .PHONY: bench-gpu
-bench-gpu: ## issue 12's GPU table: bench-clip (+ Opacus, + compile=reduce-overhead rows) and bench-jl on CUDA -> outputs/bench/{clip,jl}_cuda.csv
+bench-gpu: ## the GPU tables: bench-clip (+ Opacus, + compile rows), bench-jl, bench-logical, bench-dist over the GPUs -> outputs/bench/*_cuda.csv
 	$(PY) -m runner.bench.clip --device cuda --suite gpu --compile reduce-overhead $(BENCH_ARGS)
 	$(PY) -m runner.bench.jl --device cuda --suite gpu --memory --r 1,4 $(BENCH_ARGS)
+	$(PY) -m runner.bench.logical --device cuda
+	n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); [ "$$n" -gt 1 ] 2>/dev/null || n=1; \
+	$(PY) -m runner.bench.distributed --device cuda --nproc $$( [ $$n -gt 1 ] && echo 1,$$n || echo 1)
 
 # --- figures and tables ---
 # make figures SCALE=smoke (default; CPU minutes) | SCALE=paper (the papers' hyperparameters, for a GPU).

@@ -243,14 +243,22 @@ def main() -> None:
     except DprunError as e:
         print(f"dprun: {e}", file=sys.stderr)
         sys.exit(2)
-    sys.argv[1:] = rank_argv(sys.argv[1:])
+    try:
+        sys.argv[1:] = rank_argv(sys.argv[1:])
+    except DprunError as e:
+        print(f"dprun: {e}", file=sys.stderr)
+        sys.exit(2)
     _hydra_main()
 
 
 def rank_argv(argv: list[str]) -> list[str]:
     """Under torchrun/srun, ranks other than 0 write nothing: Hydra's run folder (which every rank would otherwise
     create, each with its own time stamp) goes to a temporary folder without a .hydra record."""
-    if launched_world_size() == 1 or launched_rank() == 0 or {"-m", "--multirun"} & set(argv):
+    if launched_world_size() > 1 and {"-m", "--multirun"} & set(argv):
+        raise DprunError("dprun -m under torchrun/srun would run the sweep on every rank, each in its own folder; "
+                         "sweep distributed runs with a launcher's tasks (launcher=slurm hydra.launcher.tasks_per_node"
+                         "=N) or start one torchrun per run")
+    if launched_world_size() == 1 or launched_rank() == 0:
         return argv
     import atexit
     import shutil

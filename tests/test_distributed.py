@@ -299,3 +299,19 @@ def test_sbcd_is_refused_on_several_ranks_in_one_line():
 
     with pytest.raises(DprunError, match=r"^method=sbcd cannot run with distributed: its auxiliary variables"):
         METHODS.build("sbcd").configure(world=World(rank=0, size=2))
+
+
+def test_other_ranks_get_a_scratch_hydra_folder_and_a_sweep_under_torchrun_is_refused(monkeypatch):
+    from runner.cli import rank_argv
+    from runner.errors import DprunError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    argv = rank_argv(["method=reweight", "hydra.run.dir=outputs/x"])
+    assert argv[0] == "method=reweight" and "hydra.output_subdir=null" in argv
+    scratch = next(a for a in argv if a.startswith("hydra.run.dir=")).split("=", 1)[1]
+    assert "dprun-rank1-" in scratch and "hydra.run.dir=outputs/x" not in argv
+    monkeypatch.setenv("RANK", "0")
+    assert rank_argv(["method=reweight"]) == ["method=reweight"]  # rank 0: its own folder, as one process
+    with pytest.raises(DprunError, match="^dprun -m under torchrun/srun would run the sweep on every rank"):
+        rank_argv(["-m", "seed=0,1"])

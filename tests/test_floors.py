@@ -15,13 +15,15 @@ FLOORS = [
     # 0: the package, the one error type and the registry every family uses
     ["runner", "runner.errors", "runner.registry"],
     # 1: the pieces of a step, independent of each other: data, models, norm rules, accountants (and the mechanisms
-    #    methods describe their steps with), optimizers, timers and writers, progress lines, signal handling
+    #    methods describe their steps with), optimizers, timers and writers, progress lines, signal handling, the
+    #    precision policy, the ranks of a distributed run, test-set evaluation
     ["runner.data", "runner.models", "runner.norms", "runner.accountants", "runner.optimizers", "runner.metrics",
-     "runner.progress", "runner.interrupt"],
+     "runner.progress", "runner.interrupt", "runner.precision", "runner.distributed", "runner.evaluation"],
     # 2: the clipping methods (Method.attach / Method.step: norms, clipping, noise, the optimizer step)
     ["runner.methods"],
-    # 3: one run's surroundings: where conf/ is and its resolvers, knob checks, run folders, overrides, checkpoints
-    ["runner.paths", "runner.validate", "runner.run_dir", "runner.overrides", "runner.checkpoint"],
+    # 3: one run's surroundings: where conf/ is and its resolvers, knob checks, run folders, overrides, checkpoints,
+    #    starting a run's ranks (dprun distributed.nproc_per_node=N)
+    ["runner.paths", "runner.validate", "runner.run_dir", "runner.overrides", "runner.checkpoint", "runner.launch"],
     # 4: what drives a Method: the training loop and the library API
     ["runner.train", "runner.api"],
     # 5: measurements and tables built on them: the benches, DP-SBCD's privacy curves, the report of finished runs
