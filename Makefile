@@ -28,7 +28,7 @@ help: ## list the targets (coloured on a terminal only)
 	@if [ -t 1 ]; then c='\033[36m'; n='\033[0m'; else c=''; n=''; fi; \
 	grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | awk -v c="$$c" -v n="$$n" 'BEGIN {FS = ":.*## "}; {printf "  %s%-18s%s %s\n", c, $$1, n, $$2}'
 
-install: torch ## make .venv, add torch (CPU build unless a GPU; an installed torch is kept), dprun[test] (editable)
+install: torch ## make .venv, add torch (CPU build unless a GPU; an installed torch is kept), dprun[test] (editable; with Opacus and the launchers the tests exercise)
 	$(VENV)/bin/python -m pip install -q -e ".[test]"
 
 torch: ## make the venv if missing and install torch into it if it has none (CPU build on a machine without a GPU)
