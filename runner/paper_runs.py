@@ -12,8 +12,9 @@ summary.json, never typed.
 
 `run` writes each run into <out>/<name>/ (default outputs/reference/paper/runs/; only metrics.csv and summary.json
 are kept in git) and skips a run whose summary.json says finished (--force reruns). Each run is one plain `dprun`
-(the dataset's paper defaults from conf/dataset/: MNIST bu_cnn, B=256, lr 0.25, sigma 1.3, C 1.5, 15 epochs;
-IMDB bilstm, DP-Adam, B=256, lr 0.001, sigma 0.6, C 1, 20 epochs). `readme` reads every <runs>/<name>/ holding a
+(the dataset's paper defaults from conf/dataset/: MNIST bu_cnn, B=256, lr 0.25, sigma 1.3, C 1.5, 15 epochs, the
+non-private baseline at its own lr, MNIST_NONPRIVATE_LR; IMDB bilstm, DP-Adam, B=256, lr 0.001, sigma 0.6, C 1, 20
+epochs). `readme` reads every <runs>/<name>/ holding a
 summary.json (finished or not: a partial run is shown with its epochs completed) and writes the README.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ import pandas as pd
 
 OUT = Path("outputs/reference/paper/runs")
 PROBES = Path("outputs/reference/paper/imdb_probes")  # the IMDB setups tried (docs/imdb_reproduction.md)
+LR_PROBES = Path("outputs/reference/paper/mnist_probes")  # the learning rates tried for the non-private MNIST run
 README = Path("outputs/reference/paper/README.md")
 
 
@@ -43,8 +45,16 @@ class Ref:
     overrides: tuple[str, ...]
 
 
+# The non-private MNIST baseline trains at its own learning rate, not DP-SGD's 0.25: the JL paper states no rate for
+# its Non-DP SGD, and at 0.25 plain SGD on bu_cnn (no clipping, no noise) diverged (seed 0 fell to 11% at epoch 4,
+# seed 1 to 86% at epoch 15). The rates tried (outputs/reference/paper/mnist_probes, a table in the README): 0.1 and
+# 0.05 both reach ~98% in 4 epochs, 0.025 trains slower; 0.05 keeps a 5x margin below the rate that diverged.
+# conf/experiment/jl_fig3.yaml's scale=paper lr_nonprivate is the same (tests/test_paper_runs.py).
+MNIST_NONPRIVATE_LR = 0.05
+
 RUNS = [
-    Ref("mnist_nonprivate_s0", "mnist", ("method=nonprivate", "seed=0")),
+    Ref("mnist_nonprivate_s0", "mnist", ("method=nonprivate", f"lr={MNIST_NONPRIVATE_LR}", "seed=0")),
+    Ref("mnist_nonprivate_s1", "mnist", ("method=nonprivate", f"lr={MNIST_NONPRIVATE_LR}", "seed=1")),
     Ref("mnist_reweight_s0", "mnist", ("method=reweight", "seed=0")),
     Ref("mnist_reweight_s1", "mnist", ("method=reweight", "seed=1")),
     Ref("mnist_reweight_s2", "mnist", ("method=reweight", "seed=2")),
@@ -60,7 +70,7 @@ BY_NAME = {r.name: r for r in RUNS}
 # The papers' numbers (JL = jl-projections-dpsgd: section 3.1 / Figure 3 for MNIST, section 3.3 / Table 3 for IMDB)
 THRESHOLD = {"mnist": 0.95, "imdb": 0.70}  # the accuracy the JL paper fixes (Figure 3: 95%; Figure 6: 70%)
 PAPER = {
-    ("mnist", "nonprivate"): "-",
+    ("mnist", "nonprivate"): "Figure 3 curve only (no number, no learning rate stated for Non-DP SGD)",
     ("mnist", "reweight"): "95% at eps < 1, > 100 s (DP-SGD-Outer; JL sec. 3.1, Figure 3)",
     ("mnist", "jl1"): "95% in < 10 s at eps 2.4 (JL sec. 3.1, Figure 3)",
     ("mnist", "jl30"): "Figure 3 curve only (no number in the text)",
@@ -73,6 +83,7 @@ PAPER_ACCURACY = {"imdb": [(0.832, "paper: DP-Adam-JL(1) 83.2%, 20 epochs", "jl1
 LABEL = {"nonprivate": "non-private", "reweight": "exact (ReweightGP)", "jl1": "JL(1)", "jl4": "JL(4)",
          "jl30": "JL(30)"}
 OPTIMIZER_NAME = {"mnist": "DP-SGD", "imdb": "DP-Adam"}
+DATASET_NAME = {"mnist": "MNIST", "imdb": "IMDB"}
 
 
 def command(ref: Ref, data_dir: str, out_root: Path, device: str) -> list[str]:
@@ -140,7 +151,8 @@ def summarise(run_dir: Path) -> dict:
         i = int(hit[0])
         to_thr = {"epoch": int(m.loc[i, "epoch"]), "time_s": float(time_cum[i]),
                   "epsilon": float(eps[i]) if len(eps) and pd.notna(eps[i]) else None}
-    return row | {"final_acc": float(m["test_acc"].iloc[-1]), "best_acc": float(m.loc[best, "test_acc"]),
+    return row | {"accs": [float(a) for a in m["test_acc"]],
+                  "final_acc": float(m["test_acc"].iloc[-1]), "best_acc": float(m.loc[best, "test_acc"]),
                   "best_epoch": int(m.loc[best, "epoch"]),
                   "epsilon": float(eps.iloc[-1]) if len(eps) and pd.notna(eps.iloc[-1]) else math.nan,
                   "time_s": float(time_cum.iloc[-1]), "final_train_loss": float(m["train_loss"].iloc[-1]),
@@ -230,16 +242,44 @@ def reproduce_command(row: dict) -> str:
     return " ".join(command(ref, row["data_dir"] or "<data_dir>", Path(out), row["device_arg"] or "auto"))
 
 
+def lr_probes_section(rows: list[dict], probes_dir: Path) -> list[str]:
+    """The learning rates tried for the non-private MNIST run: test accuracy per epoch of each, from its files."""
+    lines = ["## MNIST non-private: the learning rates tried", "",
+             f"From `{probes_dir}` (each run's metrics.csv and summary.json). The JL paper states no learning rate "
+             "for its Non-DP SGD; plain SGD takes unclipped, noise-free steps, so the non-private reference run gets "
+             "its own rate instead of DP-SGD's.", "",
+             "| run | lr | seed | status | epochs | test accuracy per epoch | best (epoch) | final |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (-float(r["config"]["lr"] or 0), str(r["seed"]))):
+        best = f"{pct(r['best_acc'])} ({r['best_epoch']})" if r.get("best_epoch") else "-"
+        lines.append(f"| {r['name']} | {r['config']['lr']} | {r['seed']} | {r['status']} | {r['epochs']} | "
+                     f"{' '.join(pct(a) for a in r.get('accs', []))} | {best} | {pct(r['final_acc'])} |")
+    return lines + [""]
+
+
+def lrs_line(sub: list[dict]) -> Optional[str]:
+    """Where the methods of a dataset train at different learning rates: which runs use which, from their configs."""
+    by_lr: dict = {}
+    for r in sub:
+        by_lr.setdefault(r["config"].get("lr"), []).append(LABEL.get(r["method"], r["method"]))
+    if len(by_lr) < 2:
+        return None
+    return ("- learning rates: " + "; ".join(f"{', '.join(dict.fromkeys(methods))}: lr {lr}"
+                                           for lr, methods in by_lr.items())
+            + " (the non-private run has its own: see the learning rates tried below)")
+
+
 def readme(rows: list[dict], runs_dir: Path, probes: Optional[list[dict]] = None,
-           probes_dir: Path = PROBES) -> str:
+           probes_dir: Path = PROBES, lr_probes: Optional[list[dict]] = None, lr_probes_dir: Path = LR_PROBES) -> str:
     lines = ["# Paper-scale reference runs (MNIST, IMDB)", "",
              "Curves: [mnist.png](mnist.png), [imdb.png](imdb.png) (drawn by the same command).", "",
              "Generated by `python -m runner.paper_runs readme --runs " + str(runs_dir) + "` from each run's "
              "metrics.csv and summary.json: do not edit by hand. The papers' numbers are quoted from the JL paper "
              "(jl-projections-dpsgd: section 3.1 and Figure 3 for MNIST, section 3.3 and Table 3 for IMDB).", ""]
     if not rows:
-        return "\n".join(lines + ["No reference runs found.", ""] + (probes_section(probes, probes_dir) if probes
-                                                                      else []))
+        return "\n".join(lines + ["No reference runs found.", ""]
+                         + (lr_probes_section(lr_probes, lr_probes_dir) if lr_probes else [])
+                         + (probes_section(probes, probes_dir) if probes else []))
     for dataset in ("mnist", "imdb"):
         sub = [r for r in rows if r["dataset"] == dataset]
         if not sub:
@@ -247,24 +287,29 @@ def readme(rows: list[dict], runs_dir: Path, probes: Optional[list[dict]] = None
                       f"{dataset}\"`).", ""]
             continue
         thr = THRESHOLD[dataset]
+        shared = {k: v for k, v in sub[0]["config"].items()
+                  if k != "accountant" and all(r["config"].get(k) == v for r in sub)}  # per run: the lr column
         lines += [f"## {dataset.upper()} ({OPTIMIZER_NAME[dataset]}; settings: "
-                  + ", ".join(f"{k}={v}" for k, v in sub[0]["config"].items() if k not in ("accountant",)) + ")", "",
-                  f"| run | method | seed | status | epochs | final test acc | best test acc (epoch) | epsilon "
+                  + ", ".join(f"{k}={v}" for k, v in shared.items()) + ")", "",
+                  f"| run | method | seed | lr | status | epochs | final test acc | best test acc (epoch) | epsilon "
                   f"(delta={sub[0]['config'].get('delta')}) | train time | first epoch at {thr:.0%} (time, eps) "
-                  "| paper |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| paper |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(sub, key=lambda r: (list(LABEL).index(r["method"]) if r["method"] in LABEL else 99,
                                             str(r["seed"]))):
             t = r.get("to_threshold")
             hit = f"{t['epoch']} ({t['time_s']:.0f} s, eps {eps_str(t['epsilon'])})" if t else "not reached"
             best = f"{pct(r['best_acc'])} ({r['best_epoch']})" if r.get("best_epoch") else "-"
             time_s = "-" if math.isnan(r["time_s"]) else f"{r['time_s']:.0f} s"
-            lines.append(f"| {r['name']} | {LABEL.get(r['method'], r['method'])} | {r['seed']} | {r['status']} | "
+            lines.append(f"| {r['name']} | {LABEL.get(r['method'], r['method'])} | {r['seed']} | "
+                         f"{r['config'].get('lr')} | {r['status']} | "
                          f"{r['epochs']} | {pct(r['final_acc'])} | {best} | {eps_str(r['epsilon'])} | {time_s} | "
                          f"{hit} | {PAPER.get((dataset, r['method']), '-')} |")
         lines.append("")
         missing = [ref.name for ref in RUNS if ref.dataset == dataset and ref.name not in {r["name"] for r in sub}]
         if missing:
             lines.append(f"- not run yet: {', '.join(missing)}")
+        if lrs_line(sub):
+            lines.append(lrs_line(sub))
         for method in sorted({r["method"] for r in sub}):
             seeds = [r for r in sub if r["method"] == method and not math.isnan(r["final_acc"])]
             if len(seeds) > 1:
@@ -279,6 +324,8 @@ def readme(rows: list[dict], runs_dir: Path, probes: Optional[list[dict]] = None
                              f"epsilon {', '.join(eps_str(r['epsilon']) for r in seeds)}; all finished: "
                              f"{all(r['status'] == 'finished' for r in seeds)}{crossing}")
         lines.append("")
+    if lr_probes:
+        lines += lr_probes_section(lr_probes, lr_probes_dir)
     if probes:
         lines += probes_section(probes, probes_dir)
     lines += ["## Commands, device, seeds", "",
@@ -320,13 +367,24 @@ def curves_figure(runs_dir: Path, dataset: str):
     if not runs:
         return None
     cfg = runs[0][0]["config"]
-    setting = ", ".join(f"{k}={cfg[k]}" for k in ("model", "optimizer", "batch_size", "lr", "sigma", "clip", "delta"))
-    fig, (acc_ax, loss_ax, eps_ax) = panels(1, 3, f"{dataset.upper()} at the JL paper's settings: reference runs\n"
+    keys = ("model", "optimizer", "batch_size", "lr", "sigma", "clip", "delta")
+    shared = [k for k in keys if all(r["config"].get(k) == cfg.get(k) for r, _ in runs)]
+    own_lr = "lr" not in shared  # a method with its own learning rate (the non-private baseline): in its label
+    lrs = {}
+    for r, _ in runs:
+        lrs.setdefault(r["config"].get("lr"), []).append(LABEL.get(r["method"], r["method"]))
+    setting = ", ".join(f"{k}={cfg[k]}" for k in shared) + ("; lr: " + "; ".join(
+        f"{lr} ({', '.join(dict.fromkeys(m))})" for lr, m in lrs.items()) if own_lr else "")
+    epochs = "/".join(dict.fromkeys(r["epochs"].split("/")[-1] for r, _ in runs))  # as configured
+    fig, (acc_ax, loss_ax, eps_ax) = panels(1, 3, f"{DATASET_NAME.get(dataset, dataset.upper())} reference runs, "
+                                            f"{epochs} epochs: the JL paper's {OPTIMIZER_NAME.get(dataset, '')} "
+                                            f"settings{', non-private at its own lr' if own_lr else ''}\n"
                                             f"{setting}", 4.6, 3.2)
     styles = ["-", "--", ":", "-."]
     infinite = []
     for row, m in runs:
-        label = f"{LABEL.get(row['method'], row['method'])} seed {row['seed']}"
+        label = f"{LABEL.get(row['method'], row['method'])} seed {row['seed']}" + (
+            f" (lr {row['config'].get('lr')})" if own_lr else "")
         style = method_style(LABEL.get(row["method"], row["method"]))
         ls = styles[int(row["seed"] or 0) % len(styles)]
         acc_ax.plot(m["epoch"], m["test_acc"], ls=ls, label=label, ms=4, **style)
@@ -345,8 +403,8 @@ def curves_figure(runs_dir: Path, dataset: str):
         acc_ax.axhline(value, color=color, lw=0.8, ls="--", alpha=0.7)
         acc_ax.annotate(text, (0.02, value), xycoords=("axes fraction", "data"), xytext=(0, 3),
                         textcoords="offset points", fontsize=6.5, color=color)
-    # a diverged run (MNIST non-private at lr 0.25 fell to 11%) would squash every other curve: the axis spans the
-    # runs' typical accuracies and the runs that leave it are named on the panel
+    # a diverged run (MNIST non-private at DP-SGD's lr 0.25 fell to 11%) would squash every other curve: the axis
+    # spans the runs' typical accuracies and the runs that leave it are named on the panel
     top = max(float(m["test_acc"].max()) for _, m in runs)
     medians = [float(m["test_acc"].median()) for _, m in runs]
     kept = [m for (_, m), v in zip(runs, medians) if v >= 0.5 * top] or [m for _, m in runs]  # not diverged
@@ -408,6 +466,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    f"DIR/<name>/ (e.g. {OUT}, to commit them) and write the README from there")
     w.add_argument("--probes", default=str(PROBES), help="folder of the IMDB setups tried (a table of its own)")
     w.add_argument("--import-probes", metavar="SRC", help=f"first copy the runs in SRC into --probes")
+    w.add_argument("--lr-probes", default=str(LR_PROBES), help="folder of the learning rates tried for the "
+                   "non-private MNIST run (a table of its own)")
     args = p.parse_args(argv)
     if args.cmd == "run":
         return run_all(args.data_dir, Path(args.out), args.device, args.only, args.force, args.dry_run)
@@ -420,9 +480,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"paper_runs: copied {len(names)} probe runs into {args.probes}")
     rows = collect(Path(args.runs))
     probes = [r for r in collect(Path(args.probes)) if r["dataset"] == "imdb"] if Path(args.probes).is_dir() else []
+    lr_probes = collect(Path(args.lr_probes)) if Path(args.lr_probes).is_dir() else []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(readme(rows, Path(args.runs), probes, Path(args.probes)))
+    out.write_text(readme(rows, Path(args.runs), probes, Path(args.probes), lr_probes, Path(args.lr_probes)))
     print(f"paper_runs: {len(rows)} runs from {args.runs} -> {out}")
     for dataset in THRESHOLD:
         png = draw_curves(Path(args.runs), dataset, out.parent / f"{dataset}.png")

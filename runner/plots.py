@@ -92,7 +92,18 @@ def _save(name, fig, data: pd.DataFrame, caption: str, scale: str, out_dir: Path
     for fmt in formats:
         figure.savefig(out_dir / f"{name}.{fmt}", dpi=110, bbox_inches="tight")
     plt.close(figure)
+    save_caption(tables_dir, name, scale, caption)
     return out_dir / f"{name}.png"
+
+
+def save_caption(tables_dir: Path, name: str, scale: str, caption: str) -> None:
+    """<tables_dir>/captions.csv: the caption drawn under each figure (one row per name), so that a copy of the
+    figure's CSV can be drawn again with it (python -m runner.figures.reference_readme --import / --redraw)."""
+    path = tables_dir / "captions.csv"
+    old = read_table(path)
+    row = pd.DataFrame([{"name": name, "scale": scale, "caption": caption}])
+    keep = old[old["name"] != name] if "name" in old else old.iloc[0:0]
+    pd.concat([keep, row], ignore_index=True).sort_values("name").to_csv(path, index=False)
 
 
 def _cuda() -> bool:

@@ -239,3 +239,72 @@ def test_log_ticks_label_only_powers_of_ten_over_many_decades():
         plt.close(fig)
     assert labels[(2, 2000)] == ["10", "100", "1000"]
     assert labels[(0.3, 8)] == ["0.5", "1", "2", "5"]
+
+
+def trajectory_table(model: str, dataset: str, like=None, batch=64, lrs=None) -> pd.DataFrame:
+    """A figure CSV of accuracy-vs-time runs (as runner.figures.jl.trajectories writes it) for one model and data."""
+    lrs = lrs or {"nonprivate": 0.2, "nxbp": 0.5, "jl": 0.5}
+    rows = []
+    for method, label, eps in (("nonprivate", "Non-DP SGD", None), ("nxbp", "DP-SGD-Vanilla", 1.0),
+                               ("jl", "DP-SGD-JL(1)", float("inf"))):
+        for epoch, acc in ((1, 0.7), (2, 0.85)):
+            rows.append({"label": label, "method": method, "r": 1 if method == "jl" else None, "epoch": epoch,
+                         "time_s": epoch * 0.5, "test_acc": acc + (0.1 if method == "nonprivate" else 0.0),
+                         "epsilon": eps, "run_dir": f"x/{method}", "dataset": dataset, "like": like, "model": model,
+                         "batch_size": batch, "sigma": None if method == "nonprivate" else 1.3,
+                         "lr": lrs[method], "time_basis": "estimated"})
+    return pd.DataFrame(rows)
+
+
+def suptitle(figure) -> str:
+    return figure._suptitle.get_text()
+
+
+def test_titles_say_what_ran_not_the_papers_setting():
+    """Issue 19: JL Figure 3's title said "2-layer CNN on MNIST ... 95%" over a run of an MLP on digits. Every
+    trained figure's title is drawn from its own CSV: the model, the data, B, the scale (and each lr)."""
+    import matplotlib.pyplot as plt
+
+    digits = trajectory_table("mlp", "digits")
+    for name in ("jl_fig3", "jl_fig4", "jl_fig1", "jl_fig5", "jl_fig6"):
+        fig = FIGURES.get(name).draw(digits, "caption", "smoke")
+        title = suptitle(fig)
+        plt.close(fig)
+        assert "MLP on real digits" in title and "B=64" in title and "scale=smoke" in title, (name, title)
+        for paper in ("2-layer CNN", "MNIST", "CIFAR", "IMDB", "BiLSTM", "Papernot", "95%", "55%", "70%"):
+            assert paper not in title, (name, paper, title)
+        assert "lr 0.5 (Non-DP SGD: 0.2)" in title, title  # the baseline's own learning rate, stated
+    mnist = trajectory_table("bu_cnn", "mnist", batch=256, lrs={"nonprivate": 0.05, "nxbp": 0.25, "jl": 0.25})
+    fig = FIGURES.get("jl_fig3").draw(mnist, "caption", "paper")
+    assert "2-layer CNN (bu_cnn) on real MNIST, B=256" in suptitle(fig) and "scale=paper" in suptitle(fig)
+    assert "time and epsilon at accuracy 0.95" in fig.axes[1].get_title() or \
+        "time and epsilon at accuracy 0.95" in all_text(fig)
+    plt.close(fig)
+
+
+def test_seconds_tables_and_lee_kifer_titles_come_from_their_csv():
+    import matplotlib.pyplot as plt
+
+    table = pd.DataFrame({"method": ["Non-DP SGD", "DP-SGD-JL(1)"], "ours B": [32, 32],
+                          "dataset": ["synthetic", "synthetic"], "like": ["mnist", "mnist"],
+                          "model": ["vgg13", "vgg13"], "ours s/epoch": [1.0, 2.0], "ours / non-private": [1.0, 2.0],
+                          "paper PyTorch": [13, 212], "paper TensorFlow": [12, 20]})
+    for name in ("jl_table2", "jl_table5"):
+        fig = FIGURES.get(name).draw(table, "caption", "smoke")
+        title = fig.axes[0].get_title()
+        plt.close(fig)
+        assert "VGG-13 on synthetic MNIST-shaped data, B=32" in title and "scale=smoke" in title, title
+        assert "CIFAR" not in title and "Papernot" not in title and "256" not in title, title
+    depth = pd.DataFrame({"data": ["mnist"] * 4, "data_source": ["real"] * 4, "model": ["mlp"] * 4,
+                          "depth": [2, 2, 4, 4], "batch_size": [64] * 4, "image_size": [None] * 4,
+                          "label": ["Non-private", "nxBP"] * 2, "s_per_epoch": [1.0, 5.0, 2.0, 9.0],
+                          "peak_mem_bytes": [1e8] * 4, "status": ["finished"] * 4, "speedup_vs_nxbp": [5, 1, 4.5, 1]})
+    fig = FIGURES.get("lk_fig7").draw(depth, "caption", "paper")
+    title, panel = suptitle(fig), fig.axes[0].get_title()
+    plt.close(fig)
+    assert "MLP on MNIST, B=64, scale=paper" in title and "B=128" not in title and panel == "MNIST", (title, panel)
+    synthetic = depth.assign(data_source="synthetic")
+    fig = FIGURES.get("lk_fig5").draw(synthetic[synthetic["depth"] == 2].assign(model="cnn"), "caption", "smoke")
+    assert "B=32" not in suptitle(fig) and "B=64" in suptitle(fig) and "synthetic" in suptitle(fig)
+    assert fig.axes[0].get_title() == "MNIST-shaped (synthetic)"
+    plt.close(fig)

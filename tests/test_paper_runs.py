@@ -1,17 +1,18 @@
 """runner/paper_runs.py: the reference-run commands, and the README generated from a folder of run folders."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from runner import paper_runs as pr
 
 
-def fake_run(root, name, dataset, method, accs, eps, seed=0, r=None, status="finished", epochs=None):
+def fake_run(root, name, dataset, method, accs, eps, seed=0, r=None, status="finished", epochs=None, lr=0.25):
     d = root / name
     d.mkdir(parents=True)
     cfg = {"dataset": {"name": dataset}, "method": {"name": method}, "seed": seed, "epochs": epochs or len(accs),
-           "batch_size": 256, "lr": 0.25, "sigma": 1.3, "clip": 1.5, "delta": 1e-5, "model": {"name": "bu_cnn"},
+           "batch_size": 256, "lr": lr, "sigma": 1.3, "clip": 1.5, "delta": 1e-5, "model": {"name": "bu_cnn"},
            "optimizer": {"name": "sgd"}, "data_dir": "/data", "device": "cpu"}
     if r is not None:
         cfg["r"] = r
@@ -42,7 +43,7 @@ def test_readme_from_a_folder_of_runs(tmp_path):
     assert "| inf |" in jl and "JL(1)" in jl and "< 10 s" in jl
     imdb = next(line for line in text.splitlines() if line.startswith("| imdb_nonprivate_s0 "))
     assert "| running | 2/20 |" in imdb and "not reached" not in imdb and "~84%" in imdb
-    assert "not run yet: mnist_nonprivate_s0, mnist_jl30_s0" in text
+    assert "not run yet: mnist_nonprivate_s0, mnist_nonprivate_s1, mnist_jl30_s0" in text
     assert ("dprun dataset=mnist method=reweight seed=1 data_dir=/data device=cpu progress=false "
             "out_dir=<runs>/mnist_reweight_s1") in text
     assert "| mnist_jl1_s0 | cpu (test) | pld | poisson | 0 |" in text
@@ -76,7 +77,7 @@ def test_readme_imports_runs_keeping_only_their_numbers(tmp_path):
     out = tmp_path / "README.md"
     assert pr.main(["readme", "--runs", str(src), "--import-to", str(dest), "--out", str(out)]) == 0
     assert sorted(p.name for p in (dest / "mnist_nonprivate_s0").iterdir()) == ["metrics.csv", "summary.json"]
-    assert "| mnist_nonprivate_s0 | non-private | 0 | finished | 2/2 | 98.0% |" in out.read_text()
+    assert "| mnist_nonprivate_s0 | non-private | 0 | 0.25 | finished | 2/2 | 98.0% |" in out.read_text()
 
 
 def test_curves_name_every_run_and_keep_a_diverged_one_from_squashing_the_rest(tmp_path):
@@ -141,3 +142,62 @@ def test_imdb_curves_show_the_papers_accuracy_for_jl1(tmp_path):
     acc_ax = fig.axes[0]
     assert any(abs(line.get_ydata()[0] - 0.832) < 1e-9 for line in acc_ax.get_lines())
     assert any("83.2%" in t.get_text() for t in acc_ax.texts)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_mnist_non_private_reference_runs_train_at_their_own_stated_lr():
+    """Issue 19: the non-private MNIST baseline at DP-SGD's lr 0.25 (no clipping, no noise) collapsed (11.3% at epoch
+    4, 85.6% at epoch 15). Its runs, seeds 0 and 1, train at their own rate, stated in runner.paper_runs, and the
+    committed runs are those runs."""
+    from runner.paths import compose
+
+    assert pr.MNIST_NONPRIVATE_LR < 0.25
+    for seed in (0, 1):
+        ref = pr.BY_NAME[f"mnist_nonprivate_s{seed}"]
+        assert compose([f"dataset={ref.dataset}", *ref.overrides]).lr == pr.MNIST_NONPRIVATE_LR
+        summary = json.loads((REPO / pr.OUT / ref.name / "summary.json").read_text())
+        assert summary["config"]["lr"] == pr.MNIST_NONPRIVATE_LR and summary["config"]["seed"] == seed
+        assert summary["status"] == "finished" and summary["epochs_completed"] == 15
+    for ref in pr.RUNS:  # every private MNIST run keeps the paper's DP-SGD rate
+        if ref.dataset == "mnist" and "method=nonprivate" not in ref.overrides:
+            assert compose([f"dataset={ref.dataset}", *ref.overrides]).lr == 0.25, ref.name
+
+
+def test_committed_paper_readme_is_what_its_runs_give(tmp_path, monkeypatch):
+    """outputs/reference/paper/README.md regenerated from the committed runs equals the committed file."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "README.md"
+    assert pr.main(["readme", "--out", str(out)]) == 0
+    assert out.read_text() == (REPO / pr.README).read_text(), "run: python -m runner.paper_runs readme"
+
+
+def test_a_baseline_at_its_own_lr_is_stated_in_the_readme_and_the_curves(tmp_path):
+    runs = tmp_path / "runs"
+    fake_run(runs, "mnist_nonprivate_s0", "mnist", "nonprivate", (0.97, 0.98), (None, None), lr=0.05)
+    fake_run(runs, "mnist_reweight_s0", "mnist", "reweight", (0.90, 0.94), (0.4, 0.6))
+    out = tmp_path / "README.md"
+    assert pr.main(["readme", "--runs", str(runs), "--out", str(out), "--lr-probes", str(tmp_path / "none")]) == 0
+    text = out.read_text()
+    assert "| mnist_nonprivate_s0 | non-private | 0 | 0.05 | finished |" in text
+    assert "| mnist_reweight_s0 | exact (ReweightGP) | 0 | 0.25 | finished |" in text
+    assert "settings: batch_size=256, sigma=1.3" in text and "lr=0.25" not in text  # not one lr for all
+    assert "- learning rates: non-private: lr 0.05; exact (ReweightGP): lr 0.25" in text
+    fig = pr.curves_figure(runs, "mnist")
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "non-private seed 0 (lr 0.05)" in labels and "exact (ReweightGP) seed 0 (lr 0.25)" in labels
+    title = fig._suptitle.get_text()
+    assert "non-private at its own lr" in title and "lr=0.25" not in title, title
+
+
+def test_learning_rates_tried_get_a_table(tmp_path):
+    probes = tmp_path / "probes"
+    fake_run(probes, "np_lr0.25", "mnist", "nonprivate", (0.85, 0.97, 0.11), (None,) * 3, lr=0.25)
+    fake_run(probes, "np_lr0.05", "mnist", "nonprivate", (0.95, 0.97, 0.98), (None,) * 3, lr=0.05)
+    out = tmp_path / "README.md"
+    assert pr.main(["readme", "--runs", str(tmp_path / "none"), "--out", str(out), "--lr-probes", str(probes)]) == 0
+    text = out.read_text().split("## MNIST non-private: the learning rates tried")[1]
+    rows = [line for line in text.splitlines() if line.startswith("| np_")]
+    assert rows[0].startswith("| np_lr0.25 | 0.25 |") and "85.0% 97.0% 11.0% | 97.0% (2) | 11.0% |" in rows[0]
+    assert rows[1].startswith("| np_lr0.05 | 0.05 |") and "| 98.0% (3) | 98.0% |" in rows[1]

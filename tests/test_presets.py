@@ -52,12 +52,37 @@ def test_preset_is_override_only_and_named_after_its_file(preset):
     assert cfg.experiment_name == preset
 
 
+PRIVATE_ARM = {"jl_fig3": ["method=nxbp"]}  # the paper's lr is DP-SGD's; the non-private arm has its own (below)
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_paper_scale_has_the_papers_hyperparameters(preset):
-    cfg = compose_config([f"experiment={preset}", "scale=paper"])
+    cfg = compose_config([f"experiment={preset}", "scale=paper", *PRIVATE_ARM.get(preset, [])])
     for key, value in PAPER[preset].items():
         assert get(cfg, key) == value, key
     assert cfg.max_steps_per_epoch is None or preset in ("lk_memory",)
+
+
+@pytest.mark.parametrize("scale", ["smoke", "paper"])
+def test_jl_fig3_non_private_arm_trains_at_its_own_stated_lr(scale):
+    """Issue 19: "Non-DP SGD" at DP-SGD's lr (no clipping, no noise) diverged on MNIST and stayed below the DP methods
+    on digits. Its own rate is stated in the preset (scales.<scale>.lr_nonprivate, with the probe behind it); every
+    private arm keeps the paper's; the paper-scale rate is the MNIST reference run's (runner.paper_runs)."""
+    from runner.paper_runs import BY_NAME, MNIST_NONPRIVATE_LR
+
+    base = ["experiment=jl_fig3", f"scale={scale}"]
+    private = {m: compose_config(base + [f"method={m}"]).lr for m in ("nxbp", "opacus", "jl")}
+    own = compose_config(base + ["method=nonprivate"]).lr
+    text = (CONF / "experiment" / "jl_fig3.yaml").read_text()
+    assert set(private.values()) == {0.25 if scale == "paper" else 0.5}
+    assert own < min(private.values()) and f"lr_nonprivate: {own:g}" in text
+    assert compose_config(base + ["method=nonprivate", "lr=0.3"]).lr == 0.3  # the command line still sets it
+    if scale == "paper":
+        assert own == MNIST_NONPRIVATE_LR
+        assert f"lr={MNIST_NONPRIVATE_LR}" in BY_NAME["mnist_nonprivate_s0"].overrides
+    # every arm of the smoke figure trains the same tanh MLP (the sigmoid one sat at chance without noise)
+    model = compose_config(base + ["method=nonprivate"]).model
+    assert (model.name, model.kwargs) == (("mlp", {"activation": "tanh"}) if scale == "smoke" else ("bu_cnn", None))
 
 
 @pytest.mark.parametrize("preset", PRESETS)

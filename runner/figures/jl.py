@@ -11,8 +11,8 @@ import pandas as pd
 from scipy import stats
 
 from runner.figures.spec import FIGURES, Figure, newest_per, seconds_per_epoch, threshold
-from runner.figures.style import (INF_EDGE, finish, jl_label, method_legend, method_style, panels, plain_log_axis,
-                                  table_figure)
+from runner.figures.style import (INF_EDGE, data_name, finish, jl_label, method_legend, method_style, model_name,
+                                  panels, plain_log_axis, table_figure, values)
 
 # The paper's seconds per epoch (Tesla P100), placed next to ours in Tables 2 and 3.
 PAPER_TABLE2 = {"Non-DP SGD": (12, 2.5), "DP-SGD-Vanilla": (None, 434), "DP-SGD-Outer": (17, None),
@@ -99,7 +99,7 @@ def trajectories(runs, epochs, scale) -> pd.DataFrame:
     (warm-up excluded) x the expected steps per epoch, so a first epoch that carries the process warm-up, or a capped
     epoch, is not misplaced on the time axis."""
     cols = ["label", "method", "r", "epoch", "time_s", "test_acc", "epsilon", "run_dir", "dataset", "like", "model",
-            "batch_size", "sigma", "time_basis"]
+            "batch_size", "sigma", "lr", "time_basis"]
     if epochs.empty:
         return pd.DataFrame(columns=cols)
     runs = one_run_per_label(runs)
@@ -113,22 +113,36 @@ def trajectories(runs, epochs, scale) -> pd.DataFrame:
         ep["epoch_s"] = ep["epoch_time_s"]
     ep["time_s"] = ep.groupby("run_dir")["epoch_s"].cumsum()
     ep["time_basis"] = "estimated"
-    for col in ("dataset", "like", "model", "batch_size", "sigma"):
+    for col in ("dataset", "like", "model", "batch_size", "sigma", "lr"):
         if col not in ep or ep[col].isna().all():
             ep[col] = ep["run_dir"].map(info[col]) if col in info else None
     ep = labelled(ep)
     return ep[cols].reset_index(drop=True)
 
 
-def what_ran(data: pd.DataFrame) -> str:
-    """"MLP on digits (real), B=64, sigma=1.3": the model, data and settings of the runs a panel draws."""
-    def one(col):
-        vals = sorted({str(v) for v in data.get(col, pd.Series(dtype=object)).dropna()})
-        return "/".join(vals) if vals else "?"
-    ds, like = one("dataset"), one("like")
-    where = f"synthetic {like}-shaped data (random labels)" if ds == "synthetic" else f"real {ds}"
-    b = one("batch_size").replace(".0", "")
-    return f"ran: {one('model')} on {where}, B={b}, sigma={one('sigma')}"
+def what_ran(data: pd.DataFrame, scale: str | None = None) -> str:
+    """"ran: MLP on real digits (scikit-learn 8x8), B=64, sigma=1.3, lr 0.5 (Non-DP SGD: 0.2), scale=smoke": the
+    model, data and settings of the runs a figure draws, from its own table (never the paper's setting)."""
+    b = "/".join(values(data, "batch_size")) or "?"
+    text = f"ran: {model_name(data)} on {data_name(data)}, B={b}, sigma={'/'.join(values(data, 'sigma')) or '?'}"
+    return text + lr_text(data) + (f", scale={scale}" if scale else "")
+
+
+def lr_text(data: pd.DataFrame) -> str:
+    """', lr 0.5' or, where a method has its own (the non-private baseline), ', lr 0.5 (Non-DP SGD: 0.2)'."""
+    if "lr" not in data or data["lr"].isna().all():
+        return ""
+    per = {label: "/".join(values(sub, "lr")) for label, sub in data.groupby("label", sort=False)} if "label" in data \
+        else {}
+    common = pd.Series(list(per.values())).mode()
+    main = common.iloc[0] if len(common) else "/".join(values(data, "lr"))
+    own = [f"{label}: {v}" for label, v in sorted(per.items(), key=lambda kv: label_order(kv[0])) if v != main]
+    return f", lr {main}" + (f" ({'; '.join(own)})" if own else "")
+
+
+def optimizer_of(data: pd.DataFrame) -> str:
+    labels = " ".join(values(data, "label"))
+    return "DP-Adam" if "Adam" in labels else "DP-SGD"
 
 
 def chance_level(data: pd.DataFrame) -> float | None:
@@ -244,8 +258,9 @@ def eps_norm(data):
     return colors.Normalize(vmin=0, vmax=vmax if np.isfinite(vmax) and vmax > 0 else 1.0), plt_cmap("viridis")
 
 
-def draw_tradeoff(data, caption, scale, title, paper_acc):
-    fig, (left, right) = panels(1, 2, title + "\n" + what_ran(data), 5.4, 4)
+def draw_tradeoff(data, caption, scale, prefix, paper_acc):
+    fig, (left, right) = panels(1, 2, f"{prefix}: {optimizer_of(data)}, accuracy vs training time; time and epsilon "
+                                f"at a fixed accuracy\n" + what_ran(data, scale), 5.4, 4)
     norm, cmap = eps_norm(data)
     tradeoff_left(left, fig, data, norm, cmap)
     left.set_title("accuracy vs training time\n(marker fill: $\\epsilon$; white, black edge: $\\epsilon=\\infty$; "
@@ -279,8 +294,8 @@ def draw_tradeoff(data, caption, scale, title, paper_acc):
 
 
 def draw_fig1(data, caption, scale):
-    fig, (ax,) = panels(1, 1, "JL paper Figure 1: accuracy vs training time, CIFAR-10 (Papernot et al. CNN); "
-                        "epsilon as colour\n" + what_ran(data), 7.5, 4.4)
+    fig, (ax,) = panels(1, 1, f"JL paper Figure 1: {optimizer_of(data)}, accuracy vs training time, epsilon as "
+                        "colour\n" + what_ran(data, scale), 7.5, 4.4)
     norm, cmap = eps_norm(data)
     tradeoff_left(ax, fig, data, norm, cmap)
     ax.set_title("marker fill: $\\epsilon$; white, black edge: $\\epsilon=\\infty$; hollow: non-private", fontsize=9)
@@ -295,10 +310,11 @@ def plt_cmap(name: str):
     return matplotlib.colormaps[name]
 
 
-def make_tradeoff(name, title, experiment, paper_acc):
+def make_tradeoff(name, prefix, paper_title, experiment, paper_acc):
+    """paper_title: the paper's caption (`python -m runner.plots --list`); the drawn title says what ran instead."""
     def draw(data, caption, scale):
-        return draw_tradeoff(data, caption, scale, title, paper_acc)
-    return FIGURES.register(name)(Figure("JL", title, "figure", experiment, trajectories, draw))
+        return draw_tradeoff(data, caption, scale, prefix, paper_acc)
+    return FIGURES.register(name)(Figure("JL", paper_title, "figure", experiment, trajectories, draw))
 
 
 # -- seconds-per-epoch tables (2, 3) -------------------------------------------------------------------------
@@ -313,6 +329,7 @@ def seconds_table(runs, paper: dict, two_columns: bool) -> pd.DataFrame:
         ref = paper.get(label)
         b = runs.loc[runs["label"] == label, "batch_size"] if "batch_size" in runs else pd.Series(dtype=float)
         row = {"method": label, "ours B": int(b.iloc[0]) if len(b) and pd.notna(b.iloc[0]) else None,
+               **{col: what_of(runs, label, col) for col in RAN_COLUMNS},
                "ours s/epoch": float(ours.iloc[0]) if len(ours) else None,
                "ours / non-private": float(ours.iloc[0]) / base if len(ours) else None}
         if two_columns:
@@ -323,15 +340,29 @@ def seconds_table(runs, paper: dict, two_columns: bool) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+RAN_COLUMNS = ("dataset", "like", "model")  # what ran, in a seconds table's CSV: its title is drawn from them
+
+
+def what_of(runs: pd.DataFrame, label: str, col: str):
+    """The run's dataset / like / model for a method label (None for a paper-only row)."""
+    v = runs.loc[runs["label"] == label, col] if col in runs else pd.Series(dtype=object)
+    return v.iloc[0] if len(v) and pd.notna(v.iloc[0]) else None
+
+
 def table2(runs, epochs, scale):
     return seconds_table(runs, PAPER_TABLE2, two_columns=True)
 
 
-def draw_seconds(title: str):
-    """A seconds-per-epoch table; a private method timed faster than non-private is flagged ON the figure as timing
-    noise (a private step does at least the non-private step's work)."""
+def draw_seconds(prefix: str):
+    """A seconds-per-epoch table titled with what ran (its dataset / like / model columns, its B); a private method
+    timed faster than non-private is flagged ON the figure as timing noise (a private step does at least the
+    non-private step's work)."""
     def draw(data, caption, scale):
-        fig = table_figure(data, title, caption)
+        ran = data.dropna(subset=["ours s/epoch"]) if "ours s/epoch" in data else data
+        b = "/".join(values(ran, "ours B")) or "?"
+        title = (f"{prefix}: seconds per epoch at scale={scale}\nran: {model_name(ran)} on "
+                 f"{data_name(ran, synthetic_note='')}, B={b}")
+        fig = table_figure(data.drop(columns=[c for c in RAN_COLUMNS if c in data]), title, caption)
         ratio = pd.to_numeric(data.get("ours / non-private"), errors="coerce")
         private = ~data["method"].str.startswith("Non")
         bad = data.loc[private & (ratio < 1.0), "method"].tolist()
@@ -355,8 +386,8 @@ def table3(runs, epochs, scale):
 
 # -- Figure 6 (IMDB trade-offs at fixed accuracy, time, epsilon) ----------------------------------------------
 def draw_fig6(data, caption, scale):
-    fig, axes = panels(1, 3, "JL paper Figure 6: accuracy, privacy and training time trade-off (BiLSTM on IMDB)\n"
-                       + what_ran(data))
+    fig, axes = panels(1, 3, f"JL paper Figure 6: {optimizer_of(data)}, accuracy, privacy and training time trade-off"
+                       "\n" + what_ran(data, scale))
     data = data.assign(epsilon=pd.to_numeric(data["epsilon"], errors="coerce"))
     acc, acc_text = threshold(0.70, data.groupby("label")["test_acc"].max(), scale)
     hits = at_accuracy(data, acc)
@@ -452,17 +483,17 @@ FIGURES.register("jl_table1")(
     Figure("JL", "Summary of different methods for DP training", "table", None, table1, draw_table1))
 FIGURES.register("jl_fig2")(
     Figure("JL", "Distribution of sqrt(chi^2_r / r)", "figure", None, fig2, draw_fig2))
-make_tradeoff("jl_fig3", "JL paper Figure 3: 2-layer CNN on MNIST, DP-SGD; time and epsilon at 95% accuracy",
+make_tradeoff("jl_fig3", "JL paper Figure 3", "2-layer CNN on MNIST, DP-SGD; time and epsilon at 95% accuracy",
               "jl_fig3", 0.95)
 FIGURES.register("jl_table2")(
     Figure("JL", "Seconds per epoch, Papernot et al. CNN on CIFAR-10", "table", "jl_table2", table2,
-           draw_seconds("JL paper Table 2: seconds per epoch, CIFAR-10 (sigma=0.9, C=2; paper B=256)")))
-make_tradeoff("jl_fig4", "JL paper Figure 4: Papernot et al. CNN on CIFAR-10; time and epsilon at 55% accuracy",
+           draw_seconds("JL paper Table 2")))
+make_tradeoff("jl_fig4", "JL paper Figure 4", "Papernot et al. CNN on CIFAR-10; time and epsilon at 55% accuracy",
               "jl_table2", 0.55)
 FIGURES.register("jl_table3")(
     Figure("JL", "Seconds per epoch, BiLSTM on IMDB", "table", "jl_table3", table3,
-           draw_seconds("JL paper Table 3: seconds per epoch, BiLSTM on IMDB (DP-Adam; paper B=256)")))
-make_tradeoff("jl_fig5", "JL paper Figure 5: BiLSTM on IMDB, DP-Adam; time and epsilon at 70% accuracy",
+           draw_seconds("JL paper Table 3")))
+make_tradeoff("jl_fig5", "JL paper Figure 5", "BiLSTM on IMDB, DP-Adam; time and epsilon at 70% accuracy",
               "jl_table3", 0.70)
 FIGURES.register("jl_fig6")(
     Figure("JL", "Accuracy, privacy and training time trade-off on IMDB", "figure", "jl_table3",
@@ -472,7 +503,7 @@ FIGURES.register("jl_epsilon_r")(
            draw_epsilon_r))
 FIGURES.register("jl_table5")(
     Figure("JL", "Seconds per epoch, VGG13 on CIFAR-10", "table", "jl_table5", table5,
-           draw_seconds("JL paper Table 5: seconds per epoch, VGG13 on CIFAR-10 (sigma=0.9, C=3; paper B=256)")))
+           draw_seconds("JL paper Table 5")))
 FIGURES.register("jl_fig1")(
     Figure("JL", "Accuracy vs training time on CIFAR-10, epsilon as colour (= Figure 4, left)", "figure",
            "jl_table2", trajectories, draw_fig1))

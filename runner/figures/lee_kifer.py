@@ -9,7 +9,8 @@ from __future__ import annotations
 import pandas as pd
 
 from runner.figures.spec import FIGURES, Figure, newest_per, seconds_per_epoch
-from runner.figures.style import LK_ORDER, bar_panel, finish, line_panel, lk_label, method_legend, panels, series_color
+from runner.figures.style import (LK_ORDER, MODEL_NAMES, bar_panel, finish, line_panel, lk_label, method_legend,
+                                  model_name, panels, series_color, values)
 
 DATA_TITLES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR10", "imdb": "IMDB", "lsun": "LSUN"}
 MODEL_TITLES = {"mlp": "MLP", "cnn": "CNN", "rnn": "RNN", "lstm": "LSTM", "transformer": "Transformer"}
@@ -22,6 +23,8 @@ def timing_table(runs, epochs, scale) -> pd.DataFrame:
     runs = newest_per(runs, ["dataset", "like", "model", "depth", "batch_size", "image_size", "method", "r"])
     out = pd.DataFrame({
         "data": [l if d == "synthetic" and isinstance(l, str) else d for d, l in zip(runs["dataset"], runs["like"])],
+        "data_source": ["synthetic" if d == "synthetic" else s for d, s in
+                        zip(runs["dataset"], runs.get("data_source", pd.Series("real", index=runs.index)))],
         "model": runs["model"], "depth": runs["depth"], "batch_size": runs["batch_size"],
         "image_size": runs["image_size"],
         "label": [lk_label(m, r) for m, r in zip(runs["method"], runs["r"])],
@@ -34,19 +37,39 @@ def timing_table(runs, epochs, scale) -> pd.DataFrame:
     return out
 
 
+def synthetic(data) -> bool:
+    return values(data, "data_source") == ["synthetic"]
+
+
+def data_title(data, d: str) -> str:
+    """A panel's dataset as it ran: 'MNIST', or 'MNIST-shaped (synthetic)' for random tensors of its shape."""
+    name = DATA_TITLES.get(d, d)
+    return f"{name}-shaped (synthetic)" if synthetic(data[data["data"] == d]) else name
+
+
+def ran(data, scale: str, *, model: bool = True) -> str:
+    """The title's second line: what ran (model, data, batch size, scale), from the figure's table."""
+    datasets = ", ".join(data_title(data, d) for d in values(data, "data")) or "?"
+    parts = [f"ran: {model_name(data)} on {datasets}" if model else f"ran: {datasets} data",
+             f"B={'/'.join(sorted(values(data, 'batch_size'), key=float)) or '?'}", f"scale={scale}"]
+    return ", ".join(parts) + ("; synthetic tensors: timing only" if synthetic(data) else "")
+
+
 def draw_fig5(data, caption, scale):
     sets = [d for d in ("mnist", "fmnist", "cifar10", "imdb") if d in set(data["data"])]
-    fig, axes = panels(1, max(1, len(sets)), "Lee & Kifer Figure 5: seconds per epoch by architecture (B=32)")
+    fig, axes = panels(1, max(1, len(sets)), "Lee & Kifer Figure 5: seconds per epoch by architecture\n"
+                       + ran(data, scale, model=False))
     for ax, d in zip(axes, sets):
         sub = data[data["data"] == d].assign(model=lambda t: t["model"].map(lambda m: MODEL_TITLES.get(m, m)))
-        bar_panel(ax, sub, "model", "s_per_epoch", "label", DATA_TITLES.get(d, d), order=LK_ORDER)
+        bar_panel(ax, sub, "model", "s_per_epoch", "label", data_title(data, d), order=LK_ORDER)
     method_legend(fig, axes)
     return finish(fig, caption)
 
 
 def draw_fig6(data, caption, scale):
     models = [m for m in ("mlp", "cnn", "rnn") if m in set(data["model"])]
-    fig, axes = panels(1, max(1, len(models)), "Lee & Kifer Figure 6: execution time by batch size (MNIST)")
+    fig, axes = panels(1, max(1, len(models)), "Lee & Kifer Figure 6: execution time by batch size\n"
+                       + ran(data, scale, model=False).replace(", B=", ", batch sizes ").replace("/", ", "))
     for ax, m in zip(axes, models):
         line_panel(ax, data[data["model"] == m], "batch_size", "s_per_epoch", "label", MODEL_TITLES[m],
                    order=LK_ORDER, xlabel="batch size")
@@ -60,10 +83,10 @@ def draw_fig6(data, caption, scale):
 
 def draw_fig7(data, caption, scale):
     sets = [d for d in ("mnist", "fmnist", "cifar10") if d in set(data["data"])]
-    fig, axes = panels(1, max(1, len(sets)), "Lee & Kifer Figure 7: seconds per epoch by number of hidden layers "
-                                             "(MLP, B=128)")
+    fig, axes = panels(1, max(1, len(sets)), "Lee & Kifer Figure 7: seconds per epoch by number of hidden layers\n"
+                       + ran(data, scale))
     for ax, d in zip(axes, sets):
-        line_panel(ax, data[data["data"] == d], "depth", "s_per_epoch", "label", DATA_TITLES[d], order=LK_ORDER,
+        line_panel(ax, data[data["data"] == d], "depth", "s_per_epoch", "label", data_title(data, d), order=LK_ORDER,
                    xlabel="hidden layers")
     method_legend(fig, axes)
     return finish(fig, caption)
@@ -71,10 +94,12 @@ def draw_fig7(data, caption, scale):
 
 def draw_fig8(data, caption, scale):
     sizes = sorted(int(s) for s in set(data["image_size"].dropna()))
-    title = ("Lee & Kifer Figure 8: ResNet and VGG networks on LSUN-shaped images (B=20); a missing bar: the run "
-             "failed (out of memory)")
-    if scale == "smoke":
-        title += "\nsmoke scale: VGG-11 at 64 px only (conf/experiment/lk_fig8.yaml)"
+    title = ("Lee & Kifer Figure 8: ResNet and VGG networks by image size; a missing bar: the run failed (out of "
+             "memory)\n" + ran(data, scale) + "; image sizes " + ", ".join(f"{s} px" for s in sizes))
+    for m in values(data, "model"):
+        ran_at = sorted(int(s) for s in data.loc[data["model"] == m, "image_size"].dropna().unique())
+        if ran_at != sizes:
+            title += f"\n{MODEL_NAMES.get(m, m)} ran at {', '.join(f'{s} px' for s in ran_at)} only"
     fig, axes = panels(1, max(1, len(sizes)), title, 5.5)
     for ax, size in zip(axes, sizes):
         bar_panel(ax, data[data["image_size"] == size], "model", "s_per_epoch", "label", f"{size}x{size}",
@@ -85,8 +110,8 @@ def draw_fig8(data, caption, scale):
 
 def draw_fig9(data, caption, scale):
     sizes = sorted(int(s) for s in set(data["image_size"].dropna()))
-    title = ("Lee & Kifer Figure 9: processing time by image resolution (ResNet-18, B=32)\n"
-             f"image sizes run: {', '.join(map(str, sizes))} px")
+    title = ("Lee & Kifer Figure 9: processing time by image resolution\n" + ran(data, scale)
+             + f"; image sizes run: {', '.join(map(str, sizes))} px")
     if scale == "smoke" and 256 not in sizes:
         title += " (smoke: 256 px only at scale=paper)"
     fig, (ax, ratio) = panels(1, 2, title)
@@ -176,7 +201,8 @@ def logical_columns(study, method: str) -> dict:
 
 
 def draw_memory(data, caption, scale):
-    fig, (ax,) = panels(1, 1, "Lee & Kifer section 6.7: largest batch before out-of-memory (ResNet-101, 256x256)", 6)
+    fig, (ax,) = panels(1, 1, "Lee & Kifer section 6.7: largest batch before out-of-memory\n(the paper's setting: "
+                        "ResNet-101 at 256x256 on an 11 GB GPU; ours: runner.memory_study)", 6)
     data = data.set_index("label").reindex([l for l in LK_ORDER if l in set(data["label"])])
     logical = pd.to_numeric(data.get("largest logical batch at P", pd.Series(dtype=float)), errors="coerce")
     width = 0.4 if logical.notna().any() else 0.8

@@ -77,6 +77,47 @@ def caption_for(runs: pd.DataFrame, scale: str, computed: str | None = None) -> 
             f" | torch {uniq('torch_version')} | {len(runs)} runs")
 
 
+# What ran, in a figure's title: the model and the data named from the run's own columns (never the paper's setting)
+MODEL_NAMES = {"bu_cnn": "2-layer CNN (bu_cnn)", "mlp": "MLP", "cnn": "CNN", "papernot_cnn": "Papernot et al. CNN",
+               "papernot_cnn_fc": "Papernot et al. CNN (FC)", "bilstm": "BiLSTM", "rnn": "RNN", "lstm": "LSTM",
+               "gru": "GRU", "transformer": "Transformer", "vgg11": "VGG-11", "vgg13": "VGG-13", "vgg16": "VGG-16",
+               "resnet18": "ResNet-18", "resnet34": "ResNet-34", "resnet50": "ResNet-50", "resnet101": "ResNet-101"}
+DATA_NAMES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR-10", "imdb": "IMDB", "lsun": "LSUN",
+              "digits": "digits (scikit-learn 8x8)"}
+
+
+def values(data: pd.DataFrame, col: str) -> list[str]:
+    """The distinct values of a column as text (1.0 -> 1), empty where the column is absent or all NaN."""
+    if col not in data:
+        return []
+    out = []
+    for v in data[col].dropna():
+        text = f"{v:g}" if isinstance(v, float) else str(v)
+        if text not in out:
+            out.append(text)
+    return out
+
+
+def model_name(data: pd.DataFrame, col: str = "model") -> str:
+    return "/".join(MODEL_NAMES.get(m, m) for m in values(data, col)) or "?"
+
+
+def data_name(data: pd.DataFrame, synthetic_note: str = " (random labels)") -> str:
+    """'real MNIST', 'synthetic CIFAR-10-shaped data (random labels)' from the dataset / like (/ data_source)
+    columns of a figure's table."""
+    names = []
+    sources = values(data, "data_source")
+    for ds in values(data, "dataset") or values(data, "data"):
+        if ds == "synthetic":
+            likes = [DATA_NAMES.get(x, x) for x in values(data, "like")] or ["?"]
+            names.append(f"synthetic {'/'.join(likes)}-shaped data{synthetic_note}")
+        elif sources == ["synthetic"]:
+            names.append(f"synthetic {DATA_NAMES.get(ds, ds)}-shaped data{synthetic_note}")
+        else:
+            names.append(f"real {DATA_NAMES.get(ds, ds)}")
+    return ", ".join(names) or "?"
+
+
 def series_color(name: str, order=None):
     """The method's colour from METHOD_STYLE (the same in every figure and panel)."""
     return method_style(name)["color"]
