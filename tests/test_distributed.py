@@ -273,8 +273,10 @@ def test_shares_cover_the_global_batch_in_order_and_may_be_empty():
 
 
 def test_slurm_environment_is_mapped_for_srun(monkeypatch):
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR"):
-        monkeypatch.delenv(key, raising=False)
+    # a private copy of the environment: export_slurm_env writes RANK, WORLD_SIZE, ... into it, and a later test
+    # that saw WORLD_SIZE=8 would wait for 7 ranks that never come
+    drop = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in drop})
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
@@ -315,3 +317,8 @@ def test_other_ranks_get_a_scratch_hydra_folder_and_a_sweep_under_torchrun_is_re
     assert rank_argv(["method=reweight"]) == ["method=reweight"]  # rank 0: its own folder, as one process
     with pytest.raises(DprunError, match="^dprun -m under torchrun/srun would run the sweep on every rank"):
         rank_argv(["-m", "seed=0,1"])
+
+
+def test_no_test_leaves_a_launcher_environment_behind():
+    """Runs after the tests above in this file: a leaked WORLD_SIZE would make every later run wait for ranks."""
+    assert "WORLD_SIZE" not in os.environ and "SLURM_PROCID" not in os.environ
