@@ -84,8 +84,8 @@ def test_an_editable_install_is_a_path_entry_so_a_folder_named_dprun_cannot_shad
                       "print(importlib.util.find_spec('dprun').origin)\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
-    def origin(*args):
-        out = subprocess.run([sys.executable, "-s", str(script), *args], env=env, capture_output=True, text=True,
+    def origin(*args):  # -S: no site-packages, so whatever this venv has installed is not seen
+        out = subprocess.run([sys.executable, "-S", str(script), *args], env=env, capture_output=True, text=True,
                              timeout=60, cwd=tmp_path / "work")
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()

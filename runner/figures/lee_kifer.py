@@ -208,7 +208,7 @@ def draw_memory(data, caption, scale):
     width = 0.4 if logical.notna().any() else 0.8
     shift = -width / 2 if logical.notna().any() else 0.0
     ax.bar([i + shift for i in range(len(data))], pd.to_numeric(data["largest batch trained"], errors="coerce"),
-           width=width, label="ours: the whole batch in one pass")
+           width=width, label="ours: the whole batch at once")
     if logical.notna().any():  # physical_batch_size=P: the logical batch is limited by the data set, not memory
         P = int(pd.to_numeric(data["physical batch P"], errors="coerce").dropna().iloc[0])
         ax.bar([i + width / 2 for i in range(len(data))], logical, width=width, hatch="//", color="tab:green",
