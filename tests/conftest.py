@@ -34,6 +34,21 @@ def compose_config(overrides: list[str] | None = None):
     return compose(overrides or [])
 
 
+def small_adaptive_noise():
+    """sbcd_adaptive_noise trains one DP-SBCD run per schedule (minutes on real MNIST at smoke scale): in the fast
+    suite, 2 epochs on the synthetic stand-in. Use as a context manager around rendering that figure."""
+    from contextlib import ExitStack
+    from dataclasses import replace
+    from unittest import mock
+
+    import runner.figures.sbcd as sbcd
+
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(sbcd, "_adaptive_setup", lambda scale: replace(sbcd._setup(), epochs=2)))
+    stack.enter_context(mock.patch.object(sbcd, "mnist_available", lambda: None))
+    return stack
+
+
 def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 

@@ -16,6 +16,8 @@ from runner.figures import FIGURES
 from runner.figures.style import METHOD_STYLE, method_key
 from runner.plots import select_runs
 
+from conftest import small_adaptive_noise
+
 from pathlib import Path
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -28,13 +30,7 @@ FIGS = [n for n in FIGURES.names() if FIGURES.get(n).kind == "figure" and n not 
 
 def draw(name):
     if name == "sbcd_adaptive_noise":  # it trains one DP-SBCD run per schedule: 2 epochs on synthetic data here
-        from dataclasses import replace
-        from unittest import mock
-
-        import runner.figures.sbcd as sbcd
-
-        with mock.patch.object(sbcd, "_adaptive_setup", lambda scale: replace(sbcd._setup(), epochs=2)), \
-                mock.patch.object(sbcd, "mnist_available", lambda: None):
+        with small_adaptive_noise():
             return _draw(name)
     return _draw(name)
 
