@@ -4,9 +4,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
-from runner.paths import compose, register_resolvers
+# pytest-xdist runs one worker per core: one thread per worker and per subprocess it starts (OMP_NUM_THREADS is read
+# when torch is imported), else the workers' thread pools fight over the cores (8:20 -> 7:16 on 2 cores)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from runner.paths import compose, register_resolvers  # noqa: E402
 
 register_resolvers()  # the resolvers conf/ uses
 
