@@ -120,6 +120,8 @@ class PrivateTraining:
         self.delta, self.generator = delta, generator
         self.steps = 0
         self.sampling = "poisson"  # set by make_private: the sampling the batches really use
+        self.planned_epsilon: float | None = None  # target_epsilon: the certified epsilon after the planned epochs
+        self.target_epsilon_met: bool | None = None
 
     @property
     def noise_multiplier(self) -> float:
@@ -264,8 +266,12 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         if not poisson:
             raise DprunError("target_epsilon needs poisson=True: no accountant here analyses shuffled batches")
         calibrator = accountants.calibration_accountant(acc_name)  # a certified one: never gdp's approximation
-        m.sigma = accountants.calibrate_sigma(calibrator, m.mechanism, sample_rate, steps_per_epoch * int(epochs),
-                                              float(target_epsilon), float(delta))
+        steps = steps_per_epoch * int(epochs)
+        m.sigma = accountants.calibrate_sigma(calibrator, m.mechanism, sample_rate, steps, float(target_epsilon),
+                                              float(delta))
+        # as the CLI: the certified epsilon published after the planned steps (a WARNING if it misses the target)
+        target = accountants.check_target(acc_name, calibrator, m.mechanism(sample_rate), steps,
+                                          float(target_epsilon), float(delta))
     acc = accountants.build(acc_name) if m.private else None
     if acc is not None:
         accountants.check_for_method(acc, m, sample_rate)  # as the CLI's: refused before any step
@@ -278,4 +284,6 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     training = PrivateTraining(model, optimizer, m, acc, acc_name, sampler, loader, tensors, n, int(batch_size), delta,
                                noise_gen)
     training.sampling = kind
+    if target_epsilon is not None:
+        training.planned_epsilon, training.target_epsilon_met = target["planned_epsilon"], target["target_epsilon_met"]
     return training

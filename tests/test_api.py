@@ -107,6 +107,7 @@ def test_target_epsilon_calibrates_sigma_and_nonprivate_reports_inf():
         for xb, yb in private.batches():
             private.step(xb, yb, loss_fn)
     assert private.noise_multiplier != 1.0 and 1.9 < private.get_epsilon() <= 2.0
+    assert private.target_epsilon_met and private.planned_epsilon == pytest.approx(private.get_epsilon(), rel=1e-9)
     plain = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="nonprivate",
                                batch_size=40)
     assert plain.get_epsilon(1e-5) == math.inf and not plain.private
