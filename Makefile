@@ -6,9 +6,10 @@ PY ?= $$(test -x $(VENV)/bin/python && echo $(VENV)/bin/python || echo python)
 # torch for a venv without one (a torch already in the venv is kept; README "Set up" says the same):
 #  - nvidia-smi lists a GPU: `pip install torch`, PyPI's CUDA build;
 #  - else the CPU build from TORCH_INDEX (PyTorch's CPU wheel index), if one 5-second look reaches it;
-#  - else (TORCH_INDEX= empty, or unreachable) pip's own configured index (a mirror, local wheels), but only when pip's
-#    dry run shows a CPU build there: PyPI's Linux torch is the CUDA build (nvidia-* packages, several GB), which a
-#    machine without a GPU cannot use, so then it stops with one line giving the command for the CPU build.
+#  - else (TORCH_INDEX= empty, or unreachable) pip's own configured index (a mirror, local wheels), but only a CPU
+#    build: pip's dry run of `pip install torch` if that is one, else the newest `+cpu` version the index lists
+#    (`pip index versions torch`); PyPI's Linux torch is the CUDA build (nvidia-* packages, several GB), which a
+#    machine without a GPU cannot use, so with no CPU build there it stops with one line giving the command for one.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CPU_INDEX := https://download.pytorch.org/whl/cpu
 # stdin: `pip install --dry-run --report -`; prints "cpu|cuda <torch version>" (cuda: it would bring nvidia-* packages)
@@ -20,6 +21,14 @@ version = next((p["metadata"]["version"] for p in install if p["metadata"]["name
 print("cuda" if any(n.startswith("nvidia-") for n in names) or "+cu" in version else "cpu", version)
 endef
 export TORCH_BUILD
+# stdin: `pip index versions torch` ("Available versions: 2.15.0, ..., 2.13.0+cpu, ...", newest first); prints the
+# newest CPU build's version, or nothing
+define TORCH_CPU_VERSION
+import sys
+listed = [v.strip() for line in sys.stdin if line.startswith("Available versions:") for v in line.split(":", 1)[1].split(",")]
+print(next((v for v in listed if v.endswith("+cpu")), ""))
+endef
+export TORCH_CPU_VERSION
 SCALE ?= smoke
 
 .PHONY: help install torch demo test test-slow bench
@@ -45,6 +54,8 @@ torch: ## make the venv if missing and install torch into it if it has none (CPU
 	  $$py -m pip install -q "pip>=22.2"; \
 	  set -- $$($$py -m pip install torch --dry-run --quiet --report - 2>/dev/null | $$py -c "$$TORCH_BUILD" 2>/dev/null); \
 	  if [ "$$1" = cpu ]; then echo "torch: installing torch $$2, a CPU build, from pip's configured index"; $$py -m pip install -q torch; \
+	  elif [ "$$1" = cuda ] && cpu=$$($$py -m pip index versions torch 2>/dev/null | $$py -c "$$TORCH_CPU_VERSION") && [ -n "$$cpu" ]; then \
+	    echo "torch: pip's configured index offers torch $$2, the CUDA build, by default, and also torch $$cpu, a CPU build: installing that"; $$py -m pip install -q "torch==$$cpu"; \
 	  elif [ "$$1" = cuda ]; then echo "torch: pip's configured index offers torch $$2, the CUDA build (nvidia-* packages, several GB), and this machine has no GPU, so nothing was installed; install the CPU build, then make install again: $$py -m pip install torch --index-url $(CPU_INDEX) (or a mirror of it, or a wheel file)"; exit 1; \
 	  else echo "torch: pip's configured index offers no torch for this Python (pip install torch --dry-run failed; pip config list shows the index); install torch into $(VENV), then make install again"; exit 1; fi; \
 	fi

@@ -21,6 +21,7 @@ case "$*" in
   *"import torch"*) exit 1 ;;
   *urllib.request*) exit "$FAKE_PROBE" ;;
   *--dry-run*) cat "$FAKE_REPORT"; exit 0 ;;
+  "-m pip index versions torch") echo "torch (2.14.1)"; echo "Available versions: $FAKE_VERSIONS"; exit 0 ;;
   "-m pip install"*) exit 0 ;;
   *) exec "{python}" "$@" ;;
 esac
@@ -33,7 +34,8 @@ def report(version: str, *extra: str) -> dict:
                         [("torch", version), ("filelock", "3.0"), *[(e, "12.0") for e in extra]]]}
 
 
-def make_torch(tmp_path, *, gpu=False, reachable=True, offered=report("2.13.0+cpu"), torch_index=None):
+def make_torch(tmp_path, *, gpu=False, reachable=True, offered=report("2.13.0+cpu"), torch_index=None,
+               versions="2.14.1, 2.14.0, 2.13.0"):
     venv, fakebin = tmp_path / "venv", tmp_path / "bin"
     (venv / "bin").mkdir(parents=True)
     fakebin.mkdir()
@@ -45,7 +47,7 @@ def make_torch(tmp_path, *, gpu=False, reachable=True, offered=report("2.13.0+cp
         (fakebin / "nvidia-smi").chmod(0o755)
     (tmp_path / "report.json").write_text(json.dumps(offered))
     env = {**os.environ, "PATH": f"{fakebin}:/usr/bin:/bin", "FAKE_LOG": str(tmp_path / "log"),
-           "FAKE_PROBE": "0" if reachable else "1", "FAKE_REPORT": str(tmp_path / "report.json")}
+           "FAKE_PROBE": "0" if reachable else "1", "FAKE_REPORT": str(tmp_path / "report.json"), "FAKE_VERSIONS": versions}
     args = ["make", "-s", "-C", str(ROOT), "torch", f"VENV={venv}"] + ([f"TORCH_INDEX={torch_index}"]
                                                                        if torch_index is not None else [])
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
@@ -79,6 +81,18 @@ def test_the_cuda_build_is_never_installed_without_a_gpu(tmp_path, torch_index, 
     ours = [ln for ln in proc.stdout.splitlines() if "CUDA build" in ln]
     assert len(ours) == 1 and "torch 2.14.1" in ours[0] and "no GPU" in ours[0]
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in ours[0]
+
+
+def test_a_cpu_build_the_index_also_lists_is_installed_instead_of_its_default_cuda_build(tmp_path):
+    """This machine's pip: `pip install torch` resolves to the newest torch, the CUDA build, but the index also
+    carries an older CPU build (`pip index versions torch` lists 2.13.0+cpu): that one is installed, in one line."""
+    proc, installs = make_torch(tmp_path, reachable=False, offered=report("2.14.1", "nvidia-cublas-cu12"),
+                                versions="2.15.0, 2.14.1, 2.13.0+cpu, 2.13.0, 2.12.0+cpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and "unreachable" in lines[0]
+    assert "torch 2.14.1, the CUDA build, by default, and also torch 2.13.0+cpu, a CPU build" in lines[1]
+    assert installs == ["-m pip install -q torch==2.13.0+cpu"]
 
 
 def test_a_gpu_gets_pypis_cuda_build(tmp_path):
