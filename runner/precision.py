@@ -10,13 +10,13 @@ the per-example norms, the clip factors, the clipped sums and their accumulation
 the optimizer update in float32 (the parameters and their .grad stay float32: autocast casts copies).
 
 The guarantee must not depend on rounding: each example's contribution to the released sum must have norm <= C.
-A method that forms the contribution from the very tensors whose norm it took (book-keeping, materialised
-per-example gradients) meets it up to float32 rounding of the norm itself, which ROUNDING_MARGIN covers: the clip
-factor is C / (norm (1 + margin) + 1e-6), 0.1% below the float32 factor. Measured (tests/test_precision.py), the
-float32 norm and the float64 norm of what is summed differ by < 1e-5 relative on every model family, 100x inside
-the margin. A method whose clipped sum comes from a second backward (reweight twopass/recompute, Opacus ghost) or
-from norm estimates (jl) would round differently from the pass that measured the norm: Method.unsupported refuses
-it under bf16 in one line. fp16 (loss scaling) is out of scope and refused by the config check.
+Under bf16 the recorded tensors are bf16 values upcast exactly to float32, and every norm is a certified float32
+upper bound of the per-example gradient the clipped sum is formed from (runner/norms/certify.py, docs/privacy.md
+"Certified clipping"), so the bound holds as in fp32; ROUNDING_MARGIN (the clip factor C / (norm (1 + margin) +
+1e-6), 0.1% below) is kept on top. A method whose clipped sum comes from a second backward (reweight
+twopass/recompute, Opacus ghost) or from norm estimates (jl) would round differently from the pass that measured
+the norm: Method.unsupported refuses it under bf16 in one line. fp16 (loss scaling) is out of scope and refused by
+the config check.
 """
 from __future__ import annotations
 

@@ -100,6 +100,8 @@ def expected(name: str, cfg: dict, model: Net) -> str:
     if name != "opacus" or cfg["grad_sample_mode"] == "functorch":
         return "exact"
     layer = model.layer
+    if cfg["grad_sample_mode"] == "ghost":
+        return "refuse"  # Opacus's ghost clipping is not certified (issue 26: tests/test_certified_clipping.py)
     if isinstance(layer, nn.modules.conv._ConvNd) and layer.padding_mode != "zeros":
         # ghost: Opacus's norm assumes zero padding, but the second backward releases the true gradient -> refuse.
         # hooks: Opacus's (wrong) per-example gradients are the ones clipped and summed -> bounded
@@ -153,6 +155,9 @@ def test_each_example_contributes_at_most_C(name, cfg, model_name, caplog):
         assert outcome == "refuse", f"refused a model it handles: {e}"
         message = str(e)
         assert "\n" not in message
+        if message.startswith(f"method=opacus grad_sample_mode=ghost cannot train {layer}): "):
+            assert "not certified" in message and "hooks and functorch" in message, message
+            return  # issue 26: Opacus's float32 ghost norm of a conv or embedding
         assert message.startswith(f"method=opacus grad_sample_mode={cfg['grad_sample_mode']} cannot clip {layer}, "
                                   f"padding_mode={model.layer.padding_mode!r}): "), message
         assert "accepted: padding_mode='zeros'" in message and "grad_sample_mode=functorch" in message
@@ -190,13 +195,17 @@ def test_every_private_method_is_checked_or_excused():
     assert {"nxbp", "multiloss", "reweight", "opacus"} <= checked
 
 
-def test_zero_padding_or_no_padding_is_not_refused_by_ghost():
-    """Only a padded border is computed wrong by Opacus: padding_mode without padding is the plain convolution."""
+def test_zero_padding_or_no_padding_is_not_refused_by_ghost_for_padding():
+    """Only a padded border is computed wrong by Opacus: padding_mode without padding is the plain convolution (its
+    ghost norm is then refused for training only for not being certified, issue 26; the bench times it)."""
     pytest.importorskip("opacus")
     model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=0, padding_mode="circular"), nn.Flatten(),
                           nn.Linear(12, 2)).to(DT)
-    method = METHODS.build("opacus", cfg={"grad_sample_mode": "ghost"}, clip=C, sigma=0.0)
+    method = METHODS.build("opacus", cfg={"grad_sample_mode": "ghost", "uncertified_ok": True}, clip=C, sigma=0.0)
     assert method.attach(model) is model
+    with pytest.raises(DprunError, match=r"^method=opacus grad_sample_mode=ghost cannot train 0 \(Conv2d\): .*not "
+                                         r"certified.*hooks and functorch are exact"):
+        METHODS.build("opacus", cfg={"grad_sample_mode": "ghost"}, clip=C, sigma=0.0).attach(model)
 
 
 @pytest.mark.parametrize("mode", PADDING_MODES[1:])

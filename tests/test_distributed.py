@@ -84,6 +84,26 @@ def composed_run(precision="fp32", compiled=False, steps=3):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def crafted_release(rank: int) -> float:
+    """Issue 26 across ranks: one crafted example per rank (an LSTM projection's shape, positions that cancel), sigma
+    0; the release summed over both ranks, / C. Each example contributes <= C, so it is <= 2 (100 x each before)."""
+    from runner.methods import METHODS
+    from runner.norms.adversarial import CONSTRUCTIONS, exact_norm
+    from runner.norms.adversarial import loss_fn as readout
+
+    _, build, example = CONSTRUCTIONS[torch.nn.Linear][1]  # Linear 128 -> 512 at 28 positions
+    torch.manual_seed(0)
+    model = build(0)
+    xs = [example(torch.Generator().manual_seed(s), 1e-4) for s in (1, 2)]
+    C = 0.01 * min(exact_norm(model, x) for x in xs)
+    method = METHODS.build("reweight", clip=C, sigma=0.0).configure(world=distributed.current(seed=1))
+    model = method.attach(model)
+    x = xs[rank] if dist.is_initialized() else torch.cat(xs)
+    method.step(model, readout, x, torch.zeros(len(x), dtype=torch.long), torch.optim.SGD(model.parameters(), lr=0.0),
+                sample_rate=1.0, expected_batch_size=1.0)
+    return float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))) / C
+
+
 def _library_worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=__import__("datetime").timedelta(seconds=60))
@@ -93,6 +113,7 @@ def _library_worker(rank, world, init_file, out_dir):
     results["empty-shares"] = library_run("reweight", {}, batch_size=1, steps=12)  # shares of 0 or 1 examples
     results["bf16"] = composed_run(precision="bf16")
     results["compiled"] = composed_run(compiled=True)
+    results["crafted"] = crafted_release(rank)
     model = torch.nn.Linear(2, 2)  # replicas that differ are caught, on every rank
     with torch.no_grad():
         model.weight.fill_(float(rank))
@@ -140,6 +161,7 @@ def test_two_ranks_give_the_one_process_weights_and_epsilon_for_every_method(tmp
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{key} rank {r}")
     for r in range(2):
         assert ranks[r]["check"].startswith("replicas diverged after epoch 1: rank 1's parameter checksum")
+        assert ranks[r]["crafted"] <= 2 * (1 + 1e-6), f"two crafted examples released {ranks[r]['crafted']} C"
 
 
 def _train_worker(rank, world, init_file, out_dir, overrides, folder):

@@ -49,7 +49,7 @@ def test_clipped_sum_equals_nxbp_float64(name, mode):
     model = MODELS.build(name, info, **kw).double()
     x, y = inputs(info, 5)
     want, want_g = clipped(METHODS.build("nxbp", clip=0.3), model, x, y)
-    method = METHODS.build("opacus", cfg={"grad_sample_mode": mode}, clip=0.3)
+    method = METHODS.build("opacus", cfg={"grad_sample_mode": mode, "uncertified_ok": True}, clip=0.3)
     assert method.attach(model) is model
     for _ in range(2):  # the second step must not see the first step's grad samples / norms
         got, got_g = clipped(method, model, x, y)
@@ -81,7 +81,7 @@ def test_float32_within_float_tolerance():
     x, y = inputs(info, 6)
     x = x.float()
     want, want_g = clipped(METHODS.build("nxbp", clip=0.3), model, x, y)
-    method = METHODS.build("opacus", cfg={"grad_sample_mode": "ghost"}, clip=0.3)
+    method = METHODS.build("opacus", cfg={"grad_sample_mode": "ghost", "uncertified_ok": True}, clip=0.3)
     got, got_g = clipped(method, method.attach(model), x, y)
     torch.testing.assert_close(got.norms, want.norms, rtol=1e-5, atol=1e-6)
     for a, b in zip(got_g, want_g):
@@ -91,7 +91,7 @@ def test_float32_within_float_tolerance():
 def test_ghost_rejects_a_layer_called_twice_in_one_line():
     pytest.importorskip("opacus")
     model = MODELS.build("rnn", IMDB, hidden=4, embed_dim=3).double()
-    method = METHODS.build("opacus", cfg={"grad_sample_mode": "ghost"})
+    method = METHODS.build("opacus", cfg={"grad_sample_mode": "ghost", "uncertified_ok": True})
     with pytest.raises(DprunError, match=r"^method=opacus grad_sample_mode=ghost fails on RecurrentClassifier: "
                                          r"Parameter tying is not supported with Ghost Clipping$"):
         clipped(method, method.attach(model), *inputs(IMDB, 2))
@@ -102,7 +102,7 @@ def test_prepare_keeps_the_model_and_its_state_dict(mode):
     pytest.importorskip("opacus")
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     keys = list(model.state_dict())
-    method = METHODS.build("opacus", cfg={"grad_sample_mode": mode})
+    method = METHODS.build("opacus", cfg={"grad_sample_mode": mode, "uncertified_ok": True})
     assert method.attach(model) is model and list(model.state_dict()) == keys
     method.hooks.cleanup()
     assert not any(hasattr(p, "grad_sample") for p in model.parameters())

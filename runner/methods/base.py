@@ -61,9 +61,11 @@ class StepOutput(Privatized):
 
 
 def clip_factors(norms: torch.Tensor, clip: float, margin: float = 0.0) -> torch.Tensor:
-    """min(1, C / (norm (1 + margin) + 1e-6)), shape (B,). The 1e-6 keeps zero-gradient examples finite; the margin
+    """min(1, C / (norm (1 + margin) + 1e-6)), shape (B,); 0 where the norm is not finite (inf or nan: the example
+    must contribute nothing, runner/norms/certify.py). The 1e-6 keeps zero-gradient examples finite; the margin
     (bf16 only, runner/precision.py) covers the rounding of a norm formed from reduced-precision tensors."""
-    return (clip / (norms * (1.0 + margin) + 1e-6)).clamp(max=1.0)
+    factors = (clip / (norms * (1.0 + margin) + 1e-6)).clamp(max=1.0)
+    return torch.where(torch.isfinite(norms), factors, torch.zeros((), dtype=factors.dtype, device=factors.device))
 
 
 def chunks(x, y, size: int | None):

@@ -20,6 +20,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from runner.errors import DprunError
+from runner.norms.certify import finite_rows, upper_sqnorm
 from runner.methods.base import METHODS, Method, Privatized
 
 
@@ -56,9 +57,10 @@ class MultiLoss(Method):
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise DprunError(f"method=multiloss: torch.func.vmap cannot trace {type(model).__name__}: {msg}; "
                                  f"try method=nxbp") from e
-            norm = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads.values()))  # (b,)
-            factor = self.clip_factors(norm)  # (b,)
+            norm = torch.sqrt(sum(upper_sqnorm(g) for g in grads.values()))  # (b,) certified (norms/certify.py)
+            factor = self.clip_factors(norm)  # (b,); 0 for a non-finite gradient, whose rows are zeroed
             for n, g in grads.items():
+                g = finite_rows(g, factor > 0)
                 sums[n].add_(torch.tensordot(factor.to(g.dtype), g, dims=1))  # sum_i f_i g_i: p.shape
             del grads
             norms.append(norm)

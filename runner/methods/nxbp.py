@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from runner.methods.base import METHODS, Method, Privatized, trainable
+from runner.norms.certify import upper_sqnorm
 
 
 @METHODS.register("nxbp")
@@ -25,10 +26,12 @@ class NxBP(Method):
                 loss = loss_fn(out, y[i:i + 1]).sum()
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-            norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-            factor = self.clip_factors(norm)
-            for s, g in zip(sums, grads):
-                s.add_(g, alpha=float(factor))
+            # certified: an upper bound of the float32 sum of squares (runner/norms/certify.py), whatever the input
+            norm = torch.sqrt(sum(upper_sqnorm(g.unsqueeze(0))[0] for g in grads))
+            factor = float(self.clip_factors(norm))
+            if factor > 0:  # 0: a non-finite gradient (inf or nan), which must add nothing (no 0 * nan)
+                for s, g in zip(sums, grads):
+                    s.add_(g, alpha=factor)
             norms.append(norm.detach())
             losses.append(loss.detach())
             outputs.append(out.detach())

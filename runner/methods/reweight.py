@@ -31,8 +31,21 @@ from runner.methods.rng import rng_state, set_rng_state
 from runner.norms import Recorder, plan_model
 from runner.norms.streaming import StreamingNorms
 from runner.norms.base import HOW
+from runner.norms.certify import certified_norms, exact_float32, finite_rows
 
 MODES = ("bk", "twopass", "recompute")
+
+
+def finite_inputs(x: torch.Tensor) -> torch.Tensor:
+    """(B,) True where every input value of the example is finite (token ids always are)."""
+    if not x.is_floating_point():
+        return torch.ones(len(x), dtype=torch.bool, device=x.device)
+    return torch.isfinite(x).reshape(len(x), -1).all(1)
+
+
+def weighted_loss(nu: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
+    """sum_i nu_i loss_i, with a record whose clip factor is 0 (non-finite norm) left out rather than 0 * nan."""
+    return torch.where(nu > 0, nu * losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
 
 
 @METHODS.register("reweight")
@@ -70,12 +83,16 @@ class ReweightGP(Method):
         if self.mode == "recompute":
             outputs, losses, norms = self.recomputed(plan, params, model, loss_fn, x, y)
         elif self.mode == "twopass":
+            # the graph is kept for the second backward, so a record with inf/nan inputs enters it as zeros (and
+            # contributes nothing): 0 * inf in the kept graph would poison everyone's sum (docs/privacy.md)
+            finite = finite_inputs(x)  # (B,)
             with StreamingNorms(plan, self.how) as streaming:
-                outputs = model(x)  # (B, classes)
+                outputs = model(finite_rows(x, finite))  # (B, classes)
                 losses = loss_fn(outputs, y)  # (B,)
-            norms = streaming.backward(losses.sum(), len(y)).clamp_min(0).sqrt()  # (B,); the graph is kept
-            nu = self.clip_factors(norms)  # (B,)
-            self.second_backward(params, (nu * losses).sum())
+            norms = certified_norms(streaming.backward(losses.sum(), len(y)))  # (B,); the graph is kept
+            norms = torch.where(finite, norms, torch.full_like(norms, float("inf")))
+            nu = self.clip_factors(norms)  # (B,); 0 for a record whose inputs or norm are not finite
+            self.second_backward(params, weighted_loss(nu, losses))
         else:
             with Recorder(plan) as rec, self.autocast(x):
                 outputs = model(x)  # (B, classes)
@@ -86,13 +103,14 @@ class ReweightGP(Method):
             # (norms/outer.py) waits for the clipped sums, which use the raw records and free each layer's as
             # soon as it is summed.
             stashes = {}
-            norms_sq = losses.new_zeros(len(y)).detach()
-            for _, module, rule, a, g in rec.layers():
-                norms_sq = norms_sq + rule.norm_sq(module, a, g, self.how, stashes.setdefault(id(module), {}))
-                del a, g
-            norms = norms_sq.clamp_min(0).sqrt()  # (B,)
-            nu = self.clip_factors(norms)  # (B,)
-            self.book_keeping(params, rec, stashes, nu)
+            with exact_float32(x.device):
+                norms_sq = losses.new_zeros(len(y)).detach()  # (B,) certified upper bounds, summed over layers
+                for _, module, rule, a, g in rec.layers():
+                    norms_sq = norms_sq + rule.norm_sq(module, a, g, self.how, stashes.setdefault(id(module), {}))
+                    del a, g
+                norms = certified_norms(norms_sq)  # (B,)
+                nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
+                self.book_keeping(params, rec, stashes, nu)
         if not plan.matches(model):
             raise DprunError("the model's trainable parameters changed during the step; every trainable "
                              "parameter must be covered by a norm rule")
@@ -114,18 +132,19 @@ class ReweightGP(Method):
             del losses
             if streaming.complete:
                 break
-        norms = norms_sq.clamp_min(0).sqrt()  # (B,)
-        nu = self.clip_factors(norms)  # (B,)
+        norms = certified_norms(norms_sq)  # (B,)
+        nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
         set_rng_state(state, x.device)  # the second forward draws the dropout masks the norms were formed with
-        outputs = model(x)  # (B, classes)
+        # a record with nu = 0 enters the second forward as zeros: its non-finite values never reach the graph
+        outputs = model(finite_rows(x, nu > 0))  # (B, classes)
         losses = loss_fn(outputs, y)  # (B,)
-        self.second_backward(params, (nu * losses).sum())
+        self.second_backward(params, weighted_loss(nu, losses))
         return outputs, losses, norms
 
     @staticmethod
-    def second_backward(params, weighted_loss):
+    def second_backward(params, objective):
         """The paper's second pass: p.grad = d(sum_i nu_i loss_i)/dp = sum_i nu_i grad_i."""
-        grads = torch.autograd.grad(weighted_loss, params, allow_unused=True) if params else []
+        grads = torch.autograd.grad(objective, params, allow_unused=True) if params else []
         for p, g in zip(params, grads):
             p.grad = torch.zeros_like(p) if g is None else g
 

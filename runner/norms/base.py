@@ -8,7 +8,7 @@ sum of per-example gradients (book-keeping mode):
     class LinearRule(NormRule):
         params = ("weight", "bias")
         def sequence(self, layer, inp, grad_out): ...          # one call -> (a, g), per-position, (B, T, ...)
-        def norm_sq(self, layer, a, g, how, stash=None): ...   # -> (B,) squared norm over the layer's params
+        def norm_sq(self, layer, a, g, how, stash=None): ...   # -> (B,) certified upper bound of the squared norm
         def clipped_sums(self, layer, a, g, nu, stash=None):  # -> {"weight": sum_i nu_i grad_i W, ...}
 
     rule_for(module)      # the rule registered for type(module) exactly, or None
@@ -43,8 +43,10 @@ class NormRule:
 
     def norm_sq(self, layer: nn.Module, a: torch.Tensor, g: torch.Tensor, how: str,
                 stash: dict | None = None) -> torch.Tensor:
-        """(B,) per-example squared gradient norm over the layer's trainable parameters. `stash` (book-keeping
-        mode only) may keep intermediate results, e.g. materialised per-example gradients, for clipped_sums."""
+        """(B,) per example, a CERTIFIED upper bound of the squared norm of its gradient over the layer's trainable
+        parameters, as the clipped sum forms it, for any input (runner/norms/certify.py; a rule is registered only
+        with an adversarial construction in runner/norms/adversarial.py). `stash` (book-keeping mode only) may keep
+        intermediate results, e.g. materialised per-example gradients, for clipped_sums."""
         raise NotImplementedError
 
     def clipped_sums(self, layer: nn.Module, a: torch.Tensor, g: torch.Tensor, nu: torch.Tensor,

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.norms import outer
-from runner.norms.base import NormRule, register, trains  # noqa: F401
+from runner.norms.base import NormRule, register, trains
+from runner.norms.certify import finite_rows, gamma, summed_vector, unit, upper_sqnorm
 
 
 def unfold(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -64,22 +65,34 @@ class ConvRule(NormRule):
         total = a.new_zeros(B)
         if trains(layer.weight):  # groups folded into the batch: (B*G, L, k_g), (B*G, L, o_g); views when G = 1
             total = total + outer.norm_sq(fold(a), fold(g), how, stash).view(B, G).sum(1)
-        if trains(layer.bias):
-            total = total + g.sum(1).pow(2).sum((1, 2))  # per-example bias grad (B, G, o_g)
+        if trains(layer.bias):  # per-example bias grad sum_l g_l (B, G*o_g), certified (runner/norms/certify.py)
+            sums = g.sum(1).reshape(B, -1)  # (B, C_out)
+            if stash is not None:  # book-keeping adds these very sums (one (1, B) x (B, C_out) product)
+                stash["bias"] = sums
+                return total + upper_sqnorm(sums)
+            mass = torch.linalg.vector_norm(g, dim=(2, 3)).sum(1) * (1 + gamma(G * g.shape[3] + L + 4, unit(g)))
+            total = total + summed_vector(sums, mass, L)
         return total
 
     def clipped_sums(self, layer, a, g, nu, stash=None):
         sums: dict[str, torch.Tensor] = {}
         B, L, G, k = a.shape
         if trains(layer.weight) and stash is not None and "weight" in stash:  # per-example (B*G, o_g, k_g) kept
-            per_example = stash.pop("weight").view(B, G, -1, k)
+            per_example = finite_rows(stash.pop("weight").view(B, G, -1, k), nu > 0)
             sums["weight"] = weight_order(layer, torch.einsum("b,bgok->gok", nu, per_example))
         elif trains(layer.weight):
-            weighted = g * nu.view(-1, 1, 1, 1)  # (B, L, G, o_g)
-            sums["weight"] = weight_order(layer, torch.einsum("blgo,blgk->gok", weighted, a))
+            weighted = finite_rows(g * nu.view(-1, 1, 1, 1), nu > 0)  # (B, L, G, o_g)
+            sums["weight"] = weight_order(layer, torch.einsum("blgo,blgk->gok", weighted, finite_rows(a, nu > 0)))
         if trains(layer.bias):
-            sums["bias"] = torch.einsum("b,blgo->go", nu, g).reshape(-1)  # (C_out,)
+            sums["bias"] = bias_sum(g, nu, stash)
         return sums
+
+
+def bias_sum(g: torch.Tensor, nu: torch.Tensor, stash: dict | None) -> torch.Tensor:
+    """(C_out,) sum_i nu_i sum_l g_il: from the per-example sums book-keeping kept (B, C_out), else from g (B, L, G, o_g)."""
+    kept = stash.pop("bias", None) if stash is not None else None
+    per_example = kept if kept is not None else g.sum(1).reshape(len(nu), -1)
+    return nu.unsqueeze(0).mm(finite_rows(per_example, nu > 0)).squeeze(0)
 
 
 def weight_grad(layer: nn.Module, inp: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
@@ -97,18 +110,26 @@ def weight_grad(layer: nn.Module, inp: torch.Tensor, grad_out: torch.Tensor) -> 
 def _clipped_sums_calls(self, layer, calls, nu, stash=None):
     """Memory: clipped sums from the raw (input, output-gradient) calls, never the unfolded input: the weight's
     from a kept per-example gradient when there is one, else by the conv weight-gradient kernel on the
-    nu-weighted output-gradient (the non-private backward's own kernel); the bias's from the weighted gradient."""
+    nu-weighted output-gradient (the non-private backward's own kernel); the bias's from the per-example sums the
+    norm step kept, else from the weighted gradient. A record with nu = 0 (a non-finite norm) adds nothing: its rows
+    are zeroed first (no 0 * inf)."""
     sums: dict[str, torch.Tensor] = {}
     B, G = nu.shape[0], layer.groups
+    keep = nu > 0
+    stash = stash if stash is not None else {}
     shape = (-1,) + (1,) * (calls[0][1].dim() - 1)
-    weighted = [grad * nu.view(shape) for _, grad in calls]  # each (B, C_out, *spatial)
-    if trains(layer.weight) and stash is not None and "weight" in stash:  # per-example (B*G, o_g, k_g) kept
+    weighted = None
+    if trains(layer.weight) and "weight" in stash:  # per-example (B*G, o_g, k_g) kept
         per_example = stash.pop("weight")
-        per_example = per_example.view(B, G, *per_example.shape[1:])
+        per_example = finite_rows(per_example.view(B, G, *per_example.shape[1:]), keep)
         sums["weight"] = weight_order(layer, torch.einsum("b,bgok->gok", nu, per_example))
     elif trains(layer.weight):
-        sums["weight"] = sum(weight_grad(layer, inp, wg) for (inp, _), wg in zip(calls, weighted))
-    if trains(layer.bias):
+        weighted = [finite_rows(grad * nu.view(shape), keep) for _, grad in calls]  # each (B, C_out, *spatial)
+        sums["weight"] = sum(weight_grad(layer, finite_rows(inp, keep), wg) for (inp, _), wg in zip(calls, weighted))
+    if trains(layer.bias) and "bias" in stash:
+        sums["bias"] = nu.unsqueeze(0).mm(finite_rows(stash.pop("bias"), keep)).squeeze(0)
+    elif trains(layer.bias):
+        weighted = weighted or [finite_rows(grad * nu.view(shape), keep) for _, grad in calls]
         sums["bias"] = sum(wg.sum([0, *range(2, wg.dim())]) for wg in weighted)
     return sums
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.norms.base import NormRule, register, trains
+from runner.norms.certify import finite_rows, gamma, row_norms, unit
 
 
 def keep_mask(layer: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
@@ -43,26 +44,36 @@ class EmbeddingRule(NormRule):
     def norm_sq(self, layer, a, g, how, stash=None):
         if not trains(layer.weight):
             return g.new_zeros(a.shape[0])
+        B, T = a.shape
+        u = unit(g)
         g = g * keep_mask(layer, a).unsqueeze(-1).to(g.dtype)  # (B, T, d): padding positions give nothing
+        mass = row_norms(g).sum(1) * (1 + gamma(T + 2, u))  # (B,) >= sum_t ||g_t|| >= ||G_i||
+        cap = mass.square() * (1 + 3 * u)
         if how == "ghost":
             same = (a.unsqueeze(2) == a.unsqueeze(1)).to(g.dtype)  # (B, T, T) same token
-            return (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+            value = (same * torch.bmm(g, g.transpose(1, 2))).sum(2).sum(1)  # depth 2T; may cancel: value +- err
+            err = (gamma(g.shape[-1], u) + u + gamma(2 * T, u)) * mass.square()
+            upper = torch.where(torch.isfinite(value), torch.minimum((value + err) * (1 + 2 * u), cap), cap)
+            return upper
         # Segment sum over the distinct (example, token) keys with fixed shapes only (a sort, not torch.unique): no
         # host sync, and a CUDA graph can capture it. N = B*T positions; segment s = the s-th distinct key.
-        B, V, d = a.shape[0], layer.num_embeddings, g.shape[-1]
+        V, d = layer.num_embeddings, g.shape[-1]
         keys = (torch.arange(B, device=a.device).unsqueeze(1) * V + a).reshape(-1)  # (N,) one key per (i, v)
         sorted_keys, order = keys.sort()  # (N,), (N,)
         starts = torch.ones_like(sorted_keys, dtype=torch.bool)
         starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
         segment = starts.cumsum(0) - 1  # (N,) segment of each sorted position
-        rows = g.new_zeros(keys.shape[0], d).index_add_(0, segment, g.reshape(-1, d)[order])  # (N, d); unused: 0
+        per_row = g.new_zeros(keys.shape[0], d).index_add_(0, segment, g.reshape(-1, d)[order])  # (N, d); unused: 0
         example = torch.zeros_like(sorted_keys).scatter_(0, segment, sorted_keys // V)  # (N,) segment -> example
-        return g.new_zeros(B).index_add_(0, example, rows.pow(2).sum(1))  # (B,)
+        value = g.new_zeros(B).index_add_(0, example, per_row.pow(2).sum(1))  # (B,) ||computed rows||^2
+        # each row sums <= T gradients (off by <= gamma_T their norms); ||value|| rounds by gamma_{d+T}
+        upper = (value.clamp_min(0).sqrt() * (1 + gamma(d + T + 4, u)) + gamma(T, u) * mass).square() * (1 + 3 * u)
+        return torch.minimum(upper, cap)
 
     def clipped_sums(self, layer, a, g, nu, stash=None):
         if not trains(layer.weight):
             return {}
-        weighted = g * nu.view(-1, 1, 1)  # (B, T, d)
+        weighted = finite_rows(g * nu.view(-1, 1, 1), nu > 0)  # (B, T, d); a non-finite record adds nothing
         w = g.new_zeros(layer.weight.shape).index_add_(0, a.reshape(-1), weighted.reshape(-1, g.shape[-1]))
         if layer.padding_idx is not None:
             w[layer.padding_idx] = 0

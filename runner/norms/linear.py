@@ -28,7 +28,7 @@ class LinearRule(NormRule):
         if trains(layer.weight):
             total = total + outer.norm_sq(a, g, how, stash)
         if trains(layer.bias):
-            total = total + outer.bias_norm_sq(g)
+            total = total + outer.bias_norm_sq(g, stash)
         return total
 
     def clipped_sums(self, layer, a, g, nu, stash=None):
@@ -36,5 +36,5 @@ class LinearRule(NormRule):
         if trains(layer.weight):
             sums["weight"] = outer.clipped_sum(a, g, nu, stash)  # (out, in)
         if trains(layer.bias):
-            sums["bias"] = outer.bias_clipped_sum(g, nu)  # (out,)
+            sums["bias"] = outer.bias_clipped_sum(g, nu, stash)  # (out,)
         return sums

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.norms.base import NormRule, register, trains
+from runner.norms.certify import finite_rows, gamma, row_norms, summed_vector, unit, upper_sqnorm
 
 
 class AffineRule(NormRule):
@@ -28,19 +29,40 @@ class AffineRule(NormRule):
 
     def norm_sq(self, layer, a, g, how, stash=None):
         total = a.new_zeros(a.shape[0])
-        if trains(layer.weight):
-            total = total + (g * a).sum(1).pow(2).sum(1)  # (B, D) per-example grad gamma
-        if trains(getattr(layer, "bias", None)):
-            total = total + g.sum(1).pow(2).sum(1)  # (B, D) per-example grad beta
+        if trains(layer.weight):  # per-example grad gamma: sum_t g_t * xhat_t (B, D)
+            total = total + per_example_sum(g * a, stash, "weight")
+        if trains(getattr(layer, "bias", None)):  # per-example grad beta: sum_t g_t (B, D)
+            total = total + per_example_sum(g, stash, "bias")
         return total
 
     def clipped_sums(self, layer, a, g, nu, stash=None):
         sums: dict[str, torch.Tensor] = {}
-        if trains(layer.weight):
-            sums["weight"] = torch.einsum("b,btd->d", nu, g * a).reshape(layer.weight.shape)
-        if trains(getattr(layer, "bias", None)):
-            sums["bias"] = torch.einsum("b,btd->d", nu, g).reshape(layer.bias.shape)
+        for name, summand in (("weight", lambda: g * a), ("bias", lambda: g)):  # (B, T, D) per-position gradients
+            param = getattr(layer, name, None)
+            if trains(param):
+                kept = stash.pop(name, None) if stash else None
+                per_example = kept if kept is not None else summand().sum(1)  # (B, D)
+                sums[name] = nu.unsqueeze(0).mm(finite_rows(per_example, nu > 0)).view(param.shape)
         return sums
+
+    def clipped_sums_calls(self, layer, calls, nu, stash=None):
+        """Book-keeping kept every per-example sum: no (xhat, g) rebuilt from the calls (issue 31)."""
+        wanted = [n for n in ("weight", "bias") if trains(getattr(layer, n, None))]
+        if stash is not None and all(n in stash for n in wanted):
+            return self.clipped_sums(layer, None, None, nu, stash)
+        return super().clipped_sums_calls(layer, calls, nu, stash)
+
+
+def per_example_sum(w: torch.Tensor, stash: dict | None, key: str) -> torch.Tensor:
+    """(B,) certified squared norms of the per-example sums v_i = sum_t w_it, w (B, T, D). Book-keeping keeps v (B, D)
+    in `stash`: the clipped sum is then one (1, B) x (B, D) product of the very vectors measured (and no second pass
+    over (B, T, D): issue 31); otherwise the clipped sum is another reduction of w, so the bound covers the exact v."""
+    sums = w.sum(1)  # (B, D)
+    if stash is not None:
+        stash[key] = sums
+        return upper_sqnorm(sums)
+    T = w.shape[1]
+    return summed_vector(sums, row_norms(w).sum(1) * (1 + gamma(T + 2, unit(w))), T)
 
 
 @register(nn.LayerNorm)

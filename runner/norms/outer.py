@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from runner.norms.certify import finite_rows, gamma, row_norms, summed_vector, unit, upper_sqnorm
+
 BK_GHOST = 16  # book-keeping: ghost when T^2*(k+o) < 16*k*o
 
 
@@ -47,38 +49,70 @@ def sqnorm(t: torch.Tensor) -> torch.Tensor:
 
 def norm_sq(a: torch.Tensor, g: torch.Tensor, how: str = "auto", stash: dict | None = None,
             key: str = "weight") -> torch.Tensor:
+    """(N,) certified upper bounds of ||G_i||^2, G_i = g_i^T a_i (runner/norms/certify.py), whatever the input."""
     N, T, k = a.shape
     o = g.shape[-1]
-    if T == 1:  # (N,): rank-one per-example gradient
-        return sqnorm(g) * sqnorm(a)
+    u = unit(a)
+    if T == 1:  # rank-one per-example gradient: ||G_i|| = ||g_i|| ||a_i||
+        na, ng = row_norms(a)[:, 0], row_norms(g)[:, 0]  # (N,)
+        norm = torch.where(ng == 0, ng, na * ng * (1 + u))  # g = 0: G_i = 0 whatever finite a (no 0 * inf)
+        return norm.square() * (1 + 3 * u)
     if stash is not None and not keeps(T, k, o):
         stash = None  # memory: do not keep G_i for the clipped sum (clipped_sum falls back to one GEMM)
     if use_ghost(T, k, o, how, stash is not None):
         aa = torch.bmm(a, a.transpose(1, 2))  # (N, T, T)
         gg = torch.bmm(g, g.transpose(1, 2))  # (N, T, T)
-        return (aa * gg).sum((1, 2))
-    per_example = torch.bmm(g.transpose(1, 2), a)  # (N, o, k)
-    if stash is not None:
+        value = (aa * gg).sum(2).sum(1)  # (N,) two reductions of T terms: depth 2T, not T^2; may cancel
+        ga, go = gamma(k, u), gamma(o, u)
+        alpha = (aa.diagonal(dim1=1, dim2=2).clamp_min(0) / (1 - ga)).sqrt()  # (N, T) >= ||a_t||
+        beta = (gg.diagonal(dim1=1, dim2=2).clamp_min(0) / (1 - go)).sqrt()  # (N, T) >= ||g_t||
+        mass = (alpha * beta).sum(1) * (1 + gamma(T + 2, u))  # S_i >= sum_t ||a_t|| ||g_t|| >= ||G_i||
+        # |value - ||G_i||^2| <= err: each Gram entry is off by <= gamma ||a_s|| ||a_t|| (Cauchy-Schwarz), the T^2
+        # products and their sum round too; S_i^2 caps it (a value that cancelled away falls back to the triangle
+        # inequality, never to less than the truth)
+        err = (ga + go + ga * go + (u + gamma(2 * T, u)) * (1 + ga) * (1 + go)) * mass.square()
+        cap = mass.square() * (1 + 3 * u)
+        return torch.where(torch.isfinite(value), torch.minimum((value + err) * (1 + 2 * u), cap), cap)
+    per_example = torch.bmm(g.transpose(1, 2), a)  # (N, o, k), each entry off by <= gamma_T sum_t |g_t||a_t|
+    value = upper_sqnorm(per_example)  # (N,) >= ||computed G_i||^2
+    if stash is not None:  # the clipped sum adds these very tensors: their norm is the certificate
         stash[key] = per_example
-    return sqnorm(per_example)
+        return value
+    # the clipped sum is one GEMM over the rows, so the certificate is for the exact G_i: the computed one + slack
+    mass = (row_norms(a) * row_norms(g)).sum(1) * (1 + gamma(T + 2, u))  # (N,) S_i
+    upper = (value.sqrt() * (1 + 2 * u) + gamma(T, u) * mass).square() * (1 + 3 * u)
+    return torch.minimum(upper, mass.square() * (1 + 3 * u))
 
 
 def clipped_sum(a: torch.Tensor, g: torch.Tensor, nu: torch.Tensor, stash: dict | None = None,
                 key: str = "weight") -> torch.Tensor:
     """sum_i nu_i g_i^T a_i, shape (o, k): the weight gradient of the nu-weighted loss, without a backward."""
+    keep = nu > 0  # (N,) an example with a non-finite norm has nu = 0 and must add exactly nothing (no 0 * inf)
     if stash is not None and key in stash:
-        per_example = stash.pop(key)  # (N, o, k)
+        per_example = finite_rows(stash.pop(key), keep)  # (N, o, k)
         return torch.mm(nu.unsqueeze(0), per_example.flatten(1)).view(per_example.shape[1:])
     o, k = g.shape[-1], a.shape[-1]
-    weighted = g * nu.view(-1, 1, 1)  # (N, T, o)
-    return weighted.reshape(-1, o).t() @ a.reshape(-1, k)  # (o, k)
+    weighted = finite_rows(g * nu.view(-1, 1, 1), keep)  # (N, T, o)
+    return weighted.reshape(-1, o).t() @ finite_rows(a, keep).reshape(-1, k)  # (o, k)
 
 
-def bias_norm_sq(g: torch.Tensor) -> torch.Tensor:
-    """(N,) squared norm of the per-example bias gradient sum_t g_t; g (N, T, o)."""
-    return g.sum(1).pow(2).sum(1)
+def bias_norm_sq(g: torch.Tensor, stash: dict | None = None) -> torch.Tensor:
+    """(N,) certified upper bounds of the squared per-example bias gradient sum_t g_t; g (N, T, o). Book-keeping
+    keeps the sums (N, o) in `stash`: the clipped sum is then one (1, N) x (N, o) product of the very tensors
+    measured (and no second pass over g: issue 31)."""
+    N, T, o = g.shape
+    sums = g.sum(1)  # (N, o)
+    if stash is not None:
+        stash["bias"] = sums
+        return upper_sqnorm(sums)
+    mass = row_norms(g).sum(1) * (1 + gamma(T + 2, unit(g))) if T > 1 else row_norms(g)[:, 0]  # (N,)
+    return summed_vector(sums, mass, T)
 
 
-def bias_clipped_sum(g: torch.Tensor, nu: torch.Tensor) -> torch.Tensor:
-    """(o,) sum_i nu_i sum_t g_it."""
-    return torch.einsum("b,bto->o", nu, g)
+def bias_clipped_sum(g: torch.Tensor, nu: torch.Tensor, stash: dict | None = None) -> torch.Tensor:
+    """(o,) sum_i nu_i sum_t g_it: from the per-example sums the norm step kept (N, o), else one reduction."""
+    sums = stash.pop("bias", None) if stash is not None else None
+    if sums is None:
+        sums = g.sum(1)
+    keep = nu > 0
+    return nu.unsqueeze(0).mm(finite_rows(sums, keep)).squeeze(0)

@@ -32,6 +32,7 @@ from functools import partial
 import torch
 
 from runner.errors import DprunError
+from runner.norms.certify import exact_float32
 from runner.norms.coverage import Plan
 from runner.norms.hooks import CallHooks
 
@@ -98,13 +99,14 @@ class StreamingNorms(CallHooks):
             seq = [rule.sequence(module, inp[rows], g[rows]) for inp, g in zip(p.inputs, grads)]
             a = torch.cat([s[0] for s in seq], 1) if len(seq) > 1 else seq[0][0]
             g = torch.cat([s[1] for s in seq], 1) if len(seq) > 1 else seq[0][1]
-            parts.append(rule.norm_sq(module, a, g, self.how).detach())  # (chunk,)
+            with exact_float32(g.device):
+                parts.append(rule.norm_sq(module, a, g, self.how).detach())  # (chunk,) certified upper bounds
             del seq, a, g
         contribution = torch.cat(parts) if len(parts) > 1 else parts[0]
         self.norms_sq = contribution if self.norms_sq is None else self.norms_sq + contribution
 
     def backward(self, loss: torch.Tensor, batch_size: int, keep_graph: bool = True) -> torch.Tensor | None:
-        """Run the first backward and return the (B,) per-example squared norms. keep_graph=False (ReweightGP's
+        """Run the first backward and return the (B,) per-example squared norms (certified upper bounds). keep_graph=False (ReweightGP's
         recompute mode) frees each saved activation as the backward passes it, as a non-private backward does, and
         asks for the source layers' parameters only; when a call is still waiting afterwards the graph is gone, so
         `complete` is False and the caller runs the forward again and calls backward_all."""

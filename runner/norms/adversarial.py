@@ -1,0 +1,187 @@
+"""Adversarial inputs for the per-example norm rules (issue 26): each layer family applied at several positions to a
+near-constant input, followed by a fixed +-1 sign per position and a fixed read-out, so that the exact per-example
+gradient is O(eps) while each term of a float32 ghost Gram is O(1) (catastrophic cancellation).
+
+    for kind, cases in CONSTRUCTIONS.items():          # one list per registered rule type
+        for name, build, example in cases:
+            model = build(seed)                        # Cancelling(layer, ...): (B, ...) -> (B, 1)
+            x = example(torch.Generator().manual_seed(1), eps)   # (1, ...) one crafted example
+    loss = model(x)[:, 0]                              # the read-out itself is the per-example loss
+
+tests/test_certified_clipping.py checks every method on them, and `python -m runner.norms.adversarial` prints each
+method's worst contribution / C (the table of docs/privacy.md).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+from torch import nn
+
+from runner.methods import METHODS
+
+
+class Cancelling(nn.Module):
+    """layer -> a fixed +-1 sign per position (buffer `signs`) and a fixed read-out over features (buffer `readout`)
+    -> one number per example (B, 1). The layer's output is (B, P, F) after `to_positions`."""
+
+    def __init__(self, layer: nn.Module, probe: torch.Tensor, to_positions, seed: int = 0):
+        super().__init__()
+        self.layer, self.to_positions = layer, to_positions
+        with torch.no_grad():
+            P, Fe = to_positions(layer(probe)).shape[1:]
+        g = torch.Generator().manual_seed(seed)
+        signs = torch.ones(P)
+        signs[P // 2:] = -1.0  # sum_t s_t = 0: the large, shared part of every position cancels
+        self.register_buffer("signs", signs[torch.randperm(P, generator=g)])
+        self.register_buffer("readout", torch.randn(Fe, generator=g))
+
+    def forward(self, x):
+        h = self.to_positions(self.layer(x))  # (B, P, F)
+        return ((h @ self.readout) * self.signs).sum(1, keepdim=True)  # (B, 1)
+
+
+def seq(t):  # (B, T, F) already
+    return t
+
+
+def channels_last(t):  # (B, C, *spatial) -> (B, positions, C)
+    return t.flatten(2).transpose(1, 2)
+
+
+def near_constant(shape, eps, g):
+    """a0 (shared by every position, O(1)) + eps * noise per position: shape (1, T, d) or (1, C, *spatial)."""
+    if len(shape) == 2:  # (T, d): positions along dim 0
+        a0 = torch.randn(1, 1, shape[1], generator=g)
+    else:  # (C, *spatial): one value per channel
+        a0 = torch.randn(1, shape[0], *([1] * (len(shape) - 1)), generator=g)
+    return a0 + eps * torch.randn(1, *shape, generator=g)
+
+
+def tokens(T, vocab, g):
+    """One token repeated at every position but one (the ghost sums g_t . g_s over equal tokens)."""
+    x = torch.full((1, T), 3, dtype=torch.long)
+    x[0, int(torch.randint(0, T, (1,), generator=g))] = 5
+    return x
+
+
+# rule type -> [(case name, build(seed) -> model, example(seed, eps) -> x)]; sizes from the issue's table
+CONSTRUCTIONS = {
+    nn.Linear: [
+        ("linear512_T16", lambda s: Cancelling(nn.Linear(512, 512), torch.zeros(1, 16, 512), seq, s),
+         lambda g, eps: near_constant((16, 512), eps, g)),
+        ("lstm_proj128x512_T28", lambda s: Cancelling(nn.Linear(128, 512), torch.zeros(1, 28, 128), seq, s),
+         lambda g, eps: near_constant((28, 128), eps, g)),
+        ("linear64_T256", lambda s: Cancelling(nn.Linear(64, 64), torch.zeros(1, 256, 64), seq, s),
+         lambda g, eps: near_constant((256, 64), eps, g)),
+    ],
+    nn.Conv2d: [
+        ("conv2d_64x256_8x8", lambda s: Cancelling(nn.Conv2d(64, 256, 3, padding=1), torch.zeros(1, 64, 8, 8),
+                                                   channels_last, s),
+         lambda g, eps: near_constant((64, 8, 8), eps, g)),
+        ("conv2d_32x64_16x16_groups", lambda s: Cancelling(nn.Conv2d(32, 64, 3, groups=2), torch.zeros(1, 32, 16, 16),
+                                                           channels_last, s),
+         lambda g, eps: near_constant((32, 16, 16), eps, g)),
+    ],
+    nn.Conv1d: [
+        ("conv1d_64x128_L64", lambda s: Cancelling(nn.Conv1d(64, 128, 5, padding=2), torch.zeros(1, 64, 64),
+                                                   channels_last, s),
+         lambda g, eps: near_constant((64, 64), eps, g)),
+    ],
+    nn.Embedding: [
+        ("embedding_repeated_token", lambda s: Cancelling(nn.Embedding(10, 256), torch.zeros(1, 33, dtype=torch.long),
+                                                          seq, s),
+         lambda g, eps: tokens(33, 10, g)),
+    ],
+    nn.LayerNorm: [
+        ("layernorm512_T64", lambda s: Cancelling(nn.LayerNorm(512), torch.zeros(1, 64, 512), seq, s),
+         lambda g, eps: near_constant((64, 512), eps, g)),
+    ],
+    nn.RMSNorm: [
+        ("rmsnorm512_T64", lambda s: Cancelling(nn.RMSNorm(512), torch.zeros(1, 64, 512), seq, s),
+         lambda g, eps: near_constant((64, 512), eps, g)),
+    ],
+    nn.GroupNorm: [
+        ("groupnorm64_16x16", lambda s: Cancelling(nn.GroupNorm(8, 64), torch.zeros(1, 64, 16, 16), channels_last, s),
+         lambda g, eps: near_constant((64, 16, 16), eps, g)),
+    ],
+}
+
+
+def loss_fn(out, y):
+    return out[:, 0]  # (B,): the read-out itself, so the output-gradients are the fixed pattern
+
+
+def released(method, model, x):
+    """||what the step leaves in p.grad|| (sigma = 0, expected batch 1, lr 0), in float64, and the step's output."""
+    y = torch.zeros(len(x), dtype=torch.long)
+    out = method.step(model, loss_fn, x, y, torch.optim.SGD(model.parameters(), lr=0.0), sample_rate=1.0,
+                      expected_batch_size=1.0)
+    grads = [p.grad.detach().double() for p in model.parameters() if p.requires_grad]
+    return float(torch.sqrt(sum(g.pow(2).sum() for g in grads))), out
+
+
+def exact_norm(model, x):
+    """The example's gradient norm, float64 throughout (the oracle: autograd of a float64 copy)."""
+    m = copy.deepcopy(model).double()
+    xd = x.double() if x.is_floating_point() else x
+    grads = torch.autograd.grad(loss_fn(m(xd), None).sum(), [p for p in m.parameters() if p.requires_grad])
+    return float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
+
+
+def measured(name: str, cfg: dict, model: nn.Module, x: torch.Tensor, fraction: float = 0.01,
+             precision: str = "fp32") -> float:
+    """One crafted example, one step: ||released|| / C with C = fraction * its exact (float64) gradient norm.
+    DprunError (one line) where the method refuses the model."""
+    C = fraction * exact_norm(model, x)
+    method = METHODS.build(name, cfg=cfg, clip=C, sigma=0.0)
+    method.configure(precision=precision)
+    norm, _ = released(method, method.attach(copy.deepcopy(model)), x)
+    return norm / C
+
+
+SETTINGS = {  # label -> (method, cfg, precision): the table's columns
+    "reweight (defaults: bk, auto)": ("reweight", {}, "fp32"),
+    "bk ghost": ("reweight", {"norm": "ghost"}, "fp32"),
+    "bk direct": ("reweight", {"norm": "direct"}, "fp32"),
+    "twopass": ("reweight", {"mode": "twopass"}, "fp32"),
+    "recompute": ("reweight", {"mode": "recompute"}, "fp32"),
+    "bk bf16": ("reweight", {}, "bf16"),
+    "nxbp": ("nxbp", {}, "fp32"),
+    "multiloss": ("multiloss", {}, "fp32"),
+    "opacus hooks": ("opacus", {"grad_sample_mode": "hooks"}, "fp32"),
+    "opacus ghost (timed only)": ("opacus", {"grad_sample_mode": "ghost", "uncertified_ok": True}, "fp32"),
+}
+
+
+def main(argv=None) -> None:
+    """Print, per construction and setting, the worst ||released|| / C over C = 1% and 90% of the exact norm."""
+    import pandas as pd
+
+    from runner.errors import DprunError
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--eps", type=float, default=1e-4, help="the deviation from a constant input (default 1e-4)")
+    args = parser.parse_args(argv)
+    rows = {}
+    for kind, cases in CONSTRUCTIONS.items():
+        for case, build, example in cases:
+            torch.manual_seed(0)
+            model, x = build(0), example(torch.Generator().manual_seed(1), args.eps)
+            row = {}
+            for label, (name, cfg, precision) in SETTINGS.items():
+                try:
+                    row[label] = max(measured(name, cfg, model, x, f, precision) for f in (0.01, 0.9))
+                except DprunError:
+                    row[label] = float("nan")  # refused
+                except ImportError:
+                    row[label] = float("nan")
+            rows[case] = row
+            print(case, " ".join(f"{v:.7g}" for v in row.values()), flush=True)
+    table = pd.DataFrame(rows).T
+    print(table.to_string(float_format=lambda v: f"{v:.7g}"))
+
+
+if __name__ == "__main__":
+    main()

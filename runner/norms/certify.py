@@ -1,0 +1,100 @@
+"""Certified clipping: per-example norms that provably bound what is summed, whatever the input (issue 26).
+
+A clip factor nu_i = C / N_i bounds example i's contribution only if N_i >= the norm of what is actually summed
+for it: the exact per-example gradient G_i of the tensors fed to the clipped sum (the recorded inputs and
+output-gradients, or a kept per-example gradient). Floating point can break that: the ghost norm
+sum_{s,t} (a_s.a_t)(g_s.g_t) cancels catastrophically on near-constant inputs (a float32 value of 0 for a gradient
+of norm 1), and a direct norm is taken of a per-example gradient rounded differently from what the clipped sum adds.
+So every rule's norm_sq returns, per example, a certified upper bound of ||G_i||^2, whatever the input, and the
+clip factor uses N_i = sqrt(sum over layers) (1 + 4u) >= ||G_i||. docs/privacy.md ("Certified clipping") derives
+each bound and names what is not covered (the rounding of the final reductions over examples, chunks and ranks,
+and the noise draw's own floating-point weakness).
+
+The rounding model (Higham, "Accuracy and Stability of Numerical Algorithms", ch. 3): a dot product or sum of n
+terms computed in ANY order, with or without FMA, has |error| <= gamma_n * sum |terms|, gamma_n = n u / (1 - n u),
+u the unit roundoff (2^-24 float32, 2^-53 float64). The bounds are worst case, not statistical: an adversary
+choosing the input cannot beat them. TF32 (10-bit mantissa) matmuls and convolutions on CUDA would void them, so
+the norm and clipped-sum computations run with TF32 off (`exact_float32`). Cauchy-Schwarz turns every entry bound
+into one per example: |a_s.a_t| <= ||a_s|| ||a_t||, so the cancellation error of a ghost norm is at most
+(gamma_k + gamma_o + ...) S_i^2 with S_i = sum_t ||a_t|| ||g_t||, which also bounds ||G_i|| itself (the triangle
+inequality): a ghost value that cancelled away is replaced by at most S_i, never by something smaller than the truth.
+
+    upper_sq = sum(rule.norm_sq(layer, a, g, how, stash) for each layer)   # (B,) >= ||G_i||^2
+    norms = certified_norms(upper_sq)                                       # (B,) N_i; inf/nan where not finite
+    nu = clip_factors(norms, C)         # runner/methods/base.py: 0 where N_i is not finite, and finite_rows()
+                                        # zeroes that record's rows in every clipped sum (no 0 * inf)
+"""
+from __future__ import annotations
+
+import contextlib
+import torch
+
+
+def unit(t: torch.Tensor) -> float:
+    """Unit roundoff of t's floating dtype: 2^-24 (float32), 2^-53 (float64)."""
+    return torch.finfo(t.dtype).eps / 2
+
+
+def gamma(n: int, u: float) -> float:
+    """gamma_n = n u / (1 - n u): the relative error bound of an n-term sum or dot product, any order."""
+    nu = n * u
+    return nu / (1.0 - nu) if nu < 0.5 else float("inf")
+
+
+@contextlib.contextmanager
+def exact_float32(device: torch.device):
+    """TF32 off for the norms and clipped sums (CUDA only): the bounds assume float32's 24-bit products."""
+    if device.type != "cuda":
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def upper_sqnorm(t: torch.Tensor) -> torch.Tensor:
+    """(N,) upper bounds of ||t[i]||^2 for t (N, ...): a two-level norm (rows, then the rows' norms), so the sum of
+    m squares is reduced in depth ~ 2 sqrt(m) and the certified factor (1 + gamma) stays ~1e-5, not gamma_m."""
+    n = t.shape[0]
+    flat = t.reshape(n, -1)
+    m = flat.shape[1]
+    width = max(1, int(m ** 0.5))
+    while m % width:  # a divisor near sqrt(m): rows of equal length (m prime: one level)
+        width -= 1
+    rows = torch.linalg.vector_norm(flat.view(n, m // width, width), dim=2)  # (N, m / width)
+    value = torch.linalg.vector_norm(rows, dim=1).square()  # (N,)
+    return value * (1 + gamma(width + m // width + 6, unit(t)))
+
+
+def row_norms(t: torch.Tensor) -> torch.Tensor:
+    """(N, T) upper bounds of ||t[i, s]|| for t (N, T, d): the rounding of d squares, then a square root. A finite
+    row whose squares overflow (|t| > ~1e19 in float32) gets sqrt(d) max|t| instead, still a bound; a row holding
+    inf or nan stays non-finite (its example is then dropped: certified_norms, finite_rows)."""
+    d, u = t.shape[-1], unit(t)
+    norm = torch.linalg.vector_norm(t, dim=-1) * (1 + gamma(d + 2, u))
+    largest = torch.linalg.vector_norm(t, ord=float("inf"), dim=-1)  # max |t|: no squares, no overflow
+    return torch.where(torch.isinf(norm) & torch.isfinite(largest), largest * (d ** 0.5) * (1 + 2 * u), norm)
+
+
+def summed_vector(parts: torch.Tensor, masses: torch.Tensor, terms: int) -> torch.Tensor:
+    """(N,) upper bounds of ||v_i||^2 for per-example gradients v_i = sum_s w_is (a bias: w_s = g_s) formed in
+    floating point: parts (N, d) the computed sums, masses (N,) >= sum_s ||w_is||, `terms` summands per example:
+    ||v_i|| <= ||computed_i|| + gamma_terms mass_i (the sum may cancel; the mass does not)."""
+    u = unit(parts)
+    upper = torch.linalg.vector_norm(parts, dim=-1) * (1 + gamma(parts.shape[-1] + 2, u)) + gamma(terms, u) * masses
+    return torch.minimum(upper, masses).square() * (1 + 3 * u)
+
+
+def certified_norms(upper_sq: torch.Tensor) -> torch.Tensor:
+    """(B,) N_i >= ||G_i|| from the layers' summed upper bounds (B,) (the sum and the root rounded up); inf or nan
+    where not finite (clip_factors then gives 0: the example contributes nothing)."""
+    return upper_sq.clamp_min(0).sqrt() * (1 + 4 * unit(upper_sq))
+
+
+def finite_rows(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """t (N, ...) with the rows of examples not kept (keep (N,) bool: a non-finite norm) set to 0, so that a NaN or
+    inf of one record cannot reach the sum through 0 * inf (it contributes nothing)."""
+    return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
