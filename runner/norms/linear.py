@@ -13,6 +13,7 @@ from torch import nn
 
 from runner.norms import outer
 from runner.norms.base import NormRule, register, trains
+from runner.norms.certify import finite_rows
 
 
 @register(nn.Linear)
@@ -30,6 +31,24 @@ class LinearRule(NormRule):
         if trains(layer.bias):
             total = total + outer.bias_norm_sq(g, stash)
         return total
+
+    def clipped_sums_calls(self, layer, calls, nu, stash=None):
+        """Book-keeping: the weight's clipped sum as one GEMM per recorded call, added, never the calls concatenated
+        along T (a recurrent cell's 28 calls: no (B, 28, in) + (B, 28, out) copy, issue 31); the rest as usual."""
+        if len(calls) == 1 or not trains(layer.weight) or (stash and "weight" in stash):
+            return super().clipped_sums_calls(layer, calls, nu, stash)
+        sums: dict[str, torch.Tensor] = {}
+        keep = nu > 0  # a record with nu = 0 (non-finite norm) adds nothing (its rows zeroed: no 0 * inf)
+        for inp, grad in calls:
+            a, g = self.sequence(layer, inp, grad)  # views: (B, T_c, in), (B, T_c, out)
+            part = outer.clipped_sum(a, g, nu)  # (out, in)
+            sums["weight"] = part if "weight" not in sums else sums["weight"].add_(part)
+        if trains(layer.bias):
+            kept = stash.pop("bias", None) if stash else None
+            per_example = kept if kept is not None else sum(grad.reshape(len(nu), -1, layer.out_features).sum(1)
+                                                            for _, grad in calls)  # (B, out)
+            sums["bias"] = nu.unsqueeze(0).mm(finite_rows(per_example, keep)).squeeze(0)
+        return sums
 
     def clipped_sums(self, layer, a, g, nu, stash=None):
         sums: dict[str, torch.Tensor] = {}
