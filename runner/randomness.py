@@ -35,7 +35,7 @@ GAUSSIAN_SUMMANDS = 4  # N(0,1) = (z1 + z2 + z3 + z4) / 2: Holohan & Braghin's n
 
 def check_rng(rng: str) -> str:
     if rng not in RNGS:
-        raise DprunError(f"rng={rng!r} is not valid: rng must be one of {', '.join(RNGS)}")
+        raise DprunError(f"rng={rng!r} is not valid: rng must be one of: {', '.join(RNGS)}")
     return rng
 
 
