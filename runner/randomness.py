@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 import secrets
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -45,12 +47,18 @@ def _observe_key(key: bytes) -> None:
 
 class SecureRandom:
     """A ChaCha20 keystream (cryptography's OpenSSL binding) keyed from the OS, turned into masks and Gaussians with
-    vectorised numpy/torch ops. `world`: on several ranks only rank 0 draws; the others receive its draws."""
+    vectorised numpy/torch ops. `world`: on several ranks only rank 0 draws; the others receive its draws.
+    `ahead`: draw the next step's noise on a worker thread while this step computes (the noise does not depend on
+    the data, only on the parameter count): its cost leaves the step when a core is free."""
 
-    def __init__(self, world=None):
+    def __init__(self, world=None, ahead: bool = True):
         from runner.distributed import World
 
         self.world = world if world is not None else World()
+        self.ahead = ahead
+        self._lock = threading.Lock()  # the keystream is shared by the sampler (main thread) and the noise worker
+        self._pending: dict[tuple, Future] = {}  # (n, device, dtype) -> the next noise of that size
+        self._worker: ThreadPoolExecutor | None = None
         self._rekey()
 
     def _rekey(self) -> None:
@@ -64,14 +72,31 @@ class SecureRandom:
 
     def words(self, n: int) -> np.ndarray:
         """(n,) int64: 64 uniformly random bits each (the keystream, 8 bytes a word; a fresh array)."""
-        if self._used + 8 * n > REKEY_BYTES:
-            self._rekey()
-        self._used += 8 * n
         out = np.empty(8 * n + 64, dtype=np.uint8)  # update_into wants room for a block more than it writes
-        for start in range(0, 8 * n, CHUNK_BYTES):  # keystream XOR zeros, a chunk of the one zero buffer at a time
-            size = min(CHUNK_BYTES, 8 * n - start)
-            self._cipher.update_into(_ZEROS[:size], out[start:start + size + 64])
+        with self._lock:
+            if self._used + 8 * n > REKEY_BYTES:
+                self._rekey()
+            self._used += 8 * n
+            for start in range(0, 8 * n, CHUNK_BYTES):  # keystream XOR zeros, a chunk of the zero buffer at a time
+                size = min(CHUNK_BYTES, 8 * n - start)
+                self._cipher.update_into(_ZEROS[:size], out[start:start + size + 64])
         return out[:8 * n].view(np.int64)
+
+    def normal(self, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """(n,) N(0, 1) of `dtype` on `device`: the one drawn ahead for this size if there is one, else drawn now;
+        then the next one of this size is started on the worker thread."""
+        key = (n, device, dtype)
+        pending = self._pending.pop(key, None)
+        z = pending.result() if pending is not None else self._draw(key)
+        if self.ahead:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="dprun-secure-noise")
+            self._pending[key] = self._worker.submit(self._draw, key)
+        return z
+
+    def _draw(self, key: tuple) -> torch.Tensor:
+        n, device, dtype = key
+        return secure_standard_normal(self, n, device).to(dtype)
 
     # the checkpoint's view (runner/checkpoint.py): nothing is saved, nothing restored; a resume draws a fresh key
     def get_state(self) -> torch.Tensor:
@@ -100,30 +125,32 @@ def uniform_open(words: np.ndarray) -> np.ndarray:
     return u
 
 
-def box_muller_(u: torch.Tensor) -> torch.Tensor:
-    """(2m,) float64 uniforms in (0, 1), overwritten -> (2m,) independent N(0, 1): r cos(theta), r sin(theta) of
-    each pair (r = sqrt(-2 ln u1), theta = 2 pi u2). In place where it can: this is most of the noise's cost."""
+def box_muller(u: torch.Tensor) -> torch.Tensor:
+    """(2m,) float64 uniforms in (0, 1) -> (2m,) independent N(0, 1), float32: r cos(theta), r sin(theta) of each
+    pair. The radius r = sqrt(-2 ln u1) in float64 (its rounding sets the tails); the angle 2 pi u2 and the
+    products in float32, the precision of the noise that is added (this is most of the noise's cost: float64 trig
+    costs 2.5x)."""
     u1, u2 = u.chunk(2)
-    r = u1.log_().mul_(-2.0).sqrt_()  # (m,)
-    theta = u2.mul_(2.0 * math.pi)  # (m,)
-    z = torch.empty_like(u)
+    r = u1.log().mul_(-2.0).sqrt_().to(torch.float32)  # (m,)
+    theta = u2.to(torch.float32).mul_(2.0 * math.pi)  # (m,)
+    z = torch.empty(len(u), dtype=torch.float32, device=u.device)
     torch.cos(theta, out=z[:len(r)])
     torch.sin(theta, out=z[len(r):])
     return z.view(2, -1).mul_(r).view(-1)
 
 
 def secure_standard_normal(rng: SecureRandom, n: int, device: torch.device) -> torch.Tensor:
-    """(n,) float64 N(0, 1) on `device`: GAUSSIAN_SUMMANDS Box-Muller draws per value, summed and divided by their
-    standard deviation (2). The keystream and the uniforms are made on the CPU, in blocks that stay in the cache
-    (a block of 2^15 values: 1 MiB of keystream); the Box-Muller math runs on `device` (one block on a GPU)."""
+    """(n,) float64 N(0, 1) on `device`: GAUSSIAN_SUMMANDS Box-Muller draws per value, added in float64 and divided
+    by their standard deviation (2). The keystream and the uniforms are made on the CPU, in blocks that stay in the
+    cache (2^15 values: 1 MiB of keystream); the Box-Muller math runs on `device` (one block on a GPU)."""
     out = torch.empty(n, dtype=torch.float64, device=device)
     block = n if device.type != "cpu" else 2**15
     for start in range(0, n, block):
         b = min(block, n - start)
         k = GAUSSIAN_SUMMANDS * b + (GAUSSIAN_SUMMANDS * b) % 2  # an even count: Box-Muller makes pairs
         u = torch.from_numpy(uniform_open(rng.words(k))).to(device)  # (k,)
-        z = box_muller_(u)[:GAUSSIAN_SUMMANDS * b].view(GAUSSIAN_SUMMANDS, b)
-        torch.sum(z, 0, out=out[start:start + b])
+        z = box_muller(u)[:GAUSSIAN_SUMMANDS * b].view(GAUSSIAN_SUMMANDS, b)
+        torch.sum(z, 0, dtype=torch.float64, out=out[start:start + b])
     return out.div_(math.sqrt(GAUSSIAN_SUMMANDS))
 
 
@@ -133,7 +160,7 @@ def standard_normal(generator, shape: tuple[int, ...], device: torch.device, dty
     None: torch's global RNG, seeded by the run; a torch.Generator must live on `device`)."""
     if isinstance(generator, SecureRandom):
         n = math.prod(shape)
-        draw = lambda: secure_standard_normal(generator, n, device).to(dtype).view(shape)  # noqa: E731
+        draw = lambda: generator.normal(n, device, dtype).view(shape)  # noqa: E731
         return generator.shared(draw, tuple(shape), dtype, device)
     return torch.randn(shape, generator=generator, device=device, dtype=dtype)
 
