@@ -116,6 +116,7 @@ def test_secure_poisson_mask_rate_is_q_rounded_down_exactly(monkeypatch):
 
 def test_uniforms_are_open_and_centred():
     u = randomness.uniform_open(np.array([0, -1, 2**62], dtype=np.int64))  # all-zero, all-one and middle words
+    assert u.dtype == np.float64
     assert u[0] == 2.0**-53 and u[1] == 1 - 2.0**-53 and 0 < u.min() and u.max() < 1
     assert u[0] == 1 - u[1]
 

@@ -11,7 +11,8 @@ interleaved repeats; a step is Method.step (privatize + noise + optimizer step).
 ratio to non-private, ratio to Opacus's fastest mode on the same workload, peak step memory and its ratio to
 non-private (runner/bench/common.py defines the memory measure on CPU and CUDA), and the aten operators
 dispatched per step (runner/bench/opcount.py: all, and leaves ~ kernel launches). rng=secure's cost
-(runner/randomness.py): the row `reweight-bk-secure` is reweight-bk with its noise from SecureRandom, and
+(runner/randomness.py): the row `reweight-bk-secure` is reweight-bk with its noise from SecureRandom (each step
+waits for the next step's noise, drawn ahead: no overlap counted, the cost on a machine with no free core), and
 `noise-seeded` / `noise-secure` time the noise alone (add_noise_and_scale over the model's parameters, the secure
 one drawn in the step, not ahead on the worker thread); `x_seeded` is a secure row over its seeded twin. Inputs are synthetic tensors
 of the datasets' shapes (speed does not depend on pixel values). Methods that reject a model (a one-line

@@ -96,6 +96,9 @@ def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimi
             method_step = CompiledStep(method, compile_mode, x.device, physical=None)
         step = lambda: method_step(model, loss_fn, x, y, opt, sample_rate=sample_rate,  # noqa: E731
                                    expected_batch_size=expected_batch_size, generator=gen)
+        if rng == "secure":  # the next step's noise, drawn ahead, is waited for: interleaved with the other
+            plain = step     # contenders, it would otherwise be drawn during their timed steps
+            step = lambda: (plain(), gen.drain())  # noqa: E731
         step()  # fails here, not in the timing loop, if the method rejects the model
         if compile_mode:
             step()  # the compiled step's first step is eager; this one compiles
