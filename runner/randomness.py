@@ -12,7 +12,7 @@ both runs and the released model equals exactly one of them.
 secure: the masks, the shuffles/partitions and the Gaussian noise come from SecureRandom, the ChaCha20 keystream of
 the `cryptography` package (OpenSSL) under a 256-bit key from os.urandom (`secrets`). The key lives only inside the
 cipher object: it is never written (not summary.json, not the log, not the checkpoint); a resumed run draws a fresh
-key. The Gaussian is Box-Muller on 53-bit uniforms (radius in float64, angle in float32), four draws summed and
+key. The Gaussian is Box-Muller on 52-bit uniforms (radius in float64, angle in float32), four draws summed and
 halved (Holohan & Braghin, arXiv 2107.10138, as Opacus's secure_mode) against the floating-point attacks on Gaussian
 samplers (docs/privacy.md); the next step's noise is drawn ahead on a worker thread. On several ranks rank 0 draws
 and broadcasts, so every rank samples the same batch and adds the same noise.

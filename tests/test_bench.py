@@ -63,6 +63,14 @@ def test_cli_quick_subset_writes_the_csv(tmp_path, capsys):
     assert "x_nonprivate" in out and "saved" in out
 
 
+def test_methods_option_keeps_only_the_named_rows(tmp_path):
+    df = clip.main(["--quick", "--device", "cpu", "--workloads", "fig6_b16", "--out", str(tmp_path),
+                    "--methods", "reweight-bk,reweight-bk-secure"])
+    assert list(df.method) == ["reweight-bk", "reweight-bk-secure"] and df.x_seeded.iloc[1] > 0
+    with pytest.raises(SystemExit, match="unknown method row 'bk'"):
+        clip.main(["--device", "cpu", "--methods", "bk"])
+
+
 def test_unknown_workload_names_the_valid_ones():
     with pytest.raises(SystemExit, match="unknown workload 'cnn'.*cnn_mnist"):
         clip.main(["--workloads", "cnn", "--device", "cpu"])

@@ -3,6 +3,8 @@
     python -m runner.bench.clip                       # all workloads, this machine's best device
     python -m runner.bench.clip --device cpu --repeats 5 --workloads cnn_mnist,fig6_b128
     python -m runner.bench.clip --quick               # every code path, small batches, 2 repeats (a smoke run)
+    python -m runner.bench.clip --device cpu --methods nonprivate,reweight-bk,reweight-bk-secure,noise-seeded,noise-secure
+                                                      # rng=secure's cost (issue 29)
     python -m runner.bench.clip --device cuda --suite gpu --compile reduce-overhead   # issue 12's GPU workloads
                                                       # (make bench-gpu), plus compiled nonprivate / reweight-bk rows
 
@@ -21,6 +23,7 @@ DprunError) are rows with a note. Saves outputs/bench/clip_<device>.csv.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                    out="clip_<device>.csv")
     ap.add_argument("--suite", default="default", choices=["default", "gpu"],
                     help="default: the CPU workloads; gpu: issue 12's GPU table (make bench-gpu)")
+    ap.add_argument("--methods", default="", help="comma-separated subset of each workload's rows, e.g. "
+                    "nonprivate,reweight-bk,reweight-bk-secure,noise-seeded,noise-secure (rng=secure's cost)")
     ap.add_argument("--compile", default="", help="also time nonprivate and reweight-bk under compile=MODE "
                     "(default | reduce-overhead | cudagraphs; runner/methods/compiled.py)")
     args = ap.parse_args(argv)
@@ -175,6 +180,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     repeats = 2 if args.quick else args.repeats
     suite = gpu_workloads(args.quick) if args.suite == "gpu" else workloads(args.quick)
     chosen = select_workloads(suite, args.workloads, "bench-clip")
+    if args.methods:
+        wanted = args.methods.split(",")
+        unknown = [m for m in wanted if m not in ALL]
+        if unknown:
+            raise SystemExit(f"bench-clip: unknown method row {unknown[0]!r}; valid: {', '.join(ALL)}")
+        chosen = [dataclasses.replace(w, methods=[m for m in w.methods if m in wanted]) for w in chosen]
     print(f"[bench-clip] {device_name(device)}, torch {torch.__version__}, {repeats} repeats, median step time")
     rows: list[dict] = []
     for w in chosen:
