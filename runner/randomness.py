@@ -239,7 +239,7 @@ def guarantee_note(rng: str, seed: int | None) -> str:
     """summary.json's privacy note and the end-of-run line: who the guarantee holds against. seed None: the library
     API, whose generators the caller seeds."""
     if rng == "secure":
-        return ("rng=secure: the Poisson sampling and the noise came from a ChaCha20 keystream keyed from the "
+        return ("rng=secure: the batch sampling and the noise came from a ChaCha20 keystream keyed from the "
                 "operating system's entropy and never written; the guarantee does not rest on keeping `seed` secret")
     which = f"seed={seed} (recorded in summary.json)" if seed is not None else "the seed of its generators"
     return (f"rng=seeded: the guarantee holds against an adversary who does not know {which}; whoever knows it can "
