@@ -195,14 +195,16 @@ def test_no_file_of_a_secure_run_holds_the_key_and_a_resume_draws_fresh_entropy(
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["torch_rng"] is None
 
 
-def test_seeded_notes_name_the_seed_and_the_end_line_says_it():
+def test_seeded_notes_name_the_seed_and_the_end_of_run_line_says_which_holds(capsys):
     from runner.cli import print_guarantee
 
     note = randomness.guarantee_note("seeded", 7)
-    assert "does not know seed=7" in note
-    assert randomness.end_line({"sigma": None, "config": {}}) is None  # non-private: nothing to say
-    assert randomness.end_line({"sigma": 1.0, "config": {"seed": 7}}) == note
-    assert print_guarantee is not None
+    assert note.startswith("rng=seeded: the guarantee holds against an adversary who does not know seed=7")
+    print_guarantee({"sigma": 1.0, "config": {"seed": 7}})  # the run's last line, after "dprun: ... -> <folder>"
+    print_guarantee({"sigma": 1.0, "config": {"seed": 7, "rng": "secure"}})
+    print_guarantee({"sigma": None, "config": {}})  # non-private: nothing to say
+    assert capsys.readouterr().out.splitlines() == [f"dprun: {note}",
+                                                    f"dprun: {randomness.guarantee_note('secure', 7)}"]
 
 
 # -- bad values --------------------------------------------------------------------------------------------------
