@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset as TorchDataset, Sampler as TorchSampler
 from torch.utils.data.dataloader import default_collate
 
-from runner import accountants, distributed, methods
+from runner import accountants, distributed, methods, randomness
 from runner.data.base import DataInfo, Dataset
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
@@ -120,6 +120,7 @@ class PrivateTraining:
         self.delta, self.generator = delta, generator
         self.steps = 0
         self.sampling = "poisson"  # set by make_private: the sampling the batches really use
+        self.rng = "seeded"  # set by make_private: seeded | secure (runner/randomness.py)
         self.planned_epsilon: float | None = None  # target_epsilon: the certified epsilon after the planned epochs
         self.target_epsilon_met: bool | None = None
 
@@ -188,6 +189,11 @@ class PrivateTraining:
         return self.accountant.certified_epsilon(float(self.delta if delta is None else delta))
 
     @property
+    def privacy_note(self) -> str:
+        """Who the guarantee holds against: the seed's secrecy (rng='seeded') or none assumed (rng='secure')."""
+        return randomness.guarantee_note(self.rng, None)
+
+    @property
     def private(self) -> bool:
         return self.method.private
 
@@ -199,7 +205,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  method_options: dict[str, Any] | None = None, r: int | None = None,
                  target_epsilon: float | None = None, epochs: int | None = None, delta: float | None = 1e-5,
                  generator: torch.Generator | None = None, seed: int | None = None,
-                 max_physical_batch_size: int | None = None, precision: str = "fp32") -> PrivateTraining:
+                 max_physical_batch_size: int | None = None, precision: str = "fp32",
+                 rng: str = "seeded") -> PrivateTraining:
     """Wrap a model, its optimizer and its training data for DP training with a dprun method.
 
     method: nonprivate | nxbp | multiloss | reweight | jl | sbcd | opacus (runner/methods/; docs/methods.md)
@@ -210,6 +217,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     method_options: the method's options, as in conf/method/<name>.yaml (e.g. {"mode": "twopass"}); r: JL dimension.
     target_epsilon (with epochs, delta): calibrate noise_multiplier so that epsilon after `epochs` epochs is at most it.
     generator / seed: the RNG for sampling (and noise on the CPU); None draws from torch's global RNG.
+    rng: "seeded" (the generators above: replayable, so epsilon assumes the seed is secret) | "secure" (sampling and
+        noise from a cryptographic generator keyed by the OS, never stored; no generator=; runner/randomness.py).
     max_physical_batch_size: process each Poisson batch in chunks of at most this many examples (the same step:
         one noise draw and one update per batch; Opacus's BatchMemoryManager without a second loop). None: one pass.
     precision: "fp32" | "bf16" (forward/backward under autocast; norms, clipping, noise in float32).
@@ -217,12 +226,13 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         and seed; each trains on its share of every global Poisson batch, the clipped sums are added over the ranks
         and one noise draw is added (runner/distributed.py). step() takes the rank's share from batches().
     """
-    if generator is None and seed is not None:
+    if generator is None and seed is not None and randomness.check_rng(rng) == "seeded":
         generator = torch.Generator().manual_seed(int(seed))
     options = {**(method_options or {}), **({"r": int(r)} if r is not None else {})}  # r: method.r (JL dimension)
     check_options("method", method, options)  # a typo in an option name is an error, not a silent default
     m = methods.METHODS.build(method, cfg=options, clip=float(max_grad_norm), sigma=float(noise_multiplier))
     world = distributed.current(int(seed or 0))  # the user's own process group, if they initialised one
+    generator = randomness.api_generator(rng, generator, world)  # secure: SecureRandom, shared by the ranks
     m.configure(physical_batch_size=max_physical_batch_size, precision=precision, world=world)
     kind = m.sampling or ("poisson" if poisson else "shuffle")
 
@@ -280,10 +290,10 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
         warnings.warn("poisson=False: no accountant here analyses shuffled batches; get_epsilon() raises and "
                       "epsilon_assuming_poisson() gives what Poisson sampling would (not a guarantee)", stacklevel=2)
-    noise_gen = generator if generator is not None and generator.device == next(model.parameters()).device else None
+    noise_gen = randomness.noise_generator(generator, model)
     training = PrivateTraining(model, optimizer, m, acc, acc_name, sampler, loader, tensors, n, int(batch_size), delta,
                                noise_gen)
-    training.sampling = kind
+    training.sampling, training.rng = kind, rng
     if target_epsilon is not None:
         training.planned_epsilon, training.target_epsilon_met = target["planned_epsilon"], target["target_epsilon_met"]
     return training

@@ -9,6 +9,8 @@ The checkpoint holds what the next epoch depends on, as plain tensors, dicts and
 generator (and fixed batches), torch's global RNG (noise, dropout), the method's sigma, every step the accountant was
 told (mechanism class, fields, count, in order) and the metrics rows so far. A resumed run therefore continues with
 the same batches, the same noise and the same epsilon as one that was never interrupted (tests/test_checkpoint.py).
+Under rng=secure no random state is saved (the key never leaves the process, runner/randomness.py): a resumed run
+continues with the same model, optimizer and epsilon, and fresh entropy for its batches and noise.
 The file is replaced atomically once per epoch; a run killed mid-epoch resumes from its last finished epoch.
 
 The run's config comes from its summary.json (the resolved config it ran with), not from Hydra's .hydra/ record:
@@ -30,6 +32,7 @@ import torch
 from runner.accountants.mechanisms import Mechanism
 from runner.errors import DprunError
 from runner.metrics import atomic_replace
+from runner.randomness import is_secure
 
 FILE = "checkpoint.pt"
 # keys that may differ between the interrupted run and its resumption (everything else must match)
@@ -74,8 +77,10 @@ def save(out_dir: str | Path, *, epoch: int, model, optimizer, sampler, method, 
         "optimizer": optimizer.state_dict(),
         "sampler_rng": sampler.generator.get_state(),
         "sampler_fixed": list(sampler._fixed) if sampler._fixed is not None else None,
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
+        **({"torch_rng": None, "cuda_rng": []} if is_secure(sampler.generator) else {  # secure: torch's RNG holds a
+            "torch_rng": torch.get_rng_state(),  # secret seed (JL directions): not written either
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else []}),
         "sigma": float(method.sigma),
         "accountant": [{"mechanism": type(m).__name__, "fields": dataclasses.asdict(m), "count": int(n)}
                        for m, n in accountant_steps(accountant)],
@@ -144,7 +149,8 @@ def restore(state: dict[str, Any], *, model, optimizer, sampler, method, account
     sampler.generator.set_state(state["sampler_rng"])
     if state["sampler_fixed"] is not None:
         sampler._fixed = [t.to(sampler.device) for t in state["sampler_fixed"]]
-    torch.set_rng_state(state["torch_rng"])
+    if state["torch_rng"] is not None and not is_secure(sampler.generator):  # secure: fresh entropy, not replay
+        torch.set_rng_state(state["torch_rng"])
     if state["cuda_rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     method.sigma = float(state["sigma"])

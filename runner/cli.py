@@ -21,6 +21,7 @@ from runner.errors import DprunError
 from runner.interrupt import interrupted_exit, sigterm_as_interrupt
 from runner.overrides import CONFIG_GROUPS, check_group_choices
 from runner.paths import CONF_DIR, register_resolvers
+from runner.randomness import end_line
 from runner.registry import unknown_name_message
 from runner.run_dir import check_reused_dirs, discard_unstarted
 
@@ -83,12 +84,21 @@ def print_result(summary: dict, out_dir, table: bool = True) -> None:
         eps_text = f", epsilon {float(eps):.4g}" if eps not in (None, "") else ""
         acc_text = f": test_acc {final['test_acc']:.4f}" if "test_acc" in final else ""
         print(f"dprun: {summary['method']} on {summary['config']['dataset']['name']}{acc_text}{eps_text} -> {out_dir}")
+        print_guarantee(summary)
         return
     table = pd.read_csv(Path(out_dir) / "metrics.csv")
     cols = [c for c in ("epoch", "train_loss", "test_acc", "epoch_time_s", "step_time_s") if c in table]
     cols += [c for c in table.columns if c.startswith("epsilon") and table[c].notna().any()]  # + hsa's baseline
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"dprun: {summary['method']} on {summary['config']['dataset']['name']} -> {out_dir}")
+    print_guarantee(summary)
+
+
+def print_guarantee(summary: dict) -> None:
+    """A private run's last line: whether its guarantee assumes a secret seed (runner/randomness.py)."""
+    note = end_line(summary)
+    if note:
+        print(f"dprun: {note}")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

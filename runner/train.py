@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from runner import accountants, checkpoint, distributed, methods, models
+from runner import accountants, checkpoint, distributed, methods, models, randomness
 from runner.accountants.published import epsilon_columns, privacy_notes
 from runner.data import load_dataset
 from runner.data.sampler import Sampler
@@ -93,6 +93,7 @@ class Run:
     rows: list[dict[str, Any]] = field(default_factory=list)
     rows_on_disk: int = 0  # summary.json describes what metrics.csv holds, never an epoch that did not reach it
     start_epoch: int = 0
+    noise_rng: Any = None  # rng=secure: the SecureRandom the noise comes from; None: torch's global RNG (seeded)
 
 
 @dataclass
@@ -165,7 +166,8 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     device = resolve_device(str(cfg.device), world.local_rank)
     dtype = {"float32": torch.float32, "float64": torch.float64}[str(cfg.dtype)]
     torch.manual_seed(int(cfg.seed))
-    gen = torch.Generator().manual_seed(int(cfg.seed))  # the sampler's: the same global batches on every rank
+    # the sampler's (the same global batches on every rank) and, rng=secure, the noise's (runner/randomness.py)
+    gen = randomness.sampling_generator(str(cfg.get("rng", "seeded")), int(cfg.seed), world)
 
     # data: tensors on the device, loaded once
     data = load_dataset(cfg.dataset, cfg.data_dir, device)
@@ -220,7 +222,7 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     eval_idx = eval_subset(data.test_y, int(cfg.eval_batch_size) * int(cfg.max_eval_batches)) \
         if cfg.get("max_eval_batches") else None
     run = Run(cfg, out_dir, world, device, data, sampler, steps_per_epoch, model, method, accountant, optimizer,
-              step_fn, eval_idx, summary={})
+              step_fn, eval_idx, summary={}, noise_rng=gen if randomness.is_secure(gen) else None)
 
     # the resolved config, with every model knob's value used (summary.json; a resume must match it)
     run_config = {**OmegaConf.to_container(cfg, resolve=True), "model": {"name": str(cfg.model.name), **model_kwargs}}
@@ -236,7 +238,8 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
                                                        sampler=sampler, method=method, accountant=accountant)
         run.rows_on_disk = len(run.rows)
         world.steps = run.start_epoch * steps_per_epoch  # the ranks' forward streams continue where they were
-        log.info("resumed %s after epoch %d", cfg.resume, run.start_epoch)
+        log.info("resumed %s after epoch %d%s", cfg.resume, run.start_epoch, "; rng=secure: the batches and noise from "
+                 "here on come from fresh entropy (no random state was saved)" if randomness.is_secure(gen) else "")
     run.summary = {
         "status": "running",
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),  # UTC; dprun-report sorts by it
@@ -249,7 +252,8 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
         "accountant_certified": bool(accountant is not None and accountant.certified),  # the named accountant's own
         # number; `epsilon` itself is certified whenever it is not empty (runner/accountants/published.py):
         "epsilon_certified": bool(accountant is not None and sampler.kind == accountant.assumes_sampling),
-        "privacy_notes": privacy_notes(accountant, sampler.kind) + list(getattr(data, "privacy_notes", [])),
+        "privacy_notes": privacy_notes(accountant, sampler.kind, bool(cfg.get("log_norms")), str(cfg.get("rng", "seeded")),
+                                       int(cfg.seed)) + list(getattr(data, "privacy_notes", [])),
         "data_source": data.source,
         "sampling": sampler.kind,
         "sample_rate": sampler.sample_rate,
@@ -292,7 +296,8 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
         x, y = run.data.train_x[idx], run.data.train_y[idx]
         with StepTimer(device, enabled=per_step_timing) as t:
             out = run.step_fn(run.model, per_example_cross_entropy, x, y, run.optimizer,
-                              sample_rate=run.sampler.sample_rate, expected_batch_size=expected, indices=idx)
+                              sample_rate=run.sampler.sample_rate, expected_batch_size=expected, indices=idx,
+                              generator=run.noise_rng)
         if per_step_timing and (step >= int(cfg.warmup_steps) or run.steps_per_epoch <= int(cfg.warmup_steps)):
             step_times.append(t.seconds)
         if run.accountant is not None:

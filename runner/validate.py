@@ -19,6 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from runner.data.sampler import SAMPLINGS
+from runner.randomness import RNGS
 from runner.errors import DprunError
 from runner.optimizers import IMPLS
 from runner.paths import CONF_DIR
@@ -115,6 +116,7 @@ RULES: dict[str, Rule] = {
     "max_eval_batches": optional(integer(1)),  # -1 evaluated no example at all: test_acc 0 on a "finished" run
     "warmup_steps": integer(0),
     "seed": integer(),
+    "rng": one_of(*RNGS),  # seeded | secure (runner/randomness.py)
     "r": optional(integer(1)),  # the bare r= alias of method.r (null: method=jl's own default)
     "lr": number(0, low_open=True),
     "clip": number(0, low_open=True),

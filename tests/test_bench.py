@@ -54,11 +54,21 @@ def test_rejected_model_is_a_row_with_a_note_and_an_unknown_model_one_line():
 
 def test_cli_quick_subset_writes_the_csv(tmp_path, capsys):
     df = clip.main(["--quick", "--device", "cpu", "--workloads", "fig6_b16", "--out", str(tmp_path)])
-    assert list(df.method) == clip.FIG6 and list(df.batch) == [2] * 4
+    assert list(df.method) == clip.FIG6 and list(df.batch) == [2] * len(clip.FIG6)
     saved = pd.read_csv(tmp_path / "clip_cpu_quick.csv")
-    assert list(saved.columns) == clip.COLUMNS and len(saved) == 4
+    assert list(saved.columns) == clip.COLUMNS and len(saved) == len(clip.FIG6)
+    secure = df.set_index("method").loc[["reweight-bk-secure", "noise-secure"]]  # rng=secure's cost, measured
+    assert (secure.step_ms > 0).all() and (secure.x_seeded > 0).all() and secure.note.eq("").all()
     out = capsys.readouterr().out
     assert "x_nonprivate" in out and "saved" in out
+
+
+def test_methods_option_keeps_only_the_named_rows(tmp_path):
+    df = clip.main(["--quick", "--device", "cpu", "--workloads", "fig6_b16", "--out", str(tmp_path),
+                    "--methods", "reweight-bk,reweight-bk-secure"])
+    assert list(df.method) == ["reweight-bk", "reweight-bk-secure"] and df.x_seeded.iloc[1] > 0
+    with pytest.raises(SystemExit, match="unknown method row 'bk'"):
+        clip.main(["--device", "cpu", "--methods", "bk"])
 
 
 def test_unknown_workload_names_the_valid_ones():

@@ -15,6 +15,7 @@ The column `epsilon` (metrics.csv, summary.json, the report and the figures) is 
 from __future__ import annotations
 
 from runner.accountants.base import Accountant
+from runner.randomness import guarantee_note
 
 
 def epsilon_columns(accountant: Accountant, delta: float, sampling: str) -> dict[str, float | str]:
@@ -30,12 +31,18 @@ def epsilon_columns(accountant: Accountant, delta: float, sampling: str) -> dict
     return {**cols, **accountant.extra_metrics(delta)}
 
 
-def privacy_notes(accountant: Accountant | None, sampling: str) -> list[str]:
+def privacy_notes(accountant: Accountant | None, sampling: str, log_norms: bool = False, rng: str = "seeded",
+                  seed: int | None = None) -> list[str]:
     """Plain-language statements for summary.json: what the published epsilon covers and what it does not."""
     if accountant is None:
         return ["non-private run: no epsilon"]
-    notes = ["train_loss and train_acc are computed on the private training data without noise: they are outside "
+    notes = [guarantee_note(rng, seed),  # who the guarantee holds against (runner/randomness.py)
+             "train_loss and train_acc are computed on the private training data without noise: they are outside "
              "the privacy accounting; publish test metrics only"]
+    if log_norms:
+        notes.append("log_norms: the per-example gradient norm quantiles (norm_p10 .. norm_max) and unclipped_frac "
+                     "are computed on the private training data without noise: NOT differentially private, outside "
+                     "the privacy accounting; do not publish them")
     if sampling != accountant.assumes_sampling:
         notes.append(f"sampling={sampling}: no accountant here analyses it, so `epsilon` is empty; "
                      f"epsilon_{accountant.assumes_sampling}_assumed holds only under {accountant.assumes_sampling} "

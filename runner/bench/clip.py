@@ -3,6 +3,8 @@
     python -m runner.bench.clip                       # all workloads, this machine's best device
     python -m runner.bench.clip --device cpu --repeats 5 --workloads cnn_mnist,fig6_b128
     python -m runner.bench.clip --quick               # every code path, small batches, 2 repeats (a smoke run)
+    python -m runner.bench.clip --device cpu --methods nonprivate,reweight-bk,reweight-bk-secure,noise-seeded,noise-secure
+                                                      # rng=secure's cost (issue 29)
     python -m runner.bench.clip --device cuda --suite gpu --compile reduce-overhead   # issue 12's GPU workloads
                                                       # (make bench-gpu), plus compiled nonprivate / reweight-bk rows
 
@@ -10,12 +12,18 @@ One process, one model per workload (a fresh copy per method, same seed), the sa
 interleaved repeats; a step is Method.step (privatize + noise + optimizer step). Columns: median step time,
 ratio to non-private, ratio to Opacus's fastest mode on the same workload, peak step memory and its ratio to
 non-private (runner/bench/common.py defines the memory measure on CPU and CUDA), and the aten operators
-dispatched per step (runner/bench/opcount.py: all, and leaves ~ kernel launches). Inputs are synthetic tensors
+dispatched per step (runner/bench/opcount.py: all, and leaves ~ kernel launches). rng=secure's cost
+(runner/randomness.py): the row `reweight-bk-secure` is reweight-bk with its noise from SecureRandom (each step
+waits for the next step's noise, drawn ahead: no overlap counted, the cost on a machine with no free core), and
+`noise-seeded` / `noise-secure` time the noise alone (add_noise_and_scale over the model's parameters, the secure
+one drawn in the step, not ahead on the worker thread); `x_seeded` is a secure row over its seeded twin. Inputs are synthetic tensors
 of the datasets' shapes (speed does not depend on pixel values). Methods that reject a model (a one-line
 DprunError) are rows with a note. Saves outputs/bench/clip_<device>.csv.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +36,10 @@ from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, 
 from runner.bench import common
 from runner.bench.opcount import op_counts
 from runner.data.base import DataInfo
+from runner.methods.noise import add_noise_and_scale
 from runner.metrics import device_name, write_csv
 from runner.models import MODELS
+from runner.randomness import SecureRandom
 
 # label -> (method name, method options); the Opacus rows are the JL paper's DP-SGD-Outer
 METHOD_VARIANTS = {
@@ -43,16 +53,17 @@ METHOD_VARIANTS = {
     "opacus-ghost": ("opacus", {"grad_sample_mode": "ghost", "uncertified_ok": True}),  # timed; training refuses
     "opacus-functorch": ("opacus", {"grad_sample_mode": "functorch"}),
 }
-ALL = list(METHOD_VARIANTS)
+SECURE = ["reweight-bk-secure", "noise-seeded", "noise-secure"]  # rng=secure's cost beside its seeded twin
+ALL = list(METHOD_VARIANTS) + SECURE
 # the footnote of opacus-ghost's rows: timed as a peer, refused for training (runner/methods/opacus_peer.py)
 UNCERTIFIED = ("timed only: not certified, refused for training (4.25 C on a crafted input: python -m "
                "runner.norms.adversarial)")
-FIG6 = ["nonprivate", "nxbp", "reweight-twopass", "reweight-bk"]  # L&K figure 6: nxBP vs ReweightGP over B
+FIG6 = ["nonprivate", "nxbp", "reweight-twopass", "reweight-bk"] + SECURE  # L&K figure 6: nxBP vs ReweightGP over B
 IMAGENET256 = DataInfo("imagenet256", (3, 256, 256), 1000, "image", None, 1281167, 50000)
 GPU = ["nonprivate", "reweight-twopass", "reweight-bk", "reweight-recompute", "opacus-hooks", "opacus-ghost",
-       "opacus-functorch"]
+       "opacus-functorch"] + SECURE
 COLUMNS = ["workload", "model", "batch", "method", "step_ms", "x_nonprivate", "x_nonprivate_compiled",
-           "x_opacus_best", "step_mem_mb", "mem_x_nonprivate", "aten_ops", "leaf_ops", "steps_timed", "note"]
+           "x_opacus_best", "x_seeded", "step_mem_mb", "mem_x_nonprivate", "aten_ops", "leaf_ops", "steps_timed", "note"]
 
 
 @dataclass
@@ -89,10 +100,24 @@ def method_contender(label: str, base: torch.nn.Module, x, y, expected_batch: fl
                      compile_mode: str = ""):
     """One method variant's Contender (runner/bench/common.py), or None and a note why there is none. A label
     ending in "+compile" steps through runner/methods/compiled.py with `compile_mode`."""
+    if label.startswith("noise-"):
+        return noise_contender(label.removeprefix("noise-"), base, x.device), ""
     variant, _, compiled = label.partition("+")
-    name, options = METHOD_VARIANTS[variant]
+    name, options = METHOD_VARIANTS[variant.removesuffix("-secure")]
     return contender(name, options, base, x, y, lambda ps: torch.optim.SGD(ps, lr=0.01, foreach=True),
-                     expected_batch / n, expected_batch, compile_mode=compile_mode if compiled else "")
+                     expected_batch / n, expected_batch, compile_mode=compile_mode if compiled else "",
+                     rng="secure" if variant.endswith("-secure") else "seeded")
+
+
+def noise_contender(rng: str, base: torch.nn.Module, device: torch.device) -> common.Contender:
+    """The noise alone: add_noise_and_scale over a copy of the model's parameters, from a seeded torch.Generator or
+    from SecureRandom (rng=secure)."""
+    model = copy.deepcopy(base)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    # secure: drawn in the step (ahead=False), so the row is the generation's whole cost on this core
+    gen = SecureRandom(ahead=False) if rng == "secure" else torch.Generator(device=device).manual_seed(0)
+    return common.Contender(lambda: add_noise_and_scale(model, 1.0, 1.0, gen), lambda: None)
 
 
 def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int, budget_s: float,
@@ -124,12 +149,20 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
         r.update(**timing_columns(label, times, repeats),
                  x_nonprivate_compiled=t[label] / t["nonprivate+compile"] if "nonprivate+compile" in t else math.nan,
                  x_opacus_best=t[label] / min(opacus) if opacus else math.nan,
+                 x_seeded=t[label] / t[seeded_twin(label)] if seeded_twin(label) in t else math.nan,
                  step_mem_mb=memory[label] / 2**20,
                  mem_x_nonprivate=memory[label] / memory["nonprivate"] if memory.get("nonprivate") else math.nan,
                  **ops[label])
         if label.startswith("opacus-ghost"):
             r.update(note=UNCERTIFIED)
     return rows
+
+
+def seeded_twin(label: str) -> str | None:
+    """The seeded row a secure row is compared with: reweight-bk-secure -> reweight-bk, noise-secure -> noise-seeded."""
+    if label == "noise-secure":
+        return "noise-seeded"
+    return label.removesuffix("-secure") if label.endswith("-secure") else None
 
 
 def table(rows: list[dict]) -> pd.DataFrame:
@@ -143,6 +176,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                    out="clip_<device>.csv")
     ap.add_argument("--suite", default="default", choices=["default", "gpu"],
                     help="default: the CPU workloads; gpu: issue 12's GPU table (make bench-gpu)")
+    ap.add_argument("--methods", default="", help="comma-separated subset of each workload's rows, e.g. "
+                    "nonprivate,reweight-bk,reweight-bk-secure,noise-seeded,noise-secure (rng=secure's cost)")
     ap.add_argument("--compile", default="", help="also time nonprivate and reweight-bk under compile=MODE "
                     "(default | reduce-overhead | cudagraphs; runner/methods/compiled.py)")
     args = ap.parse_args(argv)
@@ -150,6 +185,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     repeats = 2 if args.quick else args.repeats
     suite = gpu_workloads(args.quick) if args.suite == "gpu" else workloads(args.quick)
     chosen = select_workloads(suite, args.workloads, "bench-clip")
+    if args.methods:
+        wanted = args.methods.split(",")
+        unknown = [m for m in wanted if m not in ALL]
+        if unknown:
+            raise SystemExit(f"bench-clip: unknown method row {unknown[0]!r}; valid: {', '.join(ALL)}")
+        chosen = [dataclasses.replace(w, methods=[m for m in w.methods if m in wanted]) for w in chosen]
     print(f"[bench-clip] {device_name(device)}, torch {torch.__version__}, {repeats} repeats, median step time")
     rows: list[dict] = []
     for w in chosen:

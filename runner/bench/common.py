@@ -35,6 +35,7 @@ from runner.data.synthetic import like_info
 from runner.errors import DprunError
 from runner.methods import METHODS
 from runner.metrics import synchronize
+from runner.randomness import SecureRandom
 
 
 # the datasets' shapes the benchmarks draw synthetic inputs of (the timings do not depend on the values), from
@@ -76,17 +77,18 @@ class Contender(NamedTuple):
 
 
 def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimizer, sample_rate: float,
-              expected_batch_size: float, compile_mode: str = "", configure: dict | None = None
-              ) -> tuple[Contender | None, str]:
+              expected_batch_size: float, compile_mode: str = "", configure: dict | None = None,
+              rng: str = "seeded") -> tuple[Contender | None, str]:
     """One method's Contender on its own copy of the model (Method.attach: validated and prepared, as in a run),
     or None and a note why there is none (the method rejects the model: "n/a: ..."; a bug: "error: ...").
     compile_mode: step through runner/methods/compiled.py (its first steps compile: they are the warm-up).
-    configure: Method.configure's settings (physical_batch_size, precision)."""
+    configure: Method.configure's settings (physical_batch_size, precision).
+    rng: "seeded" (noise from a torch.Generator) | "secure" (runner/randomness.py's SecureRandom, as rng=secure)."""
     try:
         method = METHODS.build(name, cfg=options, clip=1.0, sigma=1.0).configure(**(configure or {}))
         model = method.attach(copy.deepcopy(base))
         opt = make_optimizer(model.parameters())
-        gen = torch.Generator(device=x.device).manual_seed(0)
+        gen = SecureRandom() if rng == "secure" else torch.Generator(device=x.device).manual_seed(0)
         method_step = method.step
         if compile_mode:
             from runner.methods.compiled import CompiledStep
@@ -94,6 +96,9 @@ def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimi
             method_step = CompiledStep(method, compile_mode, x.device, physical=None)
         step = lambda: method_step(model, loss_fn, x, y, opt, sample_rate=sample_rate,  # noqa: E731
                                    expected_batch_size=expected_batch_size, generator=gen)
+        if rng == "secure":  # the next step's noise, drawn ahead, is waited for: interleaved with the other
+            plain = step     # contenders, it would otherwise be drawn during their timed steps
+            step = lambda: (plain(), gen.drain())  # noqa: E731
         step()  # fails here, not in the timing loop, if the method rejects the model
         if compile_mode:
             step()  # the compiled step's first step is eager; this one compiles

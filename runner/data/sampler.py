@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 
 from runner.errors import DprunError
+from runner.randomness import permutation, poisson_mask
 from runner.registry import unknown_name_message
 
 SAMPLINGS = ("poisson", "shuffle", "fixed")
@@ -27,7 +28,8 @@ def poisson_steps_per_epoch(n: int, batch_size: int) -> int:
 
 
 class Sampler:
-    def __init__(self, kind: str, n: int, batch_size: int, generator: torch.Generator, device="cpu"):
+    def __init__(self, kind: str, n: int, batch_size: int, generator, device="cpu"):
+        """generator: a torch.Generator (rng=seeded) or runner/randomness.py's SecureRandom (rng=secure)."""
         if kind not in SAMPLINGS:
             raise DprunError(unknown_name_message("sampling", kind, list(SAMPLINGS)))
         if not 1 <= batch_size <= n:
@@ -39,13 +41,13 @@ class Sampler:
         self._fixed: list[torch.Tensor] | None = None
 
     def _perm(self) -> torch.Tensor:
-        return torch.randperm(self.n, generator=self.generator).to(self.device)
+        return permutation(self.generator, self.n).to(self.device)
 
     def epoch(self) -> Iterator[torch.Tensor]:
         """Yields int64 index tensors (B_t,) for one epoch."""
         if self.kind == "poisson":
             for _ in range(self.steps_per_epoch):
-                mask = torch.rand(self.n, generator=self.generator) < self.sample_rate
+                mask = poisson_mask(self.generator, self.n, self.batch_size)  # (n,) bool
                 yield mask.nonzero().squeeze(1).to(self.device)
         elif self.kind == "shuffle":
             yield from self._perm().split(self.batch_size)

@@ -9,10 +9,14 @@ Few launches: ONE torch.randn over all trainable parameters of a (device, dtype)
 one _foreach_add_ and one _foreach_div_ over the gradients (instead of a randn, an add and a div per parameter).
 The noise is still i.i.d. N(0, (sigma*C)^2) on every coordinate; no host synchronisation.
 DP-SBCD adds its per-layer noise to the weights with add_gaussian (below), from the same generator.
+`generator`: None (torch's global RNG, seeded by the run), a torch.Generator on the device, or rng=secure's
+SecureRandom (runner/randomness.py: a cryptographic keystream, the same draw on every rank).
 """
 from __future__ import annotations
 
 import torch
+
+from runner.randomness import standard_normal
 
 
 @torch.no_grad()
@@ -27,8 +31,7 @@ def add_noise_and_scale(model: torch.nn.Module, noise_std: float, expected_batch
         groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
     for (device, dtype), grads in groups.items():
         if noise_std > 0:
-            # generator must live on the device; None draws from torch's global RNG (seeded by the run)
-            flat = torch.randn(sum(g.numel() for g in grads), generator=generator, device=device, dtype=dtype)
+            flat = standard_normal(generator, (sum(g.numel() for g in grads),), device, dtype)
             noise = [n.view(g.shape) for n, g in zip(flat.split([g.numel() for g in grads]), grads)]
             torch._foreach_add_(grads, noise, alpha=noise_std)
         torch._foreach_div_(grads, float(expected_batch_size))
@@ -37,4 +40,4 @@ def add_noise_and_scale(model: torch.nn.Module, noise_std: float, expected_batch
 def add_gaussian(t: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """t + N(0, std^2 I): DP-SBCD's noisy prox step, where the noise std is set per layer by the hidden-state step
     (runner/methods/sbcd/bounds.py) and nothing is divided afterwards (the gradient is already a mean over b)."""
-    return t + std * torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype)
+    return t + std * standard_normal(generator, t.shape, t.device, t.dtype)

@@ -1,0 +1,254 @@
+"""Where a run's privacy randomness comes from: `rng=seeded` (torch generators seeded by `seed`) or `rng=secure`.
+
+    rng = sampling_generator("secure", seed=0, world=world)   # SecureRandom: ChaCha20 keyed from os.urandom
+    mask = poisson_mask(rng, n, batch_size)                   # (n,) bool: the step's Poisson sample
+    z = standard_normal(rng, numel, device, dtype)            # (numel,) N(0, 1), the same on every rank
+
+seeded (default): the Poisson masks come from a torch.Generator seeded by `seed` and the noise from torch's global
+RNG, seeded alike, so a run is replayable bit for bit (exactness tests, resume). The guarantee then holds only
+against an adversary who does not know `seed` (it is in summary.json): with it, training on D and on D' replays
+both runs and the released model equals exactly one of them.
+
+secure: the masks, the shuffles/partitions and the Gaussian noise come from SecureRandom, the ChaCha20 keystream of
+the `cryptography` package (OpenSSL) under a 256-bit key from os.urandom (`secrets`). The key lives only inside the
+cipher object: it is never written (not summary.json, not the log, not the checkpoint); a resumed run draws a fresh
+key. The Gaussian is Box-Muller on 52-bit uniforms (radius in float64, angle in float32), four draws summed and
+halved (Holohan & Braghin, arXiv 2107.10138, as Opacus's secure_mode) against the floating-point attacks on Gaussian
+samplers (docs/privacy.md); the next step's noise is drawn ahead on a worker thread. On several ranks rank 0 draws
+and broadcasts, so every rank samples the same batch and adds the same noise.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from runner.errors import DprunError
+
+RNGS = ("seeded", "secure")
+REKEY_BYTES = 2**36  # a fresh key well before ChaCha20's 32-bit block counter (2^32 blocks of 64 bytes) wraps
+CHUNK_BYTES = 2**22  # keystream made in blocks of 4 MiB: big enough for OpenSSL's vector code, a small zero buffer
+_ZEROS = memoryview(bytes(CHUNK_BYTES))
+GAUSSIAN_SUMMANDS = 4  # N(0,1) = (z1 + z2 + z3 + z4) / 2: Holohan & Braghin's n = 2, as Opacus's secure_mode
+
+
+def check_rng(rng: str) -> str:
+    if rng not in RNGS:
+        raise DprunError(f"rng={rng!r} is not valid: rng must be one of: {', '.join(RNGS)}")
+    return rng
+
+
+def _observe_key(key: bytes) -> None:
+    """Test hook (tests/test_secure_rng.py replaces it to search a run's files for the key); does nothing."""
+
+
+class SecureRandom:
+    """A ChaCha20 keystream (cryptography's OpenSSL binding) keyed from the OS, turned into masks and Gaussians with
+    vectorised numpy/torch ops. `world`: on several ranks only rank 0 draws; the others receive its draws.
+    `ahead`: draw the next step's noise on a worker thread while this step computes (the noise does not depend on
+    the data, only on the parameter count): its cost leaves the step when a core is free."""
+
+    def __init__(self, world=None, ahead: bool = True):
+        from runner.distributed import World
+
+        self.world = world if world is not None else World()
+        self.ahead = ahead
+        self._lock = threading.Lock()  # the keystream is shared by the sampler (main thread) and the noise worker
+        self._pending: dict[tuple, Future] = {}  # (n, device, dtype) -> the next noise of that size
+        self._worker: ThreadPoolExecutor | None = None
+        self._rekey()
+
+    def _rekey(self) -> None:
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+        key = secrets.token_bytes(32)
+        _observe_key(key)
+        # a fresh random key per stream, so the 16-byte nonce (32-bit block counter + 96-bit nonce) may start at 0
+        self._cipher = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+        self._used = 0
+
+    def words(self, n: int) -> np.ndarray:
+        """(n,) int64: 64 uniformly random bits each (the keystream, 8 bytes a word; a fresh array)."""
+        out = np.empty(8 * n + 64, dtype=np.uint8)  # update_into wants room for a block more than it writes
+        with self._lock:
+            if self._used + 8 * n > REKEY_BYTES:
+                self._rekey()
+            self._used += 8 * n
+            for start in range(0, 8 * n, CHUNK_BYTES):  # keystream XOR zeros, a chunk of the zero buffer at a time
+                size = min(CHUNK_BYTES, 8 * n - start)
+                self._cipher.update_into(_ZEROS[:size], out[start:start + size + 64])
+        return out[:8 * n].view(np.int64)
+
+    def normal(self, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """(n,) N(0, 1) of `dtype` on `device`: the one drawn ahead for this size if there is one, else drawn now;
+        then the next one of this size is started on the worker thread."""
+        key = (n, device, dtype)
+        pending = self._pending.pop(key, None)
+        z = pending.result() if pending is not None else self._draw(key)
+        if self.ahead:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="dprun-secure-noise")
+            self._pending[key] = self._worker.submit(self._draw, key)
+        return z
+
+    def drain(self) -> None:
+        """Wait for the draws started ahead (the bench: a step's whole cost, none of it left to overlap others)."""
+        for pending in self._pending.values():
+            pending.result()
+
+    def _draw(self, key: tuple) -> torch.Tensor:
+        n, device, dtype = key
+        return secure_standard_normal(self, n, device).to(dtype)
+
+    # the checkpoint's view (runner/checkpoint.py): nothing is saved, nothing restored; a resume draws a fresh key
+    def get_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_state(self, state) -> None:
+        pass
+
+    def shared(self, draw, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """draw() on rank 0, broadcast to the others (on `device`: nccl needs CUDA tensors); one process: draw()."""
+        if self.world.size == 1:
+            return draw()
+        import torch.distributed as dist
+
+        out = draw().to(device) if self.world.main else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(out, src=0)
+        return out
+
+
+def uniform_open(words: np.ndarray) -> np.ndarray:
+    """int64 random words (n,), overwritten -> float64 (n,) in (0, 1): 52 random bits as the mantissa of a float in
+    [1, 2), minus 1 - 2^-53, so the values are the centres of 2^52 equal cells: never 0 or 1 (log(u) is finite),
+    symmetric about 1/2. In place, in numpy: the fastest vectorised route here (torch's int64 ops are 5x slower)."""
+    bits = words.view(np.uint64)
+    bits >>= np.uint64(12)
+    bits |= np.uint64(0x3FF0000000000000)
+    u = bits.view(np.float64)
+    u -= 1.0 - 2.0**-53
+    return u
+
+
+def box_muller(u: torch.Tensor) -> torch.Tensor:
+    """(2m,) float64 uniforms in (0, 1) -> (2m,) independent N(0, 1), float32: r cos(theta), r sin(theta) of each
+    pair. The radius r = sqrt(-2 ln u1) in float64 (its rounding sets the tails); the angle 2 pi u2 and the
+    products in float32, the precision of the noise that is added (this is most of the noise's cost: float64 trig
+    costs 2.5x)."""
+    u1, u2 = u.chunk(2)
+    r = u1.log().mul_(-2.0).sqrt_().to(torch.float32)  # (m,)
+    theta = u2.to(torch.float32).mul_(2.0 * math.pi)  # (m,)
+    z = torch.empty(len(u), dtype=torch.float32, device=u.device)
+    torch.cos(theta, out=z[:len(r)])
+    torch.sin(theta, out=z[len(r):])
+    return z.view(2, -1).mul_(r).view(-1)
+
+
+def secure_standard_normal(rng: SecureRandom, n: int, device: torch.device) -> torch.Tensor:
+    """(n,) float64 N(0, 1) on `device`: GAUSSIAN_SUMMANDS Box-Muller draws per value, added in float64 and divided
+    by their standard deviation (2). The keystream and the uniforms are made on the CPU, in blocks that stay in the
+    cache (2^15 values: 1 MiB of keystream); the Box-Muller math runs on `device` (one block on a GPU)."""
+    out = torch.empty(n, dtype=torch.float64, device=device)
+    block = n if device.type != "cpu" else 2**15
+    for start in range(0, n, block):
+        b = min(block, n - start)
+        k = GAUSSIAN_SUMMANDS * b + (GAUSSIAN_SUMMANDS * b) % 2  # an even count: Box-Muller makes pairs
+        u = torch.from_numpy(uniform_open(rng.words(k))).to(device)  # (k,)
+        z = box_muller(u)[:GAUSSIAN_SUMMANDS * b].view(GAUSSIAN_SUMMANDS, b)
+        torch.sum(z, 0, dtype=torch.float64, out=out[start:start + b])
+    return out.div_(math.sqrt(GAUSSIAN_SUMMANDS))
+
+
+# -- what noise.py and sampler.py call: seeded keeps torch's draws exactly as they were ------------------------------
+def standard_normal(generator, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """N(0, 1) noise of `shape`: from SecureRandom (the same on every rank), else torch.randn as always (generator
+    None: torch's global RNG, seeded by the run; a torch.Generator must live on `device`)."""
+    if isinstance(generator, SecureRandom):
+        n = math.prod(shape)
+        draw = lambda: generator.normal(n, device, dtype).view(shape)  # noqa: E731
+        return generator.shared(draw, tuple(shape), dtype, device)
+    return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+
+
+def poisson_mask(generator, n: int, batch_size: int) -> torch.Tensor:
+    """(n,) bool on the CPU: each example in with probability q = batch_size / n. Secure: 64-bit word < floor(q 2^64),
+    exactly, with integers, so the realised rate is at most q and within 2^-64 of it (epsilon only grows with q)."""
+    if not isinstance(generator, SecureRandom):
+        return torch.rand(n, generator=generator) < batch_size / n
+    if batch_size >= n:
+        return torch.ones(n, dtype=torch.bool)
+    threshold = np.uint64((batch_size << 64) // n)
+    draw = lambda: torch.from_numpy(generator.words(n).view(np.uint64) < threshold)  # noqa: E731
+    return generator.shared(draw, (n,), torch.bool, _collective_device(generator)).cpu()
+
+
+def permutation(generator, n: int) -> torch.Tensor:
+    """(n,) int64 on the CPU, a uniformly random permutation (shuffle and fixed sampling). Secure: the order of n
+    random 64-bit keys (a tie, probability < n^2 / 2^65, keeps index order)."""
+    if not isinstance(generator, SecureRandom):
+        return torch.randperm(n, generator=generator)
+    draw = lambda: torch.from_numpy(np.argsort(generator.words(n).view(np.uint64), kind="stable"))  # noqa: E731
+    return generator.shared(draw, (n,), torch.int64, _collective_device(generator)).cpu()
+
+
+def _collective_device(generator: SecureRandom) -> torch.device:
+    backend = generator.world.backend
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+# -- set-up: the CLI (runner/train.py) and the API (runner/api.py) ---------------------------------------------------
+def sampling_generator(rng: str, seed: int, world) -> torch.Generator | SecureRandom:
+    """The run's sampling generator: seeded by `seed` (the same global batches on every rank), or SecureRandom,
+    whose draws every rank shares. secure also reseeds torch's global RNG (JL directions, dropout) with a secret
+    seed from the OS, broadcast from rank 0, so `seed` does not replay them either."""
+    if check_rng(rng) == "seeded":
+        return torch.Generator().manual_seed(int(seed))
+    secure = SecureRandom(world)
+    secret = lambda: torch.tensor([secrets.randbits(63)], dtype=torch.int64)  # noqa: E731
+    torch.manual_seed(int(secure.shared(secret, (1,), torch.int64, _collective_device(secure)).item()))
+    return secure
+
+
+def noise_generator(generator, model: torch.nn.Module):
+    """What the noise draws from: SecureRandom itself; a torch.Generator only if it lives on the model's device
+    (torch.randn needs that), else None (torch's global RNG)."""
+    if isinstance(generator, SecureRandom):
+        return generator
+    device = next(model.parameters()).device
+    return generator if generator is not None and generator.device == device else None
+
+
+def is_secure(generator) -> bool:
+    return isinstance(generator, SecureRandom)
+
+
+def api_generator(rng: str, generator: torch.Generator | None, world):
+    """make_private's: rng='seeded' keeps `generator` (None: torch's global RNG); 'secure' refuses a generator."""
+    if check_rng(rng) == "seeded":
+        return generator
+    if generator is not None:
+        raise DprunError("rng='secure' draws from the operating system's entropy: pass no generator= with it")
+    return SecureRandom(world)
+
+
+def guarantee_note(rng: str, seed: int | None) -> str:
+    """summary.json's privacy note and the end-of-run line: who the guarantee holds against. seed None: the library
+    API, whose generators the caller seeds."""
+    if rng == "secure":
+        return ("rng=secure: the batch sampling and the noise came from a ChaCha20 keystream keyed from the "
+                "operating system's entropy and never written; the guarantee does not rest on keeping `seed` secret")
+    which = f"seed={seed} (recorded in summary.json)" if seed is not None else "the seed of its generators"
+    return (f"rng=seeded: the guarantee holds against an adversary who does not know {which}; whoever knows it can "
+            f"replay the sampling and the noise. Use rng=secure for a model you release")
+
+
+def end_line(summary: dict) -> str | None:
+    """The end-of-run line's privacy statement (runner/cli.py); None for a non-private run."""
+    if summary.get("sigma") is None:
+        return None
+    config = summary.get("config", {})
+    return guarantee_note(str(config.get("rng", "seeded")), config.get("seed"))

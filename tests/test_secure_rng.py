@@ -1,0 +1,226 @@
+"""rng=secure (runner/randomness.py): sampling and noise from a keystream keyed by the OS, never written; rng=seeded
+(the default) as it always was.
+
+Secure runs with the same seed differ, seeded ones are bit-identical and draw exactly torch's old stream; the secure
+Gaussian passes moment and Kolmogorov-Smirnov tests over 10^6 draws, is uncorrelated across steps and generators;
+the Poisson mask's rate is floor(q 2^64) / 2^64; on 2 ranks (gloo) every rank samples the same batch and holds the
+same parameters after every step; no file of a run's folder holds the key; a bad rng= is one line.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from scipy.special import ndtr
+
+from conftest import compose_config
+from runner import randomness
+from runner.data.sampler import Sampler
+from runner.errors import DprunError
+from runner.methods.noise import add_noise_and_scale
+from runner.randomness import SecureRandom, poisson_mask, secure_standard_normal, standard_normal
+from runner.train import train
+
+SHORT = ["progress=false", "method=reweight", "epochs=2", "max_steps_per_epoch=2", "dtype=float64",
+         "max_eval_batches=1", "eval_batch_size=64"]
+N = 10**6
+Z = 6.0  # a moment test fails only beyond 6 standard errors: ~2e-9 per check for a correct sampler
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def final_weights(run_dir: Path) -> list[torch.Tensor]:
+    return list(torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"].values())
+
+
+# -- seeded stays as it was; secure differs --------------------------------------------------------------------
+def test_secure_runs_with_the_same_seed_differ_and_seeded_runs_are_bit_identical(tmp_path):
+    def weights(name, overrides):
+        train(compose_config(SHORT + ["seed=3", "epochs=1"] + overrides), tmp_path / name)
+        return final_weights(tmp_path / name)
+
+    seeded = [weights(f"seeded{i}", []) for i in range(2)]
+    secure = [weights(f"secure{i}", ["rng=secure"]) for i in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*seeded))
+    assert not any(torch.equal(a, b) for a, b in zip(*secure))  # not one tensor replayed
+
+
+def test_seeded_draws_are_torchs_own_streams():
+    """rng=seeded keeps the exact draws of before: the Poisson mask is torch.rand < q, the noise torch.randn."""
+    sampler = Sampler("poisson", 50, 7, torch.Generator().manual_seed(5))
+    expected = torch.Generator().manual_seed(5)
+    for idx in list(sampler.epoch())[:3]:
+        assert torch.equal(idx, (torch.rand(50, generator=expected) < 7 / 50).nonzero().squeeze(1))
+    model = torch.nn.Linear(3, 2)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    torch.manual_seed(11)
+    add_noise_and_scale(model, 2.0, 4.0)
+    torch.manual_seed(11)
+    flat = torch.randn(8) * 2.0 / 4.0
+    torch.testing.assert_close(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), flat, rtol=0, atol=0)
+
+
+# -- the secure Gaussian and masks -----------------------------------------------------------------------------
+def test_secure_normal_moments_and_kolmogorov_smirnov_over_a_million_draws():
+    z = secure_standard_normal(SecureRandom(), N, torch.device("cpu")).numpy()
+    assert abs(z.mean()) < Z / math.sqrt(N)
+    assert abs(z.var() - 1) < Z * math.sqrt(2 / N)
+    assert abs((z**3).mean()) < Z * math.sqrt(15 / N)  # skewness: var(z^3) = 15
+    assert abs((z**4).mean() - 3) < Z * math.sqrt(96 / N)  # kurtosis: var(z^4) = 105 - 9
+    assert abs((np.abs(z) > 3).mean() - 0.0026998) < Z * math.sqrt(0.0027 / N)  # the tails, not only the bulk
+    # Kolmogorov-Smirnov against N(0, 1): D_n < c(alpha) / sqrt(n) with alpha = 1e-6 (c = sqrt(-ln(alpha/2) / 2))
+    xs = np.sort(z)
+    cdf = ndtr(xs)  # N(0, 1)'s distribution function (scipy is a core dependency)
+    ranks = np.arange(1, N + 1) / N
+    d = max(np.max(ranks - cdf), np.max(cdf - (ranks - 1 / N)))
+    assert d < math.sqrt(-math.log(1e-6 / 2) / 2) / math.sqrt(N), d
+
+
+def test_secure_noise_is_uncorrelated_across_steps_generators_and_neighbours():
+    a, b = SecureRandom(), SecureRandom()
+    step1, step2 = (standard_normal(a, (N // 4,), torch.device("cpu"), torch.float64) for _ in range(2))
+    other = standard_normal(b, (N // 4,), torch.device("cpu"), torch.float64)  # another process's key
+    bound = Z / math.sqrt(N // 4)
+    corr = lambda u, v: float(torch.corrcoef(torch.stack([u, v]))[0, 1])  # noqa: E731
+    assert abs(corr(step1, step2)) < bound  # two steps of one run
+    assert abs(corr(step1, other)) < bound  # two generators (keys)
+    assert abs(corr(step1[1:], step1[:-1])) < bound  # neighbouring coordinates
+    assert not torch.equal(step1, step2)
+    bits = np.unpackbits(a.words(4096).view(np.uint8))  # every bit of the keystream fair
+    assert abs(bits.mean() - 0.5) < Z * 0.5 / math.sqrt(bits.size)
+
+
+def test_secure_poisson_mask_rate_is_q_rounded_down_exactly(monkeypatch):
+    rng = SecureRandom()
+    words = rng.words(1000)
+    monkeypatch.setattr(rng, "words", lambda n: words[:n])  # the mask is a function of these words
+    mask = poisson_mask(rng, 1000, 7)
+    threshold = (7 << 64) // 1000  # the inclusion probability threshold / 2^64 <= 7 / 1000, within 2^-64
+    assert torch.equal(mask, torch.from_numpy(words.view(np.uint64) < np.uint64(threshold)))
+    assert poisson_mask(rng, 5, 5).all()  # q = 1: everyone
+    rate = np.mean([poisson_mask(SecureRandom(), 10**5, 100).float().mean().item() for _ in range(3)])
+    assert abs(rate - 1e-3) < Z * math.sqrt(1e-3 / 3e5)
+
+
+def test_uniforms_are_open_and_centred():
+    u = randomness.uniform_open(np.array([0, -1, 2**62], dtype=np.int64))  # all-zero, all-one and middle words
+    assert u.dtype == np.float64
+    assert u[0] == 2.0**-53 and u[1] == 1 - 2.0**-53 and 0 < u.min() and u.max() < 1
+    assert u[0] == 1 - u[1]
+
+
+# -- two ranks ---------------------------------------------------------------------------------------------------
+def _secure_worker(rank, world, init_file, out_dir):
+    import dprun
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)  # the same initial model on both ranks (the user's job)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (40,), generator=g)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.3), (x, y), method="reweight",
+                                 noise_multiplier=0.8, max_grad_norm=0.5, batch_size=8, rng="secure")
+    record = {"equal_every_step": [], "batches_disjoint_and_ordered": [], "moved": []}
+    for _ in range(2):  # epochs
+        for xb, yb in private.batches():
+            before = torch.cat([p.detach().reshape(-1) for p in private.model.parameters()])
+            private.step(xb, yb, loss_fn)
+            mine = torch.cat([p.detach().reshape(-1) for p in private.model.parameters()])
+            every = [torch.zeros_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine)
+            record["equal_every_step"].append(all(torch.equal(every[0], t) for t in every))
+            record["moved"].append(not torch.equal(before, mine))
+            padded = torch.full((len(y),), -1, dtype=torch.int64)  # this rank's share, padded: equal sizes to gather
+            padded[:len(private._last_indices)] = private._last_indices
+            shares = [torch.zeros_like(padded) for _ in range(world)]
+            dist.all_gather(shares, padded)
+            joined = torch.cat([s[s >= 0] for s in shares])  # one global batch split in order: strictly increasing
+            record["batches_disjoint_and_ordered"].append(bool((joined[1:] > joined[:-1]).all()))
+    private.method.world.check_replicas(private.model, torch.device("cpu"), "after the steps")
+    torch.save(record, Path(out_dir) / f"rank{rank}.pt")
+    # the command line's run on the same 2 processes: check_replicas after every epoch raises if they differ; JL's
+    # directions come from torch's RNG under a secret seed that rank 0 broadcast
+    train(compose_config(SHORT + ["rng=secure", "method=jl", "method.r=2"]), Path(out_dir) / "run")
+    dist.destroy_process_group()
+
+
+def test_two_ranks_in_secure_mode_hold_the_same_parameters_after_every_step(tmp_path):
+    """make_private on 2 gloo processes, then a `dprun` run on them (one spawn: starting processes is the cost)."""
+    from test_distributed import spawn
+
+    spawn(_secure_worker, 2, tmp_path)
+    for r in range(2):
+        record = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        assert len(record["equal_every_step"]) == 10 and all(record["equal_every_step"]), record
+        assert all(record["moved"]) and all(record["batches_disjoint_and_ordered"]), record
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["world_size"] == 2
+
+
+# -- the key is never written ------------------------------------------------------------------------------------
+def test_no_file_of_a_secure_run_holds_the_key_and_a_resume_draws_fresh_entropy(tmp_path, monkeypatch, caplog):
+    keys: list[bytes] = []
+    monkeypatch.setattr(randomness, "_observe_key", keys.append)
+    caplog.set_level("INFO", logger="dprun")
+    first = train(compose_config(SHORT + ["rng=secure", "epochs=1", "log_norms=true"]), tmp_path)
+    assert len(keys) == 1 and first["epochs_completed"] == 1
+    resumed = train(compose_config(SHORT + ["rng=secure", "log_norms=true", f"resume={tmp_path}"]), tmp_path)
+    assert resumed["status"] == "finished" and resumed["epochs_completed"] == 2
+    assert len(keys) == 2 and keys[0] != keys[1]  # the resume keyed a new stream: nothing was saved to replay
+    assert "fresh entropy" in caplog.text
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"summary.json", "metrics.csv", "checkpoint.pt"}
+    for key in keys:
+        forms = [key, key.hex().encode(), key.hex().upper().encode(), str(list(key)).encode()]
+        for p in files:
+            content = p.read_bytes()
+            assert not any(f in content for f in forms), p
+        assert not any(f.decode("latin-1") in caplog.text for f in forms[1:])
+    notes = resumed["privacy_notes"]
+    assert notes[0].startswith("rng=secure") and any("log_norms" in n and "NOT differentially private" in n
+                                                      for n in notes)
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["torch_rng"] is None
+
+
+def test_seeded_notes_name_the_seed_and_the_end_of_run_line_says_which_holds(capsys):
+    from runner.cli import print_guarantee
+
+    note = randomness.guarantee_note("seeded", 7)
+    assert note.startswith("rng=seeded: the guarantee holds against an adversary who does not know seed=7")
+    print_guarantee({"sigma": 1.0, "config": {"seed": 7}})  # the run's last line, after "dprun: ... -> <folder>"
+    print_guarantee({"sigma": 1.0, "config": {"seed": 7, "rng": "secure"}})
+    print_guarantee({"sigma": None, "config": {}})  # non-private: nothing to say
+    assert capsys.readouterr().out.splitlines() == [f"dprun: {note}",
+                                                    f"dprun: {randomness.guarantee_note('secure', 7)}"]
+
+
+# -- bad values --------------------------------------------------------------------------------------------------
+def test_a_bad_rng_is_one_line_naming_the_accepted_values(tmp_path):
+    import dprun
+
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(DprunError, match=r"^rng='crypto' is not valid: rng must be one of: seeded, secure$"):
+        dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           (torch.randn(8, 3), torch.randint(0, 2, (8,))), batch_size=2, rng="crypto")
+    with pytest.raises(DprunError, match="no generator"):
+        dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           (torch.randn(8, 3), torch.randint(0, 2, (8,))), batch_size=2, rng="secure",
+                           generator=torch.Generator())
+    out = subprocess.run([sys.executable, "-m", "runner.cli", "rng=crypto", f"out_dir={tmp_path / 'x'}"],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0] == "dprun: rng='crypto' is not valid: rng must be one of: seeded, secure"
