@@ -44,10 +44,10 @@ def gamma(n: int, u: float) -> float:
 @contextlib.contextmanager
 def exact_float32(device: torch.device):
     """TF32 off for the norms and clipped sums (CUDA only): the bounds assume float32's 24-bit products."""
-    if device.type != "cuda":
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    if device.type != "cuda" or not (matmul or cudnn):
         yield
         return
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         yield
@@ -65,33 +65,30 @@ def upper_sqnorm(t: torch.Tensor) -> torch.Tensor:
     while m % width:  # a divisor near sqrt(m): rows of equal length (m prime: one level)
         width -= 1
     rows = torch.linalg.vector_norm(flat.view(n, m // width, width), dim=2)  # (N, m / width)
-    value = torch.linalg.vector_norm(rows, dim=1).square()  # (N,)
-    return value * (1 + gamma(width + m // width + 6, unit(t)))
+    return torch.linalg.vector_norm(rows, dim=1).square().mul_(1 + gamma(width + m // width + 6, unit(t)))
 
 
-def row_norms(t: torch.Tensor) -> torch.Tensor:
-    """(N, T) upper bounds of ||t[i, s]|| for t (N, T, d): the rounding of d squares, then a square root. A finite
-    row whose squares overflow (|t| > ~1e19 in float32) gets sqrt(d) max|t| instead, still a bound; a row holding
-    inf or nan stays non-finite (its example is then dropped: certified_norms, finite_rows)."""
-    d, u = t.shape[-1], unit(t)
-    norm = torch.linalg.vector_norm(t, dim=-1) * (1 + gamma(d + 2, u))
-    largest = torch.linalg.vector_norm(t, ord=float("inf"), dim=-1)  # max |t|: no squares, no overflow
-    return torch.where(torch.isinf(norm) & torch.isfinite(largest), largest * (d ** 0.5) * (1 + 2 * u), norm)
+def norm_factor(d: int, u: float) -> float:
+    """vector_norm of d entries, rounded: the true norm is at most the computed one times this (d squares, a root).
+    A row whose squares overflow float32 (|t| > ~1e19) comes out inf: its example is then dropped (nu = 0)."""
+    return 1 + gamma(d + 2, u)
 
 
 def summed_vector(parts: torch.Tensor, masses: torch.Tensor, terms: int) -> torch.Tensor:
     """(N,) upper bounds of ||v_i||^2 for per-example gradients v_i = sum_s w_is (a bias: w_s = g_s) formed in
     floating point: parts (N, d) the computed sums, masses (N,) >= sum_s ||w_is||, `terms` summands per example:
-    ||v_i|| <= ||computed_i|| + gamma_terms mass_i (the sum may cancel; the mass does not)."""
+    ||v_i|| <= ||computed_i|| (1 + gamma_d) + gamma_terms mass_i (the sum may cancel; the mass cannot), and
+    ||v_i|| <= mass_i (the triangle inequality)."""
     u = unit(parts)
-    upper = torch.linalg.vector_norm(parts, dim=-1) * (1 + gamma(parts.shape[-1] + 2, u)) + gamma(terms, u) * masses
-    return torch.minimum(upper, masses).square() * (1 + 3 * u)
+    f = norm_factor(parts.shape[-1], u)
+    upper = torch.linalg.vector_norm(parts, dim=-1).add_(masses, alpha=gamma(terms, u) / f)  # (N,) x f
+    return torch.fmin(upper, masses.div(f)).square_().mul_(f * f * (1 + 3 * u))
 
 
 def certified_norms(upper_sq: torch.Tensor) -> torch.Tensor:
     """(B,) N_i >= ||G_i|| from the layers' summed upper bounds (B,) (the sum and the root rounded up); inf or nan
     where not finite (clip_factors then gives 0: the example contributes nothing)."""
-    return upper_sq.clamp_min(0).sqrt() * (1 + 4 * unit(upper_sq))
+    return upper_sq.clamp_min(0).sqrt_().mul_(1 + 4 * unit(upper_sq))
 
 
 def finite_rows(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.norms.base import NormRule, register, trains
-from runner.norms.certify import finite_rows, gamma, row_norms, unit
+from runner.norms.certify import finite_rows, gamma, norm_factor, unit
+from runner.norms.outer import summed_vector_sq
 
 
 def keep_mask(layer: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
@@ -47,17 +48,18 @@ class EmbeddingRule(NormRule):
         B, T = a.shape
         u = unit(g)
         g = g * keep_mask(layer, a).unsqueeze(-1).to(g.dtype)  # (B, T, d): padding positions give nothing
-        mass = row_norms(g).sum(1) * (1 + gamma(T + 2, u))  # (B,) >= sum_t ||g_t|| >= ||G_i||
-        cap = mass.square() * (1 + 3 * u)
+        d = g.shape[-1]
+        # (B,) S_i >= sum_t ||g_t|| >= ||G_i|| (the triangle inequality), rounded up
+        mass = torch.linalg.vector_norm(g, dim=-1).sum(1).mul_(norm_factor(d, u) * (1 + gamma(T + 2, u)))
         if how == "ghost":
             same = (a.unsqueeze(2) == a.unsqueeze(1)).to(g.dtype)  # (B, T, T) same token
-            value = (same * torch.bmm(g, g.transpose(1, 2))).sum(2).sum(1)  # depth 2T; may cancel: value +- err
-            err = (gamma(g.shape[-1], u) + u + gamma(2 * T, u)) * mass.square()
-            upper = torch.where(torch.isfinite(value), torch.minimum((value + err) * (1 + 2 * u), cap), cap)
-            return upper
+            value = same.mul_(torch.bmm(g, g.transpose(1, 2))).sum(2).sum(1)  # depth 2T; may cancel: +- err
+            err = gamma(d, u) + u + gamma(2 * T, u)
+            mass_sq = mass.square()
+            return torch.fmin(value.add_(mass_sq, alpha=err), mass_sq).mul_(1 + 3 * u)
         # Segment sum over the distinct (example, token) keys with fixed shapes only (a sort, not torch.unique): no
         # host sync, and a CUDA graph can capture it. N = B*T positions; segment s = the s-th distinct key.
-        V, d = layer.num_embeddings, g.shape[-1]
+        V = layer.num_embeddings
         keys = (torch.arange(B, device=a.device).unsqueeze(1) * V + a).reshape(-1)  # (N,) one key per (i, v)
         sorted_keys, order = keys.sort()  # (N,), (N,)
         starts = torch.ones_like(sorted_keys, dtype=torch.bool)
@@ -66,9 +68,8 @@ class EmbeddingRule(NormRule):
         per_row = g.new_zeros(keys.shape[0], d).index_add_(0, segment, g.reshape(-1, d)[order])  # (N, d); unused: 0
         example = torch.zeros_like(sorted_keys).scatter_(0, segment, sorted_keys // V)  # (N,) segment -> example
         value = g.new_zeros(B).index_add_(0, example, per_row.pow(2).sum(1))  # (B,) ||computed rows||^2
-        # each row sums <= T gradients (off by <= gamma_T their norms); ||value|| rounds by gamma_{d+T}
-        upper = (value.clamp_min(0).sqrt() * (1 + gamma(d + T + 4, u)) + gamma(T, u) * mass).square() * (1 + 3 * u)
-        return torch.minimum(upper, cap)
+        # each row sums <= T gradients (off by <= gamma_T their norms); the squares and the segments round too
+        return summed_vector_sq(value.mul_(1 + gamma(d + T + 4, u)), mass, T, u)
 
     def clipped_sums(self, layer, a, g, nu, stash=None):
         if not trains(layer.weight):

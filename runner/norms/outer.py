@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.norms.certify import finite_rows, gamma, row_norms, summed_vector, unit, upper_sqnorm
+from runner.norms.certify import finite_rows, gamma, norm_factor, summed_vector, unit, upper_sqnorm
 
 BK_GHOST = 16  # book-keeping: ghost when T^2*(k+o) < 16*k*o
 
@@ -49,39 +49,45 @@ def sqnorm(t: torch.Tensor) -> torch.Tensor:
 
 def norm_sq(a: torch.Tensor, g: torch.Tensor, how: str = "auto", stash: dict | None = None,
             key: str = "weight") -> torch.Tensor:
-    """(N,) certified upper bounds of ||G_i||^2, G_i = g_i^T a_i (runner/norms/certify.py), whatever the input."""
+    """(N,) certified upper bounds of ||G_i||^2, G_i = g_i^T a_i (runner/norms/certify.py), whatever the input.
+    The rounding factors are Python floats folded into one multiplication (few kernels: GPU steps are launch-bound)."""
     N, T, k = a.shape
     o = g.shape[-1]
     u = unit(a)
     if T == 1:  # rank-one per-example gradient: ||G_i|| = ||g_i|| ||a_i||
-        na, ng = row_norms(a)[:, 0], row_norms(g)[:, 0]  # (N,)
-        norm = torch.where(ng == 0, ng, na * ng * (1 + u))  # g = 0: G_i = 0 whatever finite a (no 0 * inf)
-        return norm.square() * (1 + 3 * u)
+        norm = torch.linalg.vector_norm(a[:, 0], dim=1).mul_(torch.linalg.vector_norm(g[:, 0], dim=1))  # (N,)
+        return norm.square_().mul_((norm_factor(k, u) * norm_factor(o, u)) ** 2 * (1 + 5 * u))
     if stash is not None and not keeps(T, k, o):
         stash = None  # memory: do not keep G_i for the clipped sum (clipped_sum falls back to one GEMM)
     if use_ghost(T, k, o, how, stash is not None):
         aa = torch.bmm(a, a.transpose(1, 2))  # (N, T, T)
         gg = torch.bmm(g, g.transpose(1, 2))  # (N, T, T)
-        value = (aa * gg).sum(2).sum(1)  # (N,) two reductions of T terms: depth 2T, not T^2; may cancel
+        # S_i = sum_t ||a_t|| ||g_t|| >= ||G_i|| from the Grams' diagonals (each >= 0: a sum of squares), rounded up
         ga, go = gamma(k, u), gamma(o, u)
-        alpha = (aa.diagonal(dim1=1, dim2=2).clamp_min(0) / (1 - ga)).sqrt()  # (N, T) >= ||a_t||
-        beta = (gg.diagonal(dim1=1, dim2=2).clamp_min(0) / (1 - go)).sqrt()  # (N, T) >= ||g_t||
-        mass = (alpha * beta).sum(1) * (1 + gamma(T + 2, u))  # S_i >= sum_t ||a_t|| ||g_t|| >= ||G_i||
-        # |value - ||G_i||^2| <= err: each Gram entry is off by <= gamma ||a_s|| ||a_t|| (Cauchy-Schwarz), the T^2
-        # products and their sum round too; S_i^2 caps it (a value that cancelled away falls back to the triangle
-        # inequality, never to less than the truth)
-        err = (ga + go + ga * go + (u + gamma(2 * T, u)) * (1 + ga) * (1 + go)) * mass.square()
-        cap = mass.square() * (1 + 3 * u)
-        return torch.where(torch.isfinite(value), torch.minimum((value + err) * (1 + 2 * u), cap), cap)
+        mass_sq = (aa.diagonal(dim1=1, dim2=2) * gg.diagonal(dim1=1, dim2=2)).sqrt_().sum(1).square_()  # (N,)
+        mass_sq.mul_((1 + gamma(T + 3, u)) ** 2 / ((1 - ga) * (1 - go)))
+        value = (aa.mul_(gg)).sum(2).sum(1)  # (N,) two reductions of T terms (depth 2T, not T^2); may cancel
+        # |value - ||G_i||^2| <= err S_i^2: each Gram entry is off by <= gamma ||a_s|| ||a_t|| (Cauchy-Schwarz),
+        # then the products and their sums round; S_i^2 caps it: a value that cancelled away (or overflowed to nan)
+        # falls back to the triangle inequality, never to less than the truth (fmin ignores a nan value)
+        err = ga + go + ga * go + (u + gamma(2 * T, u)) * (1 + ga) * (1 + go)
+        return torch.fmin(value.add_(mass_sq, alpha=err), mass_sq).mul_(1 + 3 * u)
     per_example = torch.bmm(g.transpose(1, 2), a)  # (N, o, k), each entry off by <= gamma_T sum_t |g_t||a_t|
     value = upper_sqnorm(per_example)  # (N,) >= ||computed G_i||^2
     if stash is not None:  # the clipped sum adds these very tensors: their norm is the certificate
         stash[key] = per_example
         return value
     # the clipped sum is one GEMM over the rows, so the certificate is for the exact G_i: the computed one + slack
-    mass = (row_norms(a) * row_norms(g)).sum(1) * (1 + gamma(T + 2, u))  # (N,) S_i
-    upper = (value.sqrt() * (1 + 2 * u) + gamma(T, u) * mass).square() * (1 + 3 * u)
-    return torch.minimum(upper, mass.square() * (1 + 3 * u))
+    mass = (torch.linalg.vector_norm(a, dim=-1) * torch.linalg.vector_norm(g, dim=-1)).sum(1)  # (N,) S_i / f
+    f = norm_factor(k, u) * norm_factor(o, u) * (1 + gamma(T + 2, u))
+    return summed_vector_sq(value, mass.mul_(f), T, u)
+
+
+def summed_vector_sq(value: torch.Tensor, mass: torch.Tensor, terms: int, u: float) -> torch.Tensor:
+    """(N,) (sqrt(value) + gamma_terms mass)^2, capped by mass^2: the exact square norm of a sum whose computed
+    square norm is <= value (certified) and whose summands' norms add up to <= mass."""
+    upper = value.sqrt().mul_(1 + 2 * u).add_(mass, alpha=gamma(terms, u))
+    return torch.fmin(upper, mass).square_().mul_(1 + 3 * u)
 
 
 def clipped_sum(a: torch.Tensor, g: torch.Tensor, nu: torch.Tensor, stash: dict | None = None,
@@ -102,10 +108,11 @@ def bias_norm_sq(g: torch.Tensor, stash: dict | None = None) -> torch.Tensor:
     measured (and no second pass over g: issue 31)."""
     N, T, o = g.shape
     sums = g.sum(1)  # (N, o)
-    if stash is not None:
-        stash["bias"] = sums
+    if stash is not None or T == 1:  # what book-keeping adds (or, T = 1, exactly g): its own norm
+        if stash is not None:
+            stash["bias"] = sums
         return upper_sqnorm(sums)
-    mass = row_norms(g).sum(1) * (1 + gamma(T + 2, unit(g))) if T > 1 else row_norms(g)[:, 0]  # (N,)
+    mass = torch.linalg.vector_norm(g, dim=-1).sum(1).mul_(norm_factor(o, unit(g)) * (1 + gamma(T + 2, unit(g))))
     return summed_vector(sums, mass, T)
 
 
