@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset as TorchDataset, Sampler as TorchSampler
 from torch.utils.data.dataloader import default_collate
 
-from runner import accountants, distributed, methods
+from runner import accountants, distributed, methods, privacy_check
 from runner.data.base import DataInfo, Dataset
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
@@ -122,6 +122,7 @@ class PrivateTraining:
         self.sampling = "poisson"  # set by make_private: the sampling the batches really use
         self.planned_epsilon: float | None = None  # target_epsilon: the certified epsilon after the planned epochs
         self.target_epsilon_met: bool | None = None
+        self.privacy_notes: list[str] = []  # as summary.json's: what the guarantee does not cover
 
     @property
     def noise_multiplier(self) -> float:
@@ -199,7 +200,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  method_options: dict[str, Any] | None = None, r: int | None = None,
                  target_epsilon: float | None = None, epochs: int | None = None, delta: float | None = 1e-5,
                  generator: torch.Generator | None = None, seed: int | None = None,
-                 max_physical_batch_size: int | None = None, precision: str = "fp32") -> PrivateTraining:
+                 max_physical_batch_size: int | None = None, precision: str = "fp32",
+                 validate: bool = True) -> PrivateTraining:
     """Wrap a model, its optimizer and its training data for DP training with a dprun method.
 
     method: nonprivate | nxbp | multiloss | reweight | jl | sbcd | opacus (runner/methods/; docs/methods.md)
@@ -216,7 +218,12 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     torch.distributed: in a program that initialised the default process group, every rank passes the same data
         and seed; each trains on its share of every global Poisson batch, the clipped sums are added over the ranks
         and one noise draw is added (runner/distributed.py). step() takes the rank's share from batches().
+        seed=None: rank 0's seed on every rank; ranks holding other data are refused.
+    validate: check on the first step what per-example clipping cannot bound (runner/privacy_check/; batch coupling,
+        data written by the forward, parameters used outside their module, a loss not of shape (B,)). False (experts)
+        skips it with a warning, and private.privacy_notes says the guarantee is unchecked.
     """
+    seed = privacy_check.shared_seed(seed, generator, distributed.current())  # several ranks: one sampling seed
     if generator is None and seed is not None:
         generator = torch.Generator().manual_seed(int(seed))
     options = {**(method_options or {}), **({"r": int(r)} if r is not None else {})}  # r: method.r (JL dimension)
@@ -224,6 +231,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     m = methods.METHODS.build(method, cfg=options, clip=float(max_grad_norm), sigma=float(noise_multiplier))
     world = distributed.current(int(seed or 0))  # the user's own process group, if they initialised one
     m.configure(physical_batch_size=max_physical_batch_size, precision=precision, world=world)
+    m.privacy_check = bool(validate)
     kind = m.sampling or ("poisson" if poisson else "shuffle")
 
     sampler = loader = tensors = None
@@ -247,6 +255,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         dataset = None
     else:
         raise DprunError(f"data must be (x, y) tensors, a torch Dataset or a DataLoader, not {type(data).__name__}")
+    privacy_check.check_ranks(world, *(tensors or (None, None)), sampler or loader.batch_sampler.sampler)
 
     params_before = [p for g in optimizer.param_groups for p in g["params"]]
     model = m.attach(model, dataset)  # the CLI's entry: shared checks (BatchNorm refused), then the method's own
@@ -284,6 +293,11 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     training = PrivateTraining(model, optimizer, m, acc, acc_name, sampler, loader, tensors, n, int(batch_size), delta,
                                noise_gen)
     training.sampling = kind
+    if m.private and not validate:
+        import warnings
+
+        training.privacy_notes.append(privacy_check.UNCHECKED.replace("privacy_check=false", "validate=False"))
+        warnings.warn(training.privacy_notes[-1], stacklevel=2)
     if target_epsilon is not None:
         training.planned_epsilon, training.target_epsilon_met = target["planned_epsilon"], target["target_epsilon_met"]
     return training
