@@ -22,10 +22,12 @@ ALONE = "method=nxbp or method=multiloss (each example runs alone)"
 
 
 def tolerance(t: torch.Tensor) -> float:
-    """Relative tolerance of two forwards of the same rows in different batches (kernels may block differently)."""
+    """Relative tolerance of two forwards of the same rows in different batches (kernels may block differently; on
+    CUDA, cuDNN's TF32 convolutions may pick another algorithm per batch size). Coupling moves the others' losses by
+    far more (x - x.mean(0) with one outlier: O(1)). NOT YET MEASURED ON CUDA."""
     if t.dtype == torch.float64:
         return 1e-7
-    return 1e-3 if t.is_cuda else 3e-4
+    return 1e-2 if t.is_cuda else 3e-4
 
 
 def rows_differ(a, b) -> bool:
