@@ -38,9 +38,13 @@ def fingerprint(t: torch.Tensor | None) -> list[float]:
     return [float(flat.sum()), float((flat * weights).sum())]
 
 
-def first_batch(sampler) -> torch.Tensor:
-    """The indices of the sampler's next batch, drawn from a copy of its generator (its own state is untouched)."""
+def first_batch(sampler) -> torch.Tensor | None:
+    """The indices of the sampler's next batch, drawn from a copy of its generator (its own state is untouched);
+    None for a generator with no state to copy (a cryptographic one, which the ranks share by construction)."""
     from runner.data.sampler import Sampler
+
+    if not isinstance(sampler.generator, torch.Generator):
+        return None
 
     gen = torch.Generator(device=sampler.generator.device)
     gen.set_state(sampler.generator.get_state())
