@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset as TorchDataset, Sampler as TorchSampler
 from torch.utils.data.dataloader import default_collate
 
-from runner import accountants, distributed, methods, randomness
+from runner import accountants, distributed, methods, privacy_check, randomness
 from runner.data.base import DataInfo, Dataset
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
@@ -123,6 +123,7 @@ class PrivateTraining:
         self.rng = "seeded"  # set by make_private: seeded | secure (runner/randomness.py)
         self.planned_epsilon: float | None = None  # target_epsilon: the certified epsilon after the planned epochs
         self.target_epsilon_met: bool | None = None
+        self.privacy_notes: list[str] = []  # as summary.json's: what the guarantee does not cover
 
     @property
     def noise_multiplier(self) -> float:
@@ -206,7 +207,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  target_epsilon: float | None = None, epochs: int | None = None, delta: float | None = 1e-5,
                  generator: torch.Generator | None = None, seed: int | None = None,
                  max_physical_batch_size: int | None = None, precision: str = "fp32",
-                 rng: str = "seeded") -> PrivateTraining:
+                 rng: str = "seeded", validate: bool = True) -> PrivateTraining:
     """Wrap a model, its optimizer and its training data for DP training with a dprun method.
 
     method: nonprivate | nxbp | multiloss | reweight | jl | sbcd | opacus (runner/methods/; docs/methods.md)
@@ -225,7 +226,12 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     torch.distributed: in a program that initialised the default process group, every rank passes the same data
         and seed; each trains on its share of every global Poisson batch, the clipped sums are added over the ranks
         and one noise draw is added (runner/distributed.py). step() takes the rank's share from batches().
+        seed=None: rank 0's seed on every rank; ranks holding other data are refused.
+    validate: check on the first step what per-example clipping cannot bound (runner/privacy_check/; batch coupling,
+        data written by the forward, parameters used outside their module, a loss not of shape (B,)). False (experts)
+        skips it with a warning, and private.privacy_notes says the guarantee is unchecked.
     """
+    seed = privacy_check.shared_seed(seed, generator, distributed.current())  # several ranks: one sampling seed
     if generator is None and seed is not None and randomness.check_rng(rng) == "seeded":
         generator = torch.Generator().manual_seed(int(seed))
     options = {**(method_options or {}), **({"r": int(r)} if r is not None else {})}  # r: method.r (JL dimension)
@@ -234,6 +240,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     world = distributed.current(int(seed or 0))  # the user's own process group, if they initialised one
     generator = randomness.api_generator(rng, generator, world)  # secure: SecureRandom, shared by the ranks
     m.configure(physical_batch_size=max_physical_batch_size, precision=precision, world=world)
+    m.privacy_check = bool(validate)
     kind = m.sampling or ("poisson" if poisson else "shuffle")
 
     sampler = loader = tensors = None
@@ -257,6 +264,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         dataset = None
     else:
         raise DprunError(f"data must be (x, y) tensors, a torch Dataset or a DataLoader, not {type(data).__name__}")
+    privacy_check.check_ranks(world, *(tensors or (None, None)), sampler or loader.batch_sampler.sampler)
 
     params_before = [p for g in optimizer.param_groups for p in g["params"]]
     model = m.attach(model, dataset)  # the CLI's entry: shared checks (BatchNorm refused), then the method's own
@@ -294,6 +302,11 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     training = PrivateTraining(model, optimizer, m, acc, acc_name, sampler, loader, tensors, n, int(batch_size), delta,
                                noise_gen)
     training.sampling, training.rng = kind, rng
+    if m.private and not validate:
+        import warnings
+
+        training.privacy_notes.append(privacy_check.UNCHECKED.replace("privacy_check=false", "validate=False"))
+        warnings.warn(training.privacy_notes[-1], stacklevel=2)
     if target_epsilon is not None:
         training.planned_epsilon, training.target_epsilon_met = target["planned_epsilon"], target["target_epsilon_met"]
     return training

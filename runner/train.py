@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from runner import accountants, checkpoint, distributed, methods, models, randomness
+from runner import accountants, checkpoint, distributed, methods, models, privacy_check, randomness
 from runner.accountants.published import epsilon_columns, privacy_notes
 from runner.data import load_dataset
 from runner.data.sampler import Sampler
@@ -194,6 +194,8 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     method = methods.build(cfg).configure(physical_batch_size=cfg.get("physical_batch_size"),
                                          precision=str(cfg.get("precision", "fp32")), world=world)
     model = method.attach(model, data)  # validates (BatchNorm refused, norm-rule coverage) and prepares
+    method.privacy_check = bool(cfg.get("privacy_check", True))  # the first step's check (runner/privacy_check/)
+    privacy_check.check_ranks(world, data.train_x, data.train_y, sampler)  # the same data and batches on every rank
 
     # privacy: accountant and (optionally) sigma calibrated to a target epsilon
     accountant_name = accountants.resolve_name(str(cfg.accountant.name), method)
@@ -253,7 +255,8 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
         # number; `epsilon` itself is certified whenever it is not empty (runner/accountants/published.py):
         "epsilon_certified": bool(accountant is not None and sampler.kind == accountant.assumes_sampling),
         "privacy_notes": privacy_notes(accountant, sampler.kind, bool(cfg.get("log_norms")), str(cfg.get("rng", "seeded")),
-                                       int(cfg.seed)) + list(getattr(data, "privacy_notes", [])),
+                                       int(cfg.seed)) + list(getattr(data, "privacy_notes", [])) + (
+            [] if method.privacy_check or not method.private else [privacy_check.UNCHECKED]),
         "data_source": data.source,
         "sampling": sampler.kind,
         "sample_rate": sampler.sample_rate,

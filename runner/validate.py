@@ -136,6 +136,7 @@ RULES: dict[str, Rule] = {
     "step_timing": one_of("sync", "epoch"),
     "log_norms": boolean,
     "checkpoint": boolean,
+    "privacy_check": boolean,
     "optimizer.momentum": number(0, low_open=False),
     "optimizer.weight_decay": number(0, low_open=False),
     "optimizer.eps": number(0, low_open=True),

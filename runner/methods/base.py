@@ -110,6 +110,9 @@ class Method:
     physical_batch_size: int | None = None
     precision: str = "fp32"
     world: World = World()
+    # False (privacy_check=false, make_private(validate=False)): skip the first step's check (runner/privacy_check/);
+    # the run's privacy notes then say the guarantee is unchecked
+    privacy_check: bool = True
 
     def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, **unknown: Any):
         if unknown:  # e.g. r=4: method options live in cfg (conf/method/<name>.yaml), never silently dropped
@@ -182,6 +185,9 @@ class Method:
         if not self.private:
             return
         from runner.norms.coverage import REASONS
+        from runner.privacy_check import check_modules
+
+        check_modules(model, self.name)  # Embedding(max_norm), tracked InstanceNorm: they write data into the model
 
         for path, module in model.named_modules():
             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
@@ -242,6 +248,10 @@ class Method:
         """p.grad = the sum over the whole logical batch (every chunk, every rank) of the clipped per-example
         gradients. `privatize` (default self.privatize) runs one chunk: compile= passes a compiled, padded one."""
         privatize = privatize or self.privatize
+        if self.private and self.privacy_check:  # once per run, whatever runs the chunks (compile=, chunks, ranks)
+            from runner.privacy_check import check_first_step
+
+            check_first_step(self, model, loss_fn, x, y)  # refuses (one line) what per-example clipping cannot bound
         params = trainable(model)
         self.begin_step(model)  # before the forward fork: the same draws on every rank
         parts: list[Privatized] = []

@@ -1,0 +1,108 @@
+"""The one validation of a private run, on its first step (Method.clipped_sum calls it; CLI, API, compiled and
+chunked steps alike), on a few examples of the first batch; nothing it does is released or kept.
+
+    check_first_step(method, model, loss_fn, x, y)     # DprunError (one line) naming what clipping cannot bound
+
+In order: the loss is exactly (B,); the examples are independent (methods that run the batch in one forward);
+every hooked call is batch-first and no parameter reaches the loss outside its module's calls (per-layer methods);
+nothing was written into a parameter or buffer; the method's norms and clipped sum equal one backward per example
+(reweight; Opacus's ghost norms may only over-estimate), its norms are (B,); again nothing written. Runs once per (model,
+loss function): a step given another loss function is checked again. It reads values back (host syncs on a GPU),
+once; the steps after it read none (tests/test_no_host_sync.py). The random state, the gradients, the
+modules' train/eval flags and every parameter and buffer are restored, so the step that follows is the step the
+run would have taken without the check (tests/test_privacy_validator.py).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from runner.methods.rng import rng_state, set_rng_state
+from runner.privacy_check.independence import check_independence
+from runner.privacy_check.measured import check_against_oracle, check_inside_calls, per_example_grads
+from runner.privacy_check.shapes import check_batch_first, check_losses
+from runner.privacy_check.state import check_unwritten, restore, snapshot
+
+PROBE = 4  # examples of the first batch the check runs on (the cost: a few forwards and backwards of these)
+ALONE = ("nxbp", "multiloss")  # each example's forward runs alone: no coupling, no batch dimension to get wrong
+PER_LAYER = ("reweight", "opacus")  # norms from each module's recorded calls
+
+
+def oracle_rule(method) -> str | None:
+    """How the method's norms must compare with one backward per example: "equal" (reweight: exact), "bound" (the
+    Opacus peer's ghost mode: its norms may over-estimate, e.g. an Embedding's padding_idx row, which only clips
+    harder, since its second backward releases the true gradient), None: each clipped term is the very tensor whose
+    norm was taken (nxbp, multiloss, Opacus's hooks/functorch grad samples) or the norm is an estimate (jl)."""
+    if method.name == "reweight":
+        return "equal"
+    if method.name == "opacus" and getattr(method, "mode", None) == "ghost":
+        return "bound"
+    return None
+
+
+@contextlib.contextmanager
+def untouched(method, model: torch.nn.Module, device: torch.device):
+    """Whatever the check's passes change, put back: RNG, .grad, train/eval flags, Opacus's hooks on."""
+    state, modes = rng_state(device), {m: m.training for m in model.modules()}
+    grads = {p: p.grad for p in model.parameters()}
+    hooks = getattr(method, "hooks", None)  # the Opacus peer: its own hooks stay out of the check's forwards
+    try:
+        yield hooks
+    finally:
+        set_rng_state(state, device)
+        for m, training in modes.items():
+            m.training = training
+        for p, g in grads.items():
+            p.grad = g
+        if hooks is not None:
+            hooks.enable_hooks()
+
+
+def quiet(hooks):
+    if hooks is not None:
+        hooks.disable_hooks()
+
+
+def one_row(probe) -> None:
+    """A probe on one example; a model that cannot run a batch of one at all (a batch statistic) is left to the
+    other checks."""
+    try:
+        probe()
+    except (ValueError, RuntimeError):
+        pass
+
+
+def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:
+    key = (id(model), getattr(loss_fn, "__code__", loss_fn))  # a lambda re-made each step is the same loss
+    if getattr(method, "_privacy_checked", None) == key or len(y) == 0 or x.device.type == "meta":
+        return  # checked; nothing to check; shapes without values (tests/test_no_host_sync.py): nothing to compare
+    k = min(len(y), PROBE)
+    xs, ys = x[:k], y[:k]
+    name = method.name
+    before = snapshot(model)
+    try:
+        with untouched(method, model, x.device) as hooks:
+            quiet(hooks)
+            with torch.no_grad():
+                check_losses(loss_fn(model(xs), ys), k)
+            if name not in ALONE and not method.updates_model and k >= 2:
+                check_independence(model, loss_fn, xs, ys, name)
+            if name in PER_LAYER:
+                check_batch_first(model, xs, name)
+                one_row(lambda: check_batch_first(model, xs[:1], name))  # no non-batch dimension equals both sizes
+                check_inside_calls(model, loss_fn, xs, ys, name)
+            check_unwritten(model, before, name)
+            state = rng_state(x.device)
+            with method.autocast(xs):
+                rule = oracle_rule(method)
+                rows = per_example_grads(model, loss_fn, xs, ys) if rule else None
+            set_rng_state(state, x.device)  # the method's forward draws the oracle's dropout masks
+            if hooks is not None:
+                hooks.enable_hooks()
+            check_against_oracle(method, model, loss_fn, xs, ys, rows, rule)
+            check_unwritten(model, before, name)
+    finally:
+        restore(before)
+    if k >= 2:  # a batch of one cannot show coupling: the next batch is checked too
+        method._privacy_checked = key

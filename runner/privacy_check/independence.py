@@ -1,0 +1,119 @@
+"""Independence: the other examples' losses and outputs must not change when one example of the batch changes.
+
+    check_independence(model, loss_fn, x, y, "reweight")     # x, y: a few examples of the first batch (k >= 2)
+
+Per-example clipping bounds an example's influence only if no other example's loss depends on it. Three probes:
+example 0 replaced (train mode, the same random state: the same dropout masks), replaced again in eval mode, and
+removed (eval mode: dropout off, since the masks would shift). Whatever couples the batch is caught the same way:
+batch statistics (x - x.mean(0), F.batch_norm), a softmax or normalisation over the batch dimension, a contrastive
+loss. The message names the module whose forward mixes the examples (its input rows agree, its output rows do
+not), or the loss. Coupling that only some data shows (a branch on a rare value) cannot be seen on a few examples.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runner.errors import DprunError
+from runner.methods.rng import rng_state, set_rng_state
+from runner.privacy_check.shapes import first_input
+
+ALONE = "method=nxbp or method=multiloss (each example runs alone)"
+
+
+def tolerance(t: torch.Tensor) -> float:
+    """Relative tolerance of two forwards of the same rows in different batches (kernels may block differently; on
+    CUDA, cuDNN's TF32 convolutions may pick another algorithm per batch size). Coupling moves the others' losses by
+    far more (x - x.mean(0) with one outlier: O(1)). NOT YET MEASURED ON CUDA."""
+    if t.dtype == torch.float64:
+        return 1e-7
+    return 1e-2 if t.is_cuda else 3e-4
+
+
+def rows_differ(a, b) -> bool:
+    """a, b: the same rows of two forwards; True if they differ beyond rounding."""
+    if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape or not a.is_floating_point():
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and not torch.equal(a, b)
+    a, b = a.detach().double(), b.detach().double()
+    rtol = tolerance(a)
+    scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
+    return bool(((a - b).abs() > rtol * (b.abs() + scale)).any())
+
+
+def replaced(t: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """t with row 0 changed: floating rows to -10 t[0] + 1 (an outlier); others to the first row of `pool` that
+    differs, else (t[0] + 1) mod (max + 1) (token ids stay valid)."""
+    out = t.clone()
+    if t.is_floating_point():
+        out[0] = -10 * t[0] + 1
+        return out
+    other = [r for r in pool if not torch.equal(r, t[0])]
+    out[0] = other[0] if other else (t[0] + 1) % (int(pool.max()) + 1 if pool.numel() else 1)
+    return out
+
+
+def calls(model: nn.Module, loss_fn, x, y):
+    """One forward: the losses, and (path, module, input, output) of every module call in order (rows first)."""
+    seen = []
+
+    def hook(path):
+        def record(module, args, kwargs, out):
+            seen.append((path, module, first_input(args, kwargs), out))
+        return record
+
+    handles = [m.register_forward_hook(hook(p or "<model>"), with_kwargs=True) for p, m in model.named_modules()]
+    try:
+        with torch.no_grad():
+            losses = loss_fn(model(x), y)
+    finally:
+        for h in handles:
+            h.remove()
+    return losses, seen
+
+
+def mixer(a: list, b: list, k: int) -> str:
+    """The first module (in completion order) whose input rows 1.. agree in two forwards but whose output rows do
+    not: the one whose own forward mixes the examples; '' if none (the loss does)."""
+    for (path, module, ia, oa), (_, _, ib, ob) in zip(a, b):
+        batched = torch.is_tensor(oa) and oa.dim() > 0 and oa.shape[0] == k
+        if batched and not rows_differ(ia[1:] if torch.is_tensor(ia) and ia.dim() else ia,
+                                       ib[1:] if torch.is_tensor(ib) and ib.dim() else ib) \
+                and rows_differ(oa[1:], ob[1:]):
+            return f"{path} ({type(module).__name__})"
+    return ""
+
+
+def refuse(where: str, how: str, method: str) -> None:
+    what = f"the forward of {where}" if where else "the model or loss_fn"
+    raise DprunError(f"the examples' losses depend on the other examples of the batch: {how}, the other examples' "
+                     f"losses or outputs change ({what} mixes the batch: batch statistics, a batch-dim softmax or "
+                     f"normalisation, a contrastive loss), so method={method}'s per-example clipping bounds nothing; "
+                     f"use {ALONE}, or make each example's loss depend on that example alone")
+
+
+def check_independence(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str) -> None:
+    modes = {m: m.training for m in model.modules()}
+    try:
+        probe(model, loss_fn, x, y, method)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str) -> None:
+    k = len(y)
+    x2, y2 = replaced(x, x), replaced(y, y)
+    for train in (True, False):
+        model.train(train)
+        state = rng_state(x.device)
+        base, base_calls = calls(model, loss_fn, x, y)
+        set_rng_state(state, x.device)  # the same dropout masks for the same rows
+        other, other_calls = calls(model, loss_fn, x2, y2)
+        outputs = (base_calls[-1][3], other_calls[-1][3]) if base_calls else (None, None)
+        if rows_differ(base[1:], other[1:]) or (torch.is_tensor(outputs[0]) and outputs[0].shape[:1] == (k,)
+                                                and rows_differ(outputs[0][1:], outputs[1][1:])):
+            refuse(mixer(base_calls, other_calls, k), f"with example 0 of the first batch replaced "
+                   f"({'train' if train else 'eval'} mode)", method)
+    fewer, _ = calls(model, loss_fn, x[1:], y[1:])  # eval mode
+    if rows_differ(base[1:], fewer):
+        refuse("", "with example 0 of the first batch removed", method)

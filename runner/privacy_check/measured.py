@@ -1,0 +1,110 @@
+"""What is released is what was measured: per-layer norms cover every path from a parameter to the loss.
+
+    check_inside_calls(model, loss_fn, x, y, "reweight")    # no covered parameter reaches the loss outside its module
+    check_against_oracle(method, model, loss_fn, x, y)      # the method's norms and clipped sum = per-example autograd
+
+Per-layer methods (reweight, the Opacus peer) measure a parameter's per-example gradient from its module's calls
+only. A parameter used elsewhere too (F.linear(x, fc.weight * mask)) has a gradient those norms never saw:
+twopass/recompute released it unclipped (10 x C), book-keeping silently dropped it. check_inside_calls finds it
+by giving every module call its own copy of the module's parameters: any gradient left on the original reaches
+the loss outside the calls. check_against_oracle then compares, on a few examples, the method's own norms and
+clipped sum with one autograd backward per example (independent of any rule), under the same random state.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runner.errors import DprunError
+from runner.methods.base import trainable
+from runner.privacy_check.independence import tolerance
+from runner.privacy_check.shapes import BLACK_BOX, check_losses, check_norms, covered
+
+
+CERTIFICATE_SLACK = 1e-2  # relative: how far above the exact norm a float32 certified norm may sit
+
+
+def check_inside_calls(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str) -> None:
+    owned = {}  # id(module) -> (path, {name: original parameter})
+    for path, m in covered(model):
+        owned[id(m)] = (path, {n: p for n, p in m.named_parameters(recurse=False) if p.requires_grad})
+
+    def swap_in(module, args):  # this call sees fresh leaves, copies of its parameters
+        for n, p in owned[id(module)][1].items():
+            module._parameters[n] = p.detach().requires_grad_()
+
+    def swap_out(module, args, out):  # the original again, for any use outside the call
+        for n, p in owned[id(module)][1].items():
+            module._parameters[n] = p
+
+    handles = []
+    for _, m in covered(model):
+        handles += [m.register_forward_pre_hook(swap_in), m.register_forward_hook(swap_out)]
+    try:
+        losses = loss_fn(model(x), y)  # (B,)
+    finally:
+        for h in handles:
+            h.remove()
+        for _, m in covered(model):
+            swap_out(m, None, None)
+    if not losses.requires_grad:  # no trainable parameter reaches the loss
+        return
+    originals = [(f"{path}.{n}" if path != "<model>" else n, p) for path, ps in owned.values() for n, p in ps.items()]
+    grads = torch.autograd.grad(losses.sum(), [p for _, p in originals], allow_unused=True)
+    for (name, _), g in zip(originals, grads):
+        if g is not None and bool(g.ne(0).any()):
+            raise DprunError(f"parameter {name} reaches the loss outside its module's call (e.g. F.linear(x, "
+                             f"fc.weight * mask)): method={method} measures each example's gradient from the "
+                             f"module's calls only, so that part would be released unclipped or dropped; call the "
+                             f"module instead, or use {BLACK_BOX}")
+
+
+def per_example_grads(model, loss_fn, x, y):
+    """One backward per example through the batch's graph: [[grad of each trainable p for example i] per i]."""
+    params = trainable(model)
+    losses = loss_fn(model(x), y)  # (B,)
+    check_losses(losses, len(y))
+    rows = []
+    for i in range(len(y)):
+        gs = torch.autograd.grad(losses[i], params, retain_graph=i < len(y) - 1, allow_unused=True)
+        rows.append([torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, gs)])
+    return rows
+
+
+def check_against_oracle(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, rows,
+                         rule: str | None = "equal") -> None:
+    """method.privatize on x (a few examples) against `rows`, one backward per example (per_example_grads, drawn
+    from the same random state): the norms equal them (rule "equal") or are at least them ("bound"), and the
+    released sum is sum_i factor_i grad_i. rows None: only the shapes of the method's losses and norms."""
+    params = trainable(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in params:
+        p.grad = None
+    out = method.privatize(model, loss_fn, x, y)
+    check_losses(out.losses, len(y))
+    check_norms(out.norms, len(y), method.name)
+    if rows is None or out.norms is None:
+        return
+    want = torch.stack([torch.sqrt(sum(g.double().pow(2).sum() for g in r)) for r in rows])  # (k,)
+    rtol = 5e-2 if method.precision == "bf16" else tolerance(x if x.is_floating_point() else want.float())
+    got = out.norms.detach().double()
+    atol = rtol * float(want.max())
+    low = got < want - atol - rtol * want  # an under-estimate: the released gradient could exceed C
+    # certified norms (runner/norms/certify.py) sit above the exact ones by their rounding bound: <= 2e-3 relative
+    # on the paper models in float32 (docs/privacy.md), ~1e-13 in float64
+    slack = CERTIFICATE_SLACK if out.norms.dtype != torch.float64 else 0.0
+    high = got > want * (1 + rtol + slack) + atol
+    if bool(low.any()) or (rule == "equal" and bool(high.any())):
+        i = int(low.nonzero()[0]) if bool(low.any()) else int((got - want).abs().argmax())
+        raise DprunError(f"method={method.name}'s per-example gradient norm of example {i} of the first batch is "
+                         f"{float(got[i]):.6g}, but one backward for that example alone gives {float(want[i]):.6g}: "
+                         f"its norms do not bound what it releases for this model; use {BLACK_BOX}")
+    factors = method.clip_factors(out.norms.detach()).double()  # (k,)
+    scale = float((factors * want).sum())  # the clipped sum's norm is at most this: the tolerance's unit
+    for j, p in enumerate(params):
+        expected = sum(f * r[j].double() for f, r in zip(factors, rows))
+        released = (p.grad if p.grad is not None else torch.zeros_like(p)).double()
+        if not torch.allclose(released, expected, rtol=rtol, atol=rtol * max(scale, 1e-12)):
+            raise DprunError(f"method={method.name} releases for parameter {names.get(id(p), '?')} a clipped sum "
+                             f"that differs from the sum of the per-example gradients it measured: part of that "
+                             f"gradient is not covered by its norms; use {BLACK_BOX}")

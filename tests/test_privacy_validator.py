@@ -1,0 +1,430 @@
+"""The privacy validator (issue 32, runner/privacy_check/): on the first step of every private method, a model or
+loss whose release per-example clipping cannot bound is refused in one line naming the module, parameter or buffer.
+
+One test per row of the issue's table, for every method it applies to (and the methods that can run the model still
+accept it); the scalar loss (issue 28 item 5); the paper models and a compiled/chunked step; the skip switch;
+the ranks' agreement (2 gloo processes). float32 on the CPU, batches of a few examples: each test takes ~1 s.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.data.base import DataInfo
+from runner.errors import DprunError
+from runner.methods import METHODS
+from runner.methods.compiled import CompiledStep
+from runner.models import MODELS
+
+HAS_OPACUS = pytest.importorskip is not None and __import__("importlib").util.find_spec("opacus") is not None
+OPACUS = [("opacus", {"grad_sample_mode": m}) for m in ("hooks", "ghost", "functorch")] if HAS_OPACUS else []
+REWEIGHT = [("reweight", {"mode": m}) for m in ("bk", "twopass", "recompute")]
+ALONE = [("nxbp", {}), ("multiloss", {})]  # each example runs alone: immune to coupling and to non-batch inputs
+JL = [("jl", {"r": 2})]
+ALL = ALONE + REWEIGHT + JL + OPACUS
+BATCHED = REWEIGHT + JL + OPACUS  # the whole batch in one forward: coupling reaches the clipped sum
+HOOKED = REWEIGHT + OPACUS  # per-layer norms from hooked module calls
+BLACK_BOX = ALONE + JL
+
+
+def case_id(case):
+    name, cfg = case
+    return "-".join([name, *map(str, cfg.values())])
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out, y, reduction="none")  # (B,)
+
+
+def first_step(case, model, x, y, loss=loss_fn, **configure):
+    """The first private step of `case` on `model` (sigma 0, SGD), as the CLI and the API run it."""
+    name, cfg = case
+    torch.manual_seed(0)
+    method = METHODS.build(name, cfg=dict(cfg), clip=1.0, sigma=0.0).configure(**configure)
+    model = method.attach(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return method.step(model, loss, x, y, optimizer, sample_rate=0.5, expected_batch_size=float(len(y)))
+
+
+def refused(case, build, data, match, loss=loss_fn, **configure):
+    torch.manual_seed(0)
+    with pytest.raises(DprunError, match=match) as e:
+        first_step(case, build(), *data, loss=loss, **configure)
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def features(B=6, d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, d, generator=g)
+    x[0] *= 20  # an outlier: the example whose influence the coupling spreads
+    return x, torch.randint(0, 3, (B,), generator=g)
+
+
+def tokens(B=6, T=5, vocab=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (B, T), generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+# -- row 1: x - x.mean(0) in the forward; row 2: a functional batch_norm ----------------------------------------
+
+class Centred(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, 4): every example's input moves with the batch mean
+        return self.fc(x - x.mean(0, keepdim=True))
+
+
+class FunctionalBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):  # batch statistics with no BatchNorm module to refuse
+        return self.fc2(F.batch_norm(self.fc1(x), None, None, training=True))
+
+
+@pytest.mark.parametrize("case", BATCHED, ids=case_id)
+@pytest.mark.parametrize("build", [Centred, FunctionalBatchNorm], ids=["mean", "batch_norm"])
+def test_batch_coupling_is_refused(case, build):
+    msg = refused(case, build, features(), "depend on the other examples")
+    assert "nxbp" in msg and "multiloss" in msg  # the methods that run each example alone
+
+
+@pytest.mark.parametrize("case", ALONE, ids=case_id)
+def test_batch_coupling_is_accepted_where_each_example_runs_alone(case):
+    first_step(case, Centred(), *features())  # (F.batch_norm in training cannot run on one example at all)
+
+
+def test_a_contrastive_loss_is_refused():
+    def contrastive(out, y):  # each example's loss against the whole batch (a batch-dim softmax)
+        return -torch.log_softmax(out[:, 0], dim=0)
+
+    refused(REWEIGHT[0], lambda: nn.Linear(4, 3), features(), "depend on the other examples", loss=contrastive)
+
+
+def test_coupling_only_in_train_mode_is_refused():
+    class TrainOnlyCentred(Centred):
+        def forward(self, x):
+            return self.fc(x - x.mean(0, keepdim=True) if self.training else x)
+
+    refused(REWEIGHT[0], TrainOnlyCentred, features(), "depend on the other examples")
+
+
+# -- row 3: Embedding(max_norm=...); row 4: InstanceNorm with running statistics -------------------------------
+
+class MaxNormEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, max_norm=1.0)  # the forward renormalises the batch's rows IN PLACE
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids).mean(1))
+
+
+class TrackedInstanceNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.norm = nn.InstanceNorm1d(2, track_running_stats=True)  # running statistics of the raw data
+
+    def forward(self, x):
+        h = self.fc1(x).view(len(x), 2, 3)
+        return self.fc2(self.norm(h).flatten(1))
+
+
+@pytest.mark.parametrize("case", ALL, ids=case_id)
+def test_embedding_max_norm_is_refused_by_every_method(case):
+    msg = refused(case, MaxNormEmbedding, tokens(), "emb .*max_norm")
+    assert "max_norm=None" in msg
+
+
+@pytest.mark.parametrize("case", ALL, ids=case_id)
+def test_tracked_instance_norm_is_refused_by_every_method(case):
+    msg = refused(case, TrackedInstanceNorm, features(), "norm .*track_running_stats")
+    assert "track_running_stats=False" in msg
+
+
+class CachesData(nn.Module):
+    """A user module that writes the last batch into a buffer: data in the released state_dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("last", torch.zeros(4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.last.copy_(x[-1])
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("case", ALL, ids=case_id)
+def test_a_buffer_written_by_the_forward_is_refused_by_every_method(case):
+    refused(case, CachesData, features(), "last.*written")
+
+
+# -- row 5: a covered parameter used outside its module's call -------------------------------------------------
+
+class OutsideUse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("mask", (torch.arange(12).view(3, 4) % 2).float())
+
+    def forward(self, x):  # fc.weight also reaches the loss through F.linear: a path no hook records
+        return self.fc(x) + F.linear(x, self.fc.weight * self.mask)
+
+
+@pytest.mark.parametrize("case", HOOKED, ids=case_id)
+def test_a_parameter_used_outside_its_module_is_refused(case):
+    msg = refused(case, OutsideUse, features(), "fc.weight.*outside")
+    assert "jl" in msg and "nxbp" in msg
+
+
+@pytest.mark.parametrize("case", BLACK_BOX, ids=case_id)
+def test_a_parameter_used_outside_its_module_is_accepted_by_black_box_methods(case):
+    first_step(case, OutsideUse(), *features())
+
+
+# -- row 6: a positional table (Embedding of torch.arange(T)) in a chunk of one --------------------------------
+
+class PositionalTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos, self.fc = nn.Embedding(10, 4), nn.Embedding(5, 4), nn.Linear(4, 3)
+
+    def forward(self, ids):  # (B, T)
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))  # pos's input (T,): not the batch
+        return self.fc(h.mean(1))
+
+
+@pytest.mark.parametrize("case", HOOKED, ids=case_id)
+@pytest.mark.parametrize("physical", [None, 1])
+def test_a_module_called_on_a_non_batch_input_is_refused(case, physical):
+    if physical and case[0] == "opacus":
+        pytest.skip("chunking is the shared step's: one chunk size is enough for the peer")
+    msg = refused(case, PositionalTable, tokens(), r"pos \(Embedding\).*first dimension", physical_batch_size=physical)
+    assert "jl" in msg
+
+
+@pytest.mark.parametrize("case", BLACK_BOX, ids=case_id)
+def test_a_positional_table_is_accepted_by_black_box_methods(case):
+    first_step(case, PositionalTable(), *tokens(), physical_batch_size=1)
+
+
+# -- issue 28 item 5: a scalar (mean) loss, or any loss not exactly (B,) ---------------------------------------
+
+def mean_loss(out, y):
+    return F.cross_entropy(out, y)  # ()
+
+
+def column_loss(out, y):
+    return F.cross_entropy(out, y, reduction="none")[:, None]  # (B, 1)
+
+
+@pytest.mark.parametrize("case", ALL, ids=case_id)
+@pytest.mark.parametrize("loss", [mean_loss, column_loss], ids=["mean", "column"])
+def test_a_loss_not_of_shape_B_is_refused(case, loss):
+    msg = refused(case, lambda: nn.Linear(4, 3), features(), r"loss_fn.*shape \(B,\)", loss=loss)
+    assert "reduction='none'" in msg
+
+
+def test_make_private_refuses_a_scalar_loss_for_reweight_and_jl():
+    import dprun
+
+    for method in ("reweight", "jl"):
+        model = nn.Linear(4, 3)
+        private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), features(40), method=method,
+                                     batch_size=8, seed=0)
+        x, y = next(iter(private.batches()))
+        with pytest.raises(DprunError, match=r"shape \(B,\)"):
+            private.step(x, y, mean_loss)
+
+
+# -- the paper models, the API example, and no way around the check -------------------------------------------
+
+def image(shape):
+    return DataInfo("test", shape, 3, "image", None, 100, 10)
+
+
+def text(length):
+    return DataInfo("test", (length,), 2, "text", 6, 100, 10)
+
+
+ZOO = {  # the registry's models at small sizes (tests/test_exact_methods.py); VGG/ResNet at 32x32 with -m slow
+    "mlp": (image((1, 4, 4)), dict(depth=2, widths=(6, 5))),
+    "cnn": (image((1, 8, 8)), dict(widths=(3, 4), hidden=5)),
+    "bu_cnn": (image((1, 16, 16)), dict(widths=(3, 4), hidden=5)),
+    "papernot_cnn": (image((3, 8, 8)), dict(last_width=4)),
+    "rnn": (image((1, 4, 3)), dict(hidden=5)),
+    "lstm": (image((1, 4, 3)), dict(hidden=5)),
+    "gru": (image((1, 4, 3)), dict(hidden=5)),
+    "bilstm": (text(5), dict(hidden=4, embed_dim=3, dense=4)),
+    "transformer": (text(5), dict(d_model=8, heads=2, ff=6)),  # dropout 0.1 kept: train mode as in a run
+}
+
+
+def zoo_cases():
+    for name in MODELS.names():
+        if name in ZOO:
+            yield pytest.param(name, *ZOO[name], id=name)
+        else:
+            yield pytest.param(name, image((3, 32, 32)), {}, id=name, marks=pytest.mark.slow)
+
+
+def batch_for(info, B=5):
+    g = torch.Generator().manual_seed(1)
+    y = torch.randint(0, info.num_classes, (B,), generator=g)
+    if info.kind == "text":
+        x = torch.randint(1, info.vocab_size, (B, *info.input_shape), generator=g)
+        x[0, 3:] = 0  # padding
+        return x, y
+    return torch.randn(B, *info.input_shape, generator=g), y
+
+
+@pytest.mark.parametrize("name,info,kw", zoo_cases())
+@pytest.mark.parametrize("case", [REWEIGHT[0], REWEIGHT[1], JL[0]], ids=case_id)
+def test_every_paper_model_is_accepted(name, info, kw, case):
+    torch.manual_seed(0)
+    first_step(case, MODELS.build(name, info, **kw), *batch_for(info))
+
+
+@pytest.mark.skipif(not HAS_OPACUS, reason="the peers extra")
+def test_a_paper_model_is_accepted_by_the_opacus_peer():
+    info, kw = ZOO["cnn"]
+    for case in OPACUS:
+        first_step(case, MODELS.build("cnn", info, **kw), *batch_for(info))
+
+
+def test_the_check_leaves_the_step_unchanged():
+    """The same first step (weights after it, RNG after it) whether the check ran or not: it consumes nothing."""
+    results = []
+    for validate in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.3), nn.Tanh(), nn.Linear(5, 3))
+        method = METHODS.build("jl", cfg={"r": 2}, clip=1.0, sigma=1.0)
+        method.privacy_check = validate
+        model = method.attach(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = features()
+        method.step(model, loss_fn, x, y, opt, sample_rate=0.5, expected_batch_size=6.0)
+        results.append(([p.detach().clone() for p in model.parameters()], torch.rand(3)))
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b)
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_a_compiled_step_cannot_bypass_the_check():
+    torch.manual_seed(0)
+    method = METHODS.build("reweight", clip=1.0, sigma=0.0)
+    model = method.attach(Centred())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = CompiledStep(method, "default", torch.device("cpu"), physical=8, backend="eager")
+    step.validated = True  # as if the eager first step had run: the compiled chunk is next
+    with pytest.raises(DprunError, match="depend on the other examples"):
+        step(model, loss_fn, *features(), opt, sample_rate=0.5, expected_batch_size=6.0)
+
+
+def test_a_new_loss_function_is_checked_again():
+    torch.manual_seed(0)
+    method = METHODS.build("reweight", clip=1.0, sigma=0.0)
+    model = method.attach(nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    method.step(model, loss_fn, *features(), opt, sample_rate=0.5, expected_batch_size=6.0)
+    with pytest.raises(DprunError, match=r"shape \(B,\)"):
+        method.step(model, mean_loss, *features(), opt, sample_rate=0.5, expected_batch_size=6.0)
+
+
+def test_make_private_validate_false_skips_with_a_warning():
+    import dprun
+
+    model = Centred()
+    with pytest.warns(UserWarning, match="unchecked"):
+        private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), features(40),
+                                     batch_size=8, seed=0, validate=False)
+    x, y = next(iter(private.batches()))
+    private.step(x, y, loss_fn)  # accepted: the expert asked for it, and was told what it costs
+    assert any("unchecked" in note for note in private.privacy_notes)
+
+
+def test_cli_privacy_check_false_says_so_in_the_summary(tmp_path):
+    import json
+
+    from conftest import compose_config
+    from runner.train import train
+
+    cfg = compose_config(["epochs=1", "progress=false", "max_steps_per_epoch=1", "method=reweight",
+                          "privacy_check=false"])
+    train(cfg, tmp_path)
+    notes = json.loads((tmp_path / "summary.json").read_text())["privacy_notes"]
+    assert any("privacy_check=false" in n and "unchecked" in n for n in notes)
+
+
+def test_the_check_costs_a_few_forwards_once():
+    """Once per run: the first step pays the check, the second does not (timed loosely: CPU under load)."""
+    torch.manual_seed(0)
+    method = METHODS.build("reweight", clip=1.0, sigma=1.0)
+    model = method.attach(nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    from runner.privacy_check import first_step as check
+
+    calls, times = [], []
+    original = check.snapshot
+    check.snapshot = lambda *a: (calls.append(1), original(*a))[1]  # taken once per check
+    try:
+        for _ in range(3):
+            start = time.perf_counter()
+            method.step(model, loss_fn, *features(), opt, sample_rate=0.5, expected_batch_size=6.0)
+            times.append(time.perf_counter() - start)
+    finally:
+        check.snapshot = original
+    assert len(calls) == 1 and times[0] > min(times[1:])
+
+
+# -- row 7: ranks that do not agree (2 gloo processes) ---------------------------------------------------------
+
+def _ranks_worker(rank, world, init_file, out_dir):
+    import datetime
+
+    import torch.distributed as dist
+
+    import dprun
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    results = {}
+    torch.manual_seed(100 + rank)  # ranks seeded per rank (common for augmentation), make_private(seed=None)
+    model = nn.Linear(4, 3)
+    x, y = features(40)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=8)
+    results["sampler_state"] = private._sampler.generator.get_state()
+    x_bad = x + rank  # rank 1 holds other data
+    try:
+        dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x_bad, y), batch_size=8, seed=0)
+        results["different_data"] = "accepted"
+    except DprunError as e:
+        results["different_data"] = str(e)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ranks_share_the_sampling_seed_and_hold_the_same_data(tmp_path):
+    from test_distributed import spawn
+
+    start = time.monotonic()
+    spawn(_ranks_worker, 2, tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert torch.equal(ranks[0]["sampler_state"], ranks[1]["sampler_state"])  # rank 0's seed, shared
+    for r in ranks:
+        assert "rank 1" in r["different_data"] and "same data" in r["different_data"], r["different_data"]
+        assert "\n" not in r["different_data"]
+    assert time.monotonic() - start < 120
