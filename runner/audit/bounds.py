@@ -20,6 +20,7 @@ Exact binomial tails from scipy.stats (no normal approximation); root finding by
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -115,11 +116,13 @@ def guess_counts(m: int) -> list[int]:
     return sorted({int(round(x)) for x in np.geomspace(1, max(m, 1), 24)} & set(range(1, m + 1)))
 
 
+@functools.lru_cache(maxsize=64)  # a figure or a test audits many runs with the same m
 def ceiling(m: int, beta: float, delta: float) -> float:
     """The largest epsilon lower bound m canaries can give: every one of r guesses correct, the best r."""
     return max((epsilon_lower_bound(m, r, r, beta, delta) for r in guess_counts(m)), default=0.0)
 
 
+@functools.lru_cache(maxsize=64)
 def ceiling_fdp(m: int, beta: float, delta: float) -> float:
     """ceiling for the Gaussian-DP analysis."""
     return max((epsilon_lower_bound_fdp(m, r, r, beta, delta) for r in guess_counts(m)), default=0.0)
