@@ -145,5 +145,8 @@ plots: ## redraw every figure from the existing tables (no training)
 	$(REPORT)
 	$(PY) -m runner.plots $(FIGURES_TRAINED) $(FIGURES_COMPUTED) --scale $(SCALE)
 
+audit: ## claimed vs audited epsilon (one-run audit, docs/audit.md): digits, CPU minutes -> outputs/figures/audit.png (AUDIT_ARGS="--dataset mnist --epochs 15 --device cuda")
+	$(PY) -m runner.figures.audit $(AUDIT_ARGS)
+
 figures-list: ## the figure names, the preset each reads, and its estimated GPU time at scale=paper
 	$(PY) -m runner.plots --list

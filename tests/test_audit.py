@@ -17,6 +17,7 @@ from runner.accountants.mechanisms import SubsampledGaussian
 from runner.audit import bounds
 from runner.audit.run import attach, begin
 from runner.audit.scoring import audit_scores
+from runner.data.base import DataInfo
 from runner.errors import DprunError
 from runner.methods import METHODS
 from runner.validate import validate_config
@@ -110,7 +111,7 @@ def audited(method, *, kind="gradient", m=200, steps=60, physical=None, seed=0, 
     gen = torch.Generator().manual_seed(seed)
     x_scale = x_scale if x_scale is not None else (0.01 if kind == "gradient" else 1.0)
     x, y = x_scale * torch.randn(256, 100, generator=gen), torch.randint(0, 4, (256,), generator=gen)
-    data = SimpleNamespace(train_x=x, train_y=y, info=SimpleNamespace(num_classes=4, vocab_size=None, train_size=256))
+    data = SimpleNamespace(train_x=x, train_y=y, info=DataInfo("random", (100,), 4, train_size=256))
     cfg = OmegaConf.create({"seed": seed, "audit": {"name": "one_run", "canaries": m, "canary": kind,
                                                     "confidence": 0.95, "direction": "dirac"}})
     audit = begin(cfg, data)
@@ -183,3 +184,36 @@ def test_bad_audit_values_get_one_line(override, accepted):
     with pytest.raises(DprunError) as e:
         validate_config(compose_config(["audit=one_run", override]))
     assert accepted in str(e.value) and "\n" not in str(e.value)
+
+
+# -- the CLI's run ---------------------------------------------------------------------------------------------------
+def run_audited(tmp_path, *overrides):
+    from runner.train import train
+    cfg = compose_config(["device=cpu", "progress=false", "epochs=2", "audit=one_run", "audit.canaries=200",
+                          "checkpoint=false", *overrides])
+    return train(cfg, tmp_path / "run")
+
+
+def test_summary_has_the_audit_and_input_canaries_grow_the_training_set(tmp_path, caplog):
+    caplog.set_level("INFO", logger="dprun")
+    summary = run_audited(tmp_path, "method=reweight", "sigma=2", "audit.canary=input")
+    audit = summary["audit"]
+    assert {"kind", "canaries", "guesses", "correct", "epsilon_lower_bound", "epsilon_lower_bound_fdp", "ceiling",
+            "confidence", "epsilon_claimed"} <= set(audit)
+    assert audit["kind"] == "input" and audit["canaries"] == 200 and audit["confidence"] == 0.95
+    assert audit["epsilon_claimed"] == summary["final"]["epsilon"] and not audit["above_claimed"]
+    n_in = int(begin(compose_config(["audit=one_run", "audit.canaries=200"]),
+                     SimpleNamespace(train_x=torch.zeros(1), train_y=torch.zeros(1))).included.sum())
+    assert summary["sample_rate"] == pytest.approx(64 / (1437 + n_in))  # q = B / N with the canaries in N
+    assert any("claimed epsilon=" in r.message and "audited epsilon >=" in r.message for r in caplog.records)
+
+
+def test_a_run_without_noise_fails_its_audit_loudly(tmp_path, caplog, monkeypatch):
+    """The whole CLI path: a method whose noise went missing (sigma still told to the accountant) is flagged."""
+    import runner.methods.base as base
+    real = base.add_noise_and_scale
+    monkeypatch.setattr(base, "add_noise_and_scale", lambda model, std, b, gen=None: real(model, 0.0, b, gen))
+    summary = run_audited(tmp_path, "method=reweight", "sigma=4", "epochs=4")
+    assert summary["audit"]["above_claimed"] is True
+    assert any("PRIVACY AUDIT FAILED" in r.message for r in caplog.records)
+

@@ -11,6 +11,7 @@ bound above the claimed epsilon is a WARNING: at confidence 1 - beta it means a 
 from __future__ import annotations
 
 import logging
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,8 @@ def begin(cfg, data) -> Audit | None:
         keep = audit.included.to(audit.canary_x.device)
         data.train_x = torch.cat([data.train_x, audit.canary_x[keep]])
         data.train_y = torch.cat([data.train_y, audit.canary_y[keep]])
-        data.info.train_size = len(data.train_y)  # N grows: the sampler's q and the accountant's epsilon see it
+        # N grows: the sampler's q and the accountant's epsilon are for the dataset that contains them
+        data.info = dataclasses.replace(data.info, train_size=len(data.train_y))
     return audit
 
 
