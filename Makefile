@@ -104,7 +104,7 @@ FIGURES_COMPUTED := jl_table1 jl_fig2 jl_fig7 jl_table4 jl_epsilon_r sbcd_hsa_vs
 TABLES := jl_table1 jl_table2 jl_table3 jl_table4 jl_table5
 SWEEP_ARGS ?=
 REPORT = $(PY) -m runner.report --quiet && $(PY) -m runner.report --epochs --quiet
-.PHONY: figures tables report plots figures-list memory-study
+.PHONY: figures tables report plots figures-list memory-study audit
 
 figures: ## every table and figure of the three works -> outputs/figures/*.png|pdf, outputs/tables/*.csv
 	$(PY) -m runner.figures.sweep $(FIGURES_TRAINED) --scale $(SCALE) -- $(SWEEP_ARGS)
