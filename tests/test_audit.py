@@ -234,3 +234,14 @@ def test_two_ranks_audit_as_one_process(tmp_path):
     assert two["world_size"] == 2
     for key in ("guesses", "correct", "epsilon_lower_bound", "epsilon_lower_bound_fdp", "epsilon_claimed"):
         assert two["audit"][key] == pytest.approx(one[key], rel=1e-9), key
+
+
+def test_report_shows_the_audited_column_and_flags_a_failed_audit():
+    from runner.audit.columns import audit_columns, audited_text
+    row = audit_columns({"audit": {"kind": "gradient", "epsilon_lower_bound": 0.32, "epsilon_lower_bound_fdp": 0.39,
+                                   "ceiling": 5.1, "above_claimed": False}})
+    assert audited_text(row["audited_epsilon"], row["audited_epsilon_fdp"], row["audit_above_claimed"]) == \
+        ">= 0.32 (f-DP 0.39)"
+    assert audited_text(9.1, 9.5, True).startswith("AUDIT FAILED")
+    assert audited_text(*[audit_columns({})[k] for k in ("audited_epsilon", "audited_epsilon_fdp",
+                                                          "audit_above_claimed")]) == ""
