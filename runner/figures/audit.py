@@ -55,43 +55,43 @@ def run_grid(out: Path, dataset: str, epochs: int, canaries: int, device: str) -
 
 
 def draw(data: pd.DataFrame, title: str):
-    """Two panels (gradient, input canaries): audited vs claimed epsilon; filled = f-DP bound, hollow = Steinke."""
+    """Two panels (gradient, input canaries): per arm, the claimed epsilon (hollow bar; hatched to the top where
+    nothing is claimed) and the audited lower bounds (filled: f-DP, dark: Steinke et al.), each value written."""
     claimed = pd.to_numeric(data["claimed"], errors="coerce").fillna(math.inf)
     finite = claimed[claimed < math.inf]
-    top = max(finite.max() if len(finite) else 1.0, 1.0)
-    inf_x = top * 1.35  # where "no claim" (non-private, or an infinite epsilon) is drawn
-    fig, axes = plt.subplots(1, len(KINDS), figsize=(11, 4.6), sharey=True)
-    ymax = max(data["audited_fdp"].max(), data["audited"].max(), top) * 1.1
+    top = max(finite.max() if len(finite) else 1.0, data["audited_fdp"].max(), 1.0) * 1.15
+    labels = [label for label, _ in ARMS]
+    fig, axes = plt.subplots(1, len(KINDS), figsize=(12, 4.8), sharey=True)
     for ax, kind in zip(axes, KINDS):
-        part = data[data["kind"] == kind]
-        ax.plot([0, top * 1.2], [0, top * 1.2], color="black", lw=1)
-        ax.fill_between([0, top * 1.2], [0, top * 1.2], ymax, color="#d62728", alpha=0.08)
-        ax.text(0.05 * top, 0.93 * ymax, "above the diagonal: the claim is false (privacy bug)", color="#d62728",
-                fontsize=8, va="top")
-        for _, row in part.iterrows():
-            x = inf_x if not math.isfinite(claimed[row.name]) else claimed[row.name]
-            color = COLORS.get(row["label"], "#1f77b4")
-            ax.scatter([x], [row["audited_fdp"]], color=color, s=60, zorder=3, label=row["label"])
-            ax.scatter([x], [row["audited"]], facecolors="none", edgecolors=color, s=60, zorder=3)
-            ax.plot([x, x], [row["audited"], row["audited_fdp"]], color=color, lw=1, zorder=2)
-        if len(part):
-            ax.axhline(part["ceiling_fdp"].iloc[0], color="gray", ls="--", lw=1)
-            ax.text(0.05 * top, part["ceiling_fdp"].iloc[0], "ceiling of m canaries (f-DP)", color="gray",
-                    fontsize=8, va="bottom")
-        ax.axvline(top * 1.2, color="gray", lw=0.5)
-        ticks = [t for t in ax.get_xticks() if 0 <= t <= top * 1.2]
-        ax.set_xticks(ticks + [inf_x], [f"{t:g}" for t in ticks] + ["inf\n(no claim)"])
-        ax.set_xlim(0, inf_x * 1.08)
-        ax.set_ylim(0, ymax)
-        ax.set_xlabel("claimed epsilon (accountant)")
-        ax.set_title(f"{kind} canaries ({'white-box' if kind == 'gradient' else 'black-box, final model'})")
-    axes[0].set_ylabel("audited epsilon lower bound (95%)\nfilled: f-DP (Gaussian), hollow: Steinke et al.")
-    handles, labels = axes[0].get_legend_handles_labels()
-    more_h, more_l = axes[-1].get_legend_handles_labels()
-    seen = dict(zip(labels + more_l, handles + more_h))
-    fig.legend(seen.values(), seen.keys(), loc="lower center", ncol=len(seen), fontsize=8, frameon=False)
+        part = data[data["kind"] == kind].set_index("label")
+        for i, label in enumerate(labels):
+            if label not in part.index:
+                ax.text(i, 0.02 * top, "n/a: no\ngradient sum", ha="center", fontsize=7, color="gray")
+                continue
+            row, color = part.loc[label], COLORS.get(label, "#1f77b4")
+            eps = claimed[data[(data["kind"] == kind) & (data["label"] == label)].index[0]]
+            no_claim = not math.isfinite(eps)
+            ax.bar(i - 0.2, top if no_claim else eps, width=0.38, facecolor="none", edgecolor=color,
+                   hatch="//" if no_claim else None, lw=1.5)
+            ax.text(i - 0.2, (0.5 * top if no_claim else eps), "no claim" if no_claim else f"{eps:.3g}",
+                    ha="center", va="bottom", fontsize=7, rotation=90 if no_claim else 0)
+            ax.bar(i + 0.2, row["audited_fdp"], width=0.38, color=color, alpha=0.55)
+            ax.bar(i + 0.2, row["audited"], width=0.38, color=color)
+            ax.text(i + 0.2, row["audited_fdp"] + 0.01 * top, f"{row['audited_fdp']:.2g}", ha="center",
+                    va="bottom", fontsize=7, fontweight="bold")
+        ax.axhline(part["ceiling_fdp"].iloc[0], color="gray", ls="--", lw=1)
+        ax.text(len(labels) - 0.5, part["ceiling_fdp"].iloc[0], "ceiling of m canaries (f-DP)", color="gray",
+                fontsize=7, ha="right", va="bottom")
+        ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+        ax.set_ylim(0, top)
+        ax.set_title(f"{kind} canaries ({'white-box' if kind == 'gradient' else 'black-box: the final model only'})",
+                     fontsize=10)
+    axes[0].set_ylabel("epsilon at delta = 1e-5")
+    fig.text(0.5, 0.005, "hollow bar: claimed epsilon (accountant); filled bar: audited lower bound at 95% "
+             "(light: f-DP, dark: Steinke et al.). A private run passes when its filled bar stays below its hollow "
+             "one.", ha="center", fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig
 
 
@@ -102,13 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--canaries", type=int, default=1000)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="outputs")
+    p.add_argument("--redraw", action="store_true", help="redraw from <out>/tables/audit.csv (no training)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.out)
     table = out / "tables" / "audit.csv"
-    data = run_grid(out / "runs" / "audit", args.dataset, args.epochs, args.canaries, args.device)
-    table.parent.mkdir(parents=True, exist_ok=True)
-    data.to_csv(table, index=False)
+    if args.redraw:
+        data = pd.read_csv(table)
+    else:
+        data = run_grid(out / "runs" / "audit", args.dataset, args.epochs, args.canaries, args.device)
+        table.parent.mkdir(parents=True, exist_ok=True)
+        data.to_csv(table, index=False)
     title = (f"Claimed vs audited epsilon, one run each: {args.dataset}, {args.epochs} epochs, m = {args.canaries} "
              f"canaries, delta = 1e-5")
     fig = draw(data, title)
