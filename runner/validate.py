@@ -143,6 +143,7 @@ RULES: dict[str, Rule] = {
     "audit.canary": one_of("gradient", "input", "adversarial"),
     "audit.confidence": number(0, low_open=True, high=1, high_open=True),
     "audit.direction": one_of("dirac", "random"),
+    "audit.score": one_of("steps", "sum"),
 }
 OPTION_GROUPS = ("method", "optimizer", "dataset")  # group -> its options are the keys of conf/<group>/<name>.yaml
 _ABSENT = object()

@@ -103,7 +103,8 @@ class NoNoiseReweight(METHODS.get("reweight")):
         optimizer.step()
 
 
-def audited(method, *, kind="gradient", m=200, steps=60, physical=None, seed=0, x_scale=None, lr=0.5):
+def audited(method, *, kind="gradient", m=200, steps=60, physical=None, seed=0, x_scale=None, lr=0.5,
+            score="steps"):
     """A tiny private run (linear model, 256 random examples, q = 1/4) with audit=one_run: (result, claimed, audit).
     Gradient canaries: small inputs (x_scale 0.01), so that the real examples' weight gradients, which no clipping
     bounds in a non-private run, do not drown the canaries' C u_j (a data set's unused inputs do the same)."""
@@ -112,8 +113,8 @@ def audited(method, *, kind="gradient", m=200, steps=60, physical=None, seed=0, 
     x_scale = x_scale if x_scale is not None else (0.01 if kind == "gradient" else 1.0)
     x, y = x_scale * torch.randn(256, 100, generator=gen), torch.randint(0, 4, (256,), generator=gen)
     data = SimpleNamespace(train_x=x, train_y=y, info=DataInfo("random", (100,), 4, train_size=256))
-    cfg = OmegaConf.create({"seed": seed, "audit": {"name": "one_run", "canaries": m, "canary": kind,
-                                                    "confidence": 0.95, "direction": "dirac"}})
+    cfg = OmegaConf.create({"seed": seed, "lr": lr, "batch_size": 64, "audit": {
+        "name": "one_run", "canaries": m, "canary": kind, "confidence": 0.95, "direction": "dirac", "score": score}})
     audit = begin(cfg, data)
     model = method.configure(physical_batch_size=physical).attach(torch.nn.Linear(100, 4))
     n, batch = len(data.train_y), 64
@@ -162,9 +163,10 @@ def test_a_method_that_skips_clipping_is_caught_by_input_canaries():
 
 
 def test_physical_batches_audit_as_one_pass():
-    """Chunks only add clipped sums: the canaries' scores, and so the audit, are the one-pass run's."""
-    one, _, a1 = audited(build("reweight", sigma=1.0), steps=20)
-    chunked, _, a2 = audited(build("reweight", sigma=1.0), steps=20, physical=16)
+    """Chunks only add clipped sums: the canaries' scores, and so the audit, are the one-pass run's (score=sum
+    here; the other tests use the default per-step score)."""
+    one, _, a1 = audited(build("reweight", sigma=1.0), steps=20, score="sum")
+    chunked, _, a2 = audited(build("reweight", sigma=1.0), steps=20, physical=16, score="sum")
     np.testing.assert_allclose(a1.gradient.scores(), a2.gradient.scores(), rtol=1e-4, atol=1e-6)
     assert (one.guesses, one.correct) == (chunked.guesses, chunked.correct)
 

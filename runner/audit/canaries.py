@@ -15,6 +15,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -32,8 +34,9 @@ class GradientCanaries:
     """Gradient canaries for a model's trainable parameters; `add_` is Method.clipped_sum's hook."""
 
     def __init__(self, params: list[torch.Tensor], m: int, clip: float, sample_rate: float, seed: int,
-                 direction: str = "dirac", main: bool = True):
+                 direction: str = "dirac", main: bool = True, score: str = "steps", step_size: float = 1.0):
         self.params, self.m, self.clip, self.q, self.main = params, m, float(clip), float(sample_rate), main
+        self.score, self.step_size = score, float(step_size)  # step_size: lr C / B, one canary's move of a step
         self.d = sum(p.numel() for p in params)
         self.included = inclusion(m, seed)
         gen = torch.Generator().manual_seed(seed + 1)
@@ -53,13 +56,36 @@ class GradientCanaries:
             self.coords = None
         self.step_gen = torch.Generator().manual_seed(seed + 2)  # the canaries' Poisson draws, the same on every rank
         self.start = self.flat().clone()  # (d,) theta_0
+        self.last = self.project(self.start)  # (m,) the projections before the step now running
+        self.llr = torch.zeros(m, dtype=torch.float64, device=device)  # score=steps: the summed log-likelihood ratios
         self.drawn = 0  # canary gradients added so far (a test reads it)
 
     def flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self.params])  # (d,)
 
+    def project(self, flat: torch.Tensor) -> torch.Tensor:
+        """(m,) theta . u_j."""
+        return flat[self.coords] if self.coords is not None else self.directions @ flat
+
+    def observe(self) -> None:
+        """score=steps (white-box: every iterate is released, as the accountants assume): the last step's move
+        along each u_j, z = -(theta_t - theta_t-1) . u_j, standardised across the canaries (median, MAD: most were
+        not drawn), scored by the log-likelihood ratio of "drawn w.p. q, shifted by a = lr C / B" against "not
+        drawn": log(1 - q + q exp(a z - a^2 / 2)). Uses the released weights only, never which canaries are in."""
+        now = self.project(self.flat())
+        z = -(now - self.last).double()  # (m,)
+        self.last = now
+        centre = z.median()
+        scale = 1.4826 * (z - centre).abs().median()
+        if not bool(scale > 0):
+            scale = z.new_tensor(self.step_size * 1e-3)
+        zs, a = (z - centre) / scale, self.step_size / float(scale)
+        self.llr += torch.logaddexp(torch.full_like(zs, math.log1p(-self.q)), math.log(self.q) + a * zs - a * a / 2)
+
     def add_(self, params: list[torch.Tensor]) -> None:
         """This step's included canaries, each drawn with probability q, add C u_j to the clipped sum in p.grad."""
+        if self.score == "steps":
+            self.observe()  # the previous step's update, now in the weights
         drawn = (torch.rand(self.m, generator=self.step_gen) < self.q) & self.included  # (m,)
         if not self.main or not bool(drawn.any()):
             return
@@ -77,10 +103,12 @@ class GradientCanaries:
             offset += p.numel()
 
     def scores(self) -> np.ndarray:
-        """(m,) -(theta_T - theta_0) . u_j: larger for a canary whose gradient the run applied."""
-        delta = self.flat() - self.start  # (d,)
-        proj = delta[self.coords] if self.coords is not None else self.directions @ delta
-        return (-proj).double().cpu().numpy()
+        """(m,) larger for a canary whose gradient the run applied: score=sum: -(theta_T - theta_0) . u_j;
+        score=steps: the summed per-step log-likelihood ratios (observe)."""
+        if self.score == "steps":
+            self.observe()  # the last step's update
+            return self.llr.cpu().numpy()
+        return (-self.project(self.flat() - self.start)).double().cpu().numpy()
 
 
 def input_canaries(kind: str, m: int, data, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,8 @@ class Audit:
     seed: int
     included: torch.Tensor  # (m,) bool
     direction: str = "dirac"  # gradient canaries: dirac | random
+    score: str = "steps"  # gradient canaries: steps (every iterate) | sum (theta_T - theta_0)
+    step_size: float = 1.0  # lr / B: a canary's move per unit of gradient in one SGD step
     canary_x: torch.Tensor | None = None  # input kinds: all m canaries, in and out
     canary_y: torch.Tensor | None = None
     gradient: GradientCanaries | None = None
@@ -68,7 +70,8 @@ def begin(cfg, data) -> Audit | None:
     if cfg.get("resume"):
         raise DprunError("audit=one_run cannot resume a run: the canaries' draws are not checkpointed; start afresh")
     kind, m, seed = str(spec.canary), int(spec.canaries), int(cfg.seed) + 7919  # apart from the run's own streams
-    audit = Audit(kind, m, float(spec.confidence), seed, inclusion(m, seed), str(spec.get("direction", "dirac")))
+    audit = Audit(kind, m, float(spec.confidence), seed, inclusion(m, seed), str(spec.get("direction", "dirac")),
+                  str(spec.get("score", "steps")), float(cfg.get("lr", 1.0)) / float(cfg.get("batch_size", 1)))
     if kind != "gradient":
         audit.canary_x, audit.canary_y = input_canaries(kind, m, data, seed)
         keep = audit.included.to(audit.canary_x.device)
@@ -90,7 +93,8 @@ def attach(audit: Audit | None, method, model: torch.nn.Module, sample_rate: flo
                              f"is not one (its block updates set the weights); use audit.canary=input or adversarial")
         params = [p for p in model.parameters() if p.requires_grad]
         audit.gradient = GradientCanaries(params, audit.canaries, method.clip, sample_rate, audit.seed,
-                                          audit.direction, method.world.main)
+                                          audit.direction, method.world.main, audit.score,
+                                          audit.step_size * method.clip)
 
 
 def claimed_epsilon(run) -> float | None:
