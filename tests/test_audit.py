@@ -198,7 +198,7 @@ def run_audited(tmp_path, *overrides):
 
 def test_summary_has_the_audit_and_input_canaries_grow_the_training_set(tmp_path, caplog):
     caplog.set_level("INFO", logger="dprun")
-    summary = run_audited(tmp_path, "method=reweight", "sigma=2", "audit.canary=input")
+    summary = run_audited(tmp_path, "method=reweight", "sigma=2", "audit.canary=input", "dtype=float64")
     audit = summary["audit"]
     assert {"kind", "canaries", "guesses", "correct", "epsilon_lower_bound", "epsilon_lower_bound_fdp", "ceiling",
             "confidence", "epsilon_claimed"} <= set(audit)

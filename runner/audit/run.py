@@ -55,8 +55,11 @@ class Audit:
             return self.gradient.scores()
         was_training = model.training
         model.eval()
+        x = self.canary_x  # dtype=float64 converts the training set after the canaries joined it: follow the model
+        if x.is_floating_point():
+            x = x.to(next(model.parameters()).dtype)
         with torch.no_grad():
-            losses = [F.cross_entropy(model(self.canary_x[i:i + batch]).float(), self.canary_y[i:i + batch],
+            losses = [F.cross_entropy(model(x[i:i + batch]).float(), self.canary_y[i:i + batch],
                                       reduction="none") for i in range(0, self.canaries, batch)]
         model.train(was_training)
         return (-torch.cat(losses)).double().cpu().numpy()
@@ -106,10 +109,20 @@ def claimed_epsilon(run) -> float | None:
 
 
 def finish(run) -> None:
-    """Score the canaries, bound epsilon, write summary['audit'] and the claimed-vs-audited line (rank 0)."""
+    """Score the canaries, bound epsilon, write summary['audit'] and the claimed-vs-audited line (rank 0). An error
+    here is recorded in summary['audit'] and logged, never raised: summary.json's final write must still happen."""
     audit = getattr(run.method, "audit", None)
     if audit is None or run.summary.get("status") != "finished" or not run.world.main:
         return
+    try:
+        report(run, audit)
+    except Exception as e:  # noqa: BLE001
+        run.summary["audit"] = {"kind": audit.kind, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+        log.error("audit failed to score: %s", run.summary["audit"]["error"])
+
+
+def report(run, audit: Audit) -> None:
+    """The audit's numbers into summary['audit'], the claimed-vs-audited line, the WARNING for a failed audit."""
     beta, delta = 1.0 - audit.confidence, float(run.cfg.delta)
     result = audit_scores(audit.scores(run.model), audit.included.numpy(), beta=beta, delta=delta, seed=audit.seed)
     claimed = claimed_epsilon(run)
