@@ -52,8 +52,9 @@ METRIC_COLUMNS = ["test_acc", "test_loss", "train_loss", "train_acc", "epsilon",
                   "epsilon_gdp_approx", "epsilon_hsa_assumed", "epsilon_poisson_assumed", "epoch_time_s",
                   "step_time_s", "peak_mem_bytes"]
 SUMMARY_VIEW = ["started", "experiment", "scale", "dataset", "model", "method", "method_options", "batch_size", "sigma",
-                "epochs", "sampling", "status", "test_acc", "epsilon", "audited", "epsilon_gdp_approx", "epsilon_hsa_assumed",
-                "epsilon_poisson_assumed", "delta", "epoch_time_est_s", "device", "capped", "source", "folder"]
+                "epochs", "sampling", "status", "test_acc", "epsilon", "audited", "epsilon_gdp_approx",
+                "epsilon_hsa_assumed", "epsilon_poisson_assumed", "delta", "epoch_time_est_s", "device", "capped",
+                "source", "folder"]
 FAILED_TO_START = "failed-to-start"  # status of a folder holding only Hydra's .hydra/ record
 NO_SUMMARY = "no summary.json: stopped before training (bad input, missing data, out of memory), or still loading data"
 REFERENCE = "reference"  # <root>/reference/: the committed reference runs (outputs/reference/), not the user's

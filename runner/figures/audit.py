@@ -1,6 +1,6 @@
 """`make audit`: claimed vs audited epsilon, one training run per point (docs/audit.md).
 
-    python -m runner.figures.audit                       # digits, CPU minutes -> outputs/figures/audit.png, tables/audit.csv
+    python -m runner.figures.audit        # digits, CPU minutes -> outputs/figures/audit.png, outputs/tables/audit.csv
     python -m runner.figures.audit --dataset mnist --epochs 15 --device cuda   # MNIST files in data_dir
 
 Arms: non-private, exact DP-SGD (method=reweight) calibrated to several epsilons, DP-SGD-JL(10) and DP-SBCD; each
