@@ -104,7 +104,7 @@ FIGURES_COMPUTED := jl_table1 jl_fig2 jl_fig7 jl_table4 jl_epsilon_r sbcd_hsa_vs
 TABLES := jl_table1 jl_table2 jl_table3 jl_table4 jl_table5
 SWEEP_ARGS ?=
 REPORT = $(PY) -m runner.report --quiet && $(PY) -m runner.report --epochs --quiet
-.PHONY: figures tables report plots figures-list memory-study
+.PHONY: figures tables report plots figures-list memory-study audit
 
 figures: ## every table and figure of the three works -> outputs/figures/*.png|pdf, outputs/tables/*.csv
 	$(PY) -m runner.figures.sweep $(FIGURES_TRAINED) --scale $(SCALE) -- $(SWEEP_ARGS)
@@ -144,6 +144,9 @@ report: ## dprun-report over outputs/: one row per run (outputs/tables/runs.csv)
 plots: ## redraw every figure from the existing tables (no training)
 	$(REPORT)
 	$(PY) -m runner.plots $(FIGURES_TRAINED) $(FIGURES_COMPUTED) --scale $(SCALE)
+
+audit: ## claimed vs audited epsilon (one-run audit, docs/audit.md): digits, CPU minutes -> outputs/figures/audit.png (AUDIT_ARGS="--dataset mnist --epochs 15 --device cuda")
+	$(PY) -m runner.figures.audit $(AUDIT_ARGS)
 
 figures-list: ## the figure names, the preset each reads, and its estimated GPU time at scale=paper
 	$(PY) -m runner.plots --list

@@ -19,7 +19,7 @@ from runner.errors import DprunError
 from runner.paths import CONF_DIR
 from runner.registry import unknown_name_message
 
-CONFIG_GROUPS = ("dataset", "model", "method", "accountant", "optimizer", "experiment", "launcher")
+CONFIG_GROUPS = ("dataset", "model", "method", "accountant", "audit", "optimizer", "experiment", "launcher")
 
 
 def group_options(group: str) -> list[str]:

@@ -34,6 +34,7 @@ from typing import Any
 
 import pandas as pd
 
+from runner.audit.columns import audit_columns, audited_text
 from runner.errors import DprunError
 from runner.run_dir import out_dir_of, unstarted_runs
 
@@ -51,8 +52,9 @@ METRIC_COLUMNS = ["test_acc", "test_loss", "train_loss", "train_acc", "epsilon",
                   "epsilon_gdp_approx", "epsilon_hsa_assumed", "epsilon_poisson_assumed", "epoch_time_s",
                   "step_time_s", "peak_mem_bytes"]
 SUMMARY_VIEW = ["started", "experiment", "scale", "dataset", "model", "method", "method_options", "batch_size", "sigma",
-                "epochs", "sampling", "status", "test_acc", "epsilon", "epsilon_gdp_approx", "epsilon_hsa_assumed",
-                "epsilon_poisson_assumed", "delta", "epoch_time_est_s", "device", "capped", "source", "folder"]
+                "epochs", "sampling", "status", "test_acc", "epsilon", "audited", "epsilon_gdp_approx",
+                "epsilon_hsa_assumed", "epsilon_poisson_assumed", "delta", "epoch_time_est_s", "device", "capped",
+                "source", "folder"]
 FAILED_TO_START = "failed-to-start"  # status of a folder holding only Hydra's .hydra/ record
 NO_SUMMARY = "no summary.json: stopped before training (bad input, missing data, out of memory), or still loading data"
 REFERENCE = "reference"  # <root>/reference/: the committed reference runs (outputs/reference/), not the user's
@@ -162,6 +164,7 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
         "target_epsilon": dig(cfg, "target_epsilon"),
         "planned_epsilon": summary.get("planned_epsilon"),  # the certified epsilon planned at calibration
         "target_epsilon_met": summary.get("target_epsilon_met"),
+        **audit_columns(summary),  # audit=one_run: the audited lower bound beside the claimed epsilon
     })
     row.update(capping(row))
     epochs = read_metrics(run_dir)
@@ -301,6 +304,9 @@ def summary_view(runs: pd.DataFrame) -> str:
                           for c, s, f in zip(runs["capped"], steps, full)]
     if "source" in runs and runs["source"].nunique() < 2:
         runs = runs.drop(columns="source")  # shown only where reference and user runs are mixed
+    if "audited_epsilon" in runs and runs["audited_epsilon"].notna().any():
+        runs["audited"] = [audited_text(b, f, a) for b, f, a in
+                           zip(runs["audited_epsilon"], runs["audited_epsilon_fdp"], runs["audit_above_claimed"])]
     cols = [c for c in SUMMARY_VIEW if c in runs]
     view = runs[cols].copy()
     view = view.drop(columns=[c for c in cols if c.startswith("epsilon_") and view[c].isna().all()])
@@ -376,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dprun-report: {missed['run_dir'].nunique()} runs missed their target_epsilon (sigma calibrated with "
               f"a non-certified calibration_accountant; columns planned_epsilon, target_epsilon): "
               + ", ".join(missed["folder"].drop_duplicates()))
+    failed = table[table["audit_above_claimed"] == True] if "audit_above_claimed" in table else []  # noqa: E712
+    if len(failed):
+        print(f"dprun-report: WARNING: {failed['run_dir'].nunique()} runs FAILED their privacy audit (an audited "
+              f"lower bound above the claimed epsilon: a privacy bug, column audited): "
+              + ", ".join(failed["folder"].drop_duplicates()))
     note = f" ({len(unfinished.splitlines()) - 1} did not finish)" if unfinished else ""
     print(f"dprun-report: {n} runs{note}, {len(table)} rows -> {out}")
     return 0

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from runner import accountants, checkpoint, distributed, methods, models, privacy_check, randomness
+from runner.audit import run as audit_run
 from runner.accountants.published import epsilon_columns, privacy_notes
 from runner.data import load_dataset
 from runner.data.sampler import Sampler
@@ -171,6 +172,7 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
 
     # data: tensors on the device, loaded once
     data = load_dataset(cfg.dataset, cfg.data_dir, device)
+    audit = audit_run.begin(cfg, data)  # audit=one_run: included input canaries join the training set
     if data.train_x.is_floating_point():
         data.train_x, data.test_x = data.train_x.to(dtype), data.test_x.to(dtype)
     required = methods.METHODS.get(str(cfg.method.name)).sampling  # e.g. sbcd: fixed disjoint batches
@@ -196,6 +198,7 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     model = method.attach(model, data)  # validates (BatchNorm refused, norm-rule coverage) and prepares
     method.privacy_check = bool(cfg.get("privacy_check", True))  # the first step's check (runner/privacy_check/)
     privacy_check.check_ranks(world, data.train_x, data.train_y, sampler)  # the same data and batches on every rank
+    audit_run.attach(audit, method, model, sampler.sample_rate)  # gradient canaries join the clipped sum
 
     # privacy: accountant and (optionally) sigma calibrated to a target epsilon
     accountant_name = accountants.resolve_name(str(cfg.accountant.name), method)
@@ -395,6 +398,7 @@ def record_epoch(run: Run, row: dict[str, Any], eps: dict[str, Any]) -> None:
 def finish(run: Run) -> None:
     """summary.json's final state (rank 0): the mechanisms told to the accountant, the last complete epoch."""
     summary, accountant = run.summary, run.accountant
+    audit_run.finish(run)  # audit=one_run: summary["audit"], claimed vs audited epsilon
     if accountant is not None:
         summary["mechanisms"] = [{"kind": m.kind, **m.__dict__, "steps": n} for m, n in accountant.history.items()]
     rows = run.rows[:run.rows_on_disk]

@@ -142,6 +142,11 @@ RULES: dict[str, Rule] = {
     "optimizer.eps": number(0, low_open=True),
     "optimizer.betas": betas,
     "optimizer.impl": one_of(*IMPLS),
+    "audit.canaries": integer(2),  # halves: one picks the number of guesses, the other is bounded
+    "audit.canary": one_of("gradient", "input", "adversarial"),
+    "audit.confidence": number(0, low_open=True, high=1, high_open=True),
+    "audit.direction": one_of("dirac", "random"),
+    "audit.score": one_of("steps", "sum"),
 }
 OPTION_GROUPS = ("method", "optimizer", "dataset")  # group -> its options are the keys of conf/<group>/<name>.yaml
 _ABSENT = object()

@@ -22,8 +22,10 @@ FLOORS = [
     # 2: the clipping methods (Method.attach / Method.step: norms, clipping, noise, the optimizer step)
     ["runner.methods"],
     # 3: one run's surroundings: where conf/ is and its resolvers, knob checks, run folders, overrides, checkpoints,
-    #    starting a run's ranks (dprun distributed.nproc_per_node=N)
-    ["runner.paths", "runner.validate", "runner.run_dir", "runner.overrides", "runner.checkpoint", "runner.launch"],
+    #    starting a run's ranks (dprun distributed.nproc_per_node=N), the one-run privacy audit (its canaries meet a
+    #    Method through one hook, by duck typing)
+    ["runner.paths", "runner.validate", "runner.run_dir", "runner.overrides", "runner.checkpoint", "runner.launch",
+     "runner.audit"],
     # 4: what drives a Method: the training loop and the library API
     ["runner.train", "runner.api"],
     # 5: measurements and tables built on them: the benches, DP-SBCD's privacy curves, the report of finished runs

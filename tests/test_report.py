@@ -184,3 +184,16 @@ def test_a_run_that_missed_its_target_epsilon_is_named(tmp_path, capsys):
     assert (row["target_epsilon"], row["planned_epsilon"], row["target_epsilon_met"]) == (2.0, 3.279, False)
     assert main(["--root", str(tmp_path)]) == 0
     assert "1 runs missed their target_epsilon" in capsys.readouterr().out
+
+
+def test_audited_column_and_a_failed_audit_is_a_warning(tmp_path, capsys):
+    make_run(tmp_path / "runs" / "bad", "reweight")
+    summary = json.loads((tmp_path / "runs" / "bad" / "summary.json").read_text())
+    summary["audit"] = {"kind": "gradient", "epsilon_lower_bound": 2.5, "epsilon_lower_bound_fdp": 3.1,
+                        "ceiling": 5.1, "epsilon_claimed": 1.0, "above_claimed": True}
+    (tmp_path / "runs" / "bad" / "summary.json").write_text(json.dumps(summary))
+    make_run(tmp_path / "runs" / "ok", "reweight")
+    assert main(["--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "AUDIT FAILED >= 2.5 (f-DP 3.1)" in out and "WARNING: 1 runs FAILED their privacy audit" in out
+    assert "runs/bad" in out.splitlines()[-2]

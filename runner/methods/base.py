@@ -113,6 +113,7 @@ class Method:
     # False (privacy_check=false, make_private(validate=False)): skip the first step's check (runner/privacy_check/);
     # the run's privacy notes then say the guarantee is unchecked
     privacy_check: bool = True
+    audit: Any = None  # audit=one_run: its hook adds gradient canaries to the clipped sum (runner/audit/run.py)
 
     def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, **unknown: Any):
         if unknown:  # e.g. r=4: method options live in cfg (conf/method/<name>.yaml), never silently dropped
@@ -268,6 +269,8 @@ class Method:
             self.end_step()
         for p, t in zip(params, total or []):
             p.grad = t
+        if self.audit is not None:  # gradient canaries join here, as an example's clipped gradient would
+            self.audit.add_canaries(params)
         self.examples = len(y)  # the logical batch's size (non-private divides by it)
         if self.world.size > 1:  # the global sum on every rank (an empty share adds zeros), with the global size
             for p in params:

@@ -1,0 +1,249 @@
+"""The one-run privacy audit (runner/audit/, docs/audit.md): the bounds against worked numbers, and audits of real
+private steps that must stay at or below the claimed epsilon, while non-private, noiseless and broken runs are
+caught (an audited lower bound far above a private run's)."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from runner import accountants
+from runner.accountants.mechanisms import SubsampledGaussian
+from runner.audit import bounds
+from runner.audit.run import attach, begin
+from runner.audit.scoring import audit_scores
+from runner.data.base import DataInfo
+from runner.errors import DprunError
+from runner.methods import METHODS
+from runner.validate import validate_config
+from conftest import compose_config
+
+BETA, DELTA = 0.05, 1e-5
+
+
+# -- the bounds ------------------------------------------------------------------------------------------------------
+def test_perfect_guesses_at_delta_zero_match_the_closed_form():
+    """Steinke et al., Theorem 3.1 at delta = 0: P[all r correct] = q^r with q = e^eps / (1 + e^eps), so the bound
+    is logit(beta^(1/r)); r = 100, beta = 0.05 gives 3.493."""
+    for r in (10, 100, 1000):
+        q = BETA ** (1 / r)
+        assert bounds.epsilon_lower_bound(1000, r, r, BETA, 0.0) == pytest.approx(math.log(q / (1 - q)), abs=1e-6)
+    assert bounds.epsilon_lower_bound(1000, 100, 100, BETA, 0.0) == pytest.approx(3.493, abs=1e-3)
+
+
+def test_p_value_is_the_binomial_tail_plus_the_delta_term():
+    """Algorithm 2 of Steinke et al.: P[Bin(r, q) >= v] + 2 m delta max_i P[v > Bin >= v - i] / i."""
+    from scipy import stats
+    m, r, v, eps = 1000, 200, 150, 1.0
+    q = 1 / (1 + math.exp(-eps))
+    tail = stats.binom.sf(v - 1, r, q)
+    assert bounds.p_value(m, r, v, eps, 0.0) == pytest.approx(tail)
+    alpha = max((stats.binom.sf(v - i - 1, r, q) - tail) / i for i in range(1, v + 1))
+    assert bounds.p_value(m, r, v, eps, 1e-3) == pytest.approx(tail + 2 * m * 1e-3 * alpha)
+    # delta > 0 only weakens the bound; chance-level guessing bounds nothing
+    assert bounds.epsilon_lower_bound(m, r, v, BETA, DELTA) <= bounds.epsilon_lower_bound(m, r, v, BETA, 0.0)
+    assert bounds.epsilon_lower_bound(m, 500, 250, BETA, DELTA) == 0.0
+
+
+def test_gaussian_dp_conversion_is_the_analytic_gaussian_mechanism():
+    """mu-GDP's epsilon at delta = the epsilon of the Gaussian mechanism with sigma = 1 / mu (dp-accounting)."""
+    import dp_accounting
+    for mu in (0.5, 1.0, 2.0):
+        eps = bounds.gdp_epsilon(mu, DELTA)
+        assert dp_accounting.get_sigma_gaussian(eps, DELTA) == pytest.approx(1 / mu, rel=1e-4)
+
+
+def test_fdp_analysis_is_tighter_and_sound_on_a_gaussian_mechanism():
+    """Scores of an exact mu-GDP mechanism (in: shifted by mu = 1): both bounds stay below its epsilon, the f-DP
+    one is the tighter of the two (Mahloujifar et al.), and neither exceeds its ceiling."""
+    rng = np.random.default_rng(0)
+    inc = rng.random(1000) < 0.5
+    result = audit_scores(rng.normal(size=1000) + 1.0 * inc, inc, beta=BETA, delta=DELTA)
+    assert 0 < result.epsilon_lower_bound < result.epsilon_lower_bound_fdp <= bounds.gdp_epsilon(1.0, DELTA)
+    assert result.mu_lower_bound <= 1.0
+    assert result.epsilon_lower_bound <= result.ceiling and result.epsilon_lower_bound_fdp <= result.ceiling_fdp
+
+
+def test_guesses_are_chosen_on_one_half_and_bounded_on_the_other():
+    """k+ and k- are chosen from the selection half's labels only: flipping every label of the bound half changes
+    the counts but never the number of guesses; the bound is the bound half's (m/2 canaries)."""
+    rng = np.random.default_rng(1)
+    inc = rng.random(400) < 0.5
+    scores = inc + rng.normal(size=400)
+    result = audit_scores(scores, inc, beta=BETA, delta=DELTA, seed=3)
+    held = np.random.default_rng(3).permutation(400)[200:]
+    flipped = inc.copy()
+    flipped[held] = ~flipped[held]
+    other = audit_scores(scores, flipped, beta=BETA, delta=DELTA, seed=3)
+    assert result.scored == other.scored == 200
+    assert other.guesses == result.guesses and other.correct == result.guesses - result.correct
+    assert result.epsilon_lower_bound == bounds.epsilon_lower_bound(200, result.guesses, result.correct, BETA, DELTA)
+
+
+# -- audits of real steps --------------------------------------------------------------------------------------------
+class NoClipReweight(METHODS.get("reweight")):
+    """A broken method: per-example gradients summed unclipped (the clip factors are all 1)."""
+
+    def clip_factors(self, norms):
+        return torch.ones_like(norms)
+
+
+class NoNoiseReweight(METHODS.get("reweight")):
+    """A broken method: clipped, but the noise is never added (sigma is still told to the accountant)."""
+
+    def update(self, model, optimizer, mechanism, **_):
+        from runner.methods.base import trainable
+        for p in trainable(model):
+            p.grad /= 64.0
+        optimizer.step()
+
+
+def audited(method, *, kind="gradient", m=200, steps=60, physical=None, seed=0, x_scale=None, lr=0.5,
+            score="steps"):
+    """A tiny private run (linear model, 256 random examples, q = 1/4) with audit=one_run: (result, claimed, audit).
+    Gradient canaries: small inputs (x_scale 0.01), so that the real examples' weight gradients, which no clipping
+    bounds in a non-private run, do not drown the canaries' C u_j (a data set's unused inputs do the same)."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    x_scale = x_scale if x_scale is not None else (0.01 if kind == "gradient" else 1.0)
+    x, y = x_scale * torch.randn(256, 100, generator=gen), torch.randint(0, 4, (256,), generator=gen)
+    data = SimpleNamespace(train_x=x, train_y=y, info=DataInfo("random", (100,), 4, train_size=256))
+    cfg = OmegaConf.create({"seed": seed, "lr": lr, "batch_size": 64, "audit": {
+        "name": "one_run", "canaries": m, "canary": kind, "confidence": 0.95, "direction": "dirac", "score": score}})
+    audit = begin(cfg, data)
+    model = method.configure(physical_batch_size=physical).attach(torch.nn.Linear(100, 4))
+    n, batch = len(data.train_y), 64
+    q = batch / n
+    attach(audit, method, model, q)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        idx = (torch.rand(n, generator=gen) < q).nonzero().squeeze(1)
+        method.step(model, lambda o, t: F.cross_entropy(o, t, reduction="none"), data.train_x[idx],
+                    data.train_y[idx], opt, sample_rate=q, expected_batch_size=batch, generator=gen)
+    result = audit_scores(audit.scores(model), audit.included.numpy(), beta=BETA, delta=DELTA, seed=audit.seed)
+    claimed = math.inf
+    if method.private and method.sigma > 0:
+        acc = accountants.build("pld")
+        acc.step(SubsampledGaussian(sample_rate=q, noise_multiplier=method.sigma), count=steps)
+        claimed = acc.epsilon(DELTA)
+    return result, claimed, audit
+
+
+def build(name, sigma=1.0, cls=None):
+    return (cls or METHODS.get(name))(clip=1.0, sigma=sigma)
+
+
+def test_private_runs_audit_below_their_claim_and_controls_far_above():
+    found = lambda r: max(r.epsilon_lower_bound, r.epsilon_lower_bound_fdp)  # noqa: E731
+    private, claimed, audit = audited(build("reweight", sigma=3.0))
+    assert audit.gradient.drawn > 0  # the canaries did join the steps
+    assert found(private) <= claimed
+    for control in (build("nonprivate"), build("reweight", sigma=0.0)):  # no privacy; clipping without noise
+        result, _, _ = audited(control)
+        assert found(result) > found(private) + 2.0
+
+
+def test_a_method_that_adds_no_noise_is_caught():
+    result, claimed, _ = audited(build("reweight", sigma=8.0, cls=NoNoiseReweight))
+    assert claimed < 1.0  # what the (wrong) method claims
+    assert result.epsilon_lower_bound_fdp > claimed  # the audit proves the claim false
+
+
+def test_a_method_that_skips_clipping_is_caught_by_input_canaries():
+    """Mislabelled random inputs have gradients far above C: unclipped, they stand out of the noise."""
+    honest, claimed, _ = audited(build("reweight", sigma=4.0), kind="input", lr=0.05)
+    broken, _, _ = audited(build("reweight", sigma=4.0, cls=NoClipReweight), kind="input", lr=0.05)
+    assert honest.epsilon_lower_bound <= claimed
+    assert max(broken.epsilon_lower_bound, broken.epsilon_lower_bound_fdp) > claimed
+
+
+def test_physical_batches_audit_as_one_pass():
+    """Chunks only add clipped sums: the canaries' scores, and so the audit, are the one-pass run's (score=sum
+    here; the other tests use the default per-step score)."""
+    one, _, a1 = audited(build("reweight", sigma=1.0), steps=20, score="sum")
+    chunked, _, a2 = audited(build("reweight", sigma=1.0), steps=20, physical=16, score="sum")
+    np.testing.assert_allclose(a1.gradient.scores(), a2.gradient.scores(), rtol=1e-4, atol=1e-6)
+    assert (one.guesses, one.correct) == (chunked.guesses, chunked.correct)
+
+
+def test_gradient_canaries_refuse_a_method_without_a_gradient_sum():
+    method = SimpleNamespace(updates_model=True, name="sbcd")
+    audit = SimpleNamespace(kind="gradient")
+    with pytest.raises(DprunError, match="audit.canary=input"):
+        attach(audit, method, torch.nn.Linear(2, 2), 0.1)
+
+
+@pytest.mark.parametrize("override, accepted", [("audit.canary=foo", "gradient, input, adversarial"),
+                                                ("audit.canaries=1", "an integer >= 2"),
+                                                ("audit.confidence=1.5", "(0, 1)"),
+                                                ("audit.direction=x", "dirac, random")])
+def test_bad_audit_values_get_one_line(override, accepted):
+    with pytest.raises(DprunError) as e:
+        validate_config(compose_config(["audit=one_run", override]))
+    assert accepted in str(e.value) and "\n" not in str(e.value)
+
+
+# -- the CLI's run ---------------------------------------------------------------------------------------------------
+def run_audited(tmp_path, *overrides):
+    from runner.train import train
+    cfg = compose_config(["device=cpu", "progress=false", "epochs=2", "audit=one_run", "audit.canaries=200",
+                          "checkpoint=false", *overrides])
+    return train(cfg, tmp_path / "run")
+
+
+def test_summary_has_the_audit_and_input_canaries_grow_the_training_set(tmp_path, caplog):
+    caplog.set_level("INFO", logger="dprun")
+    summary = run_audited(tmp_path, "method=reweight", "sigma=2", "audit.canary=input", "dtype=float64")
+    audit = summary["audit"]
+    assert {"kind", "canaries", "guesses", "correct", "epsilon_lower_bound", "epsilon_lower_bound_fdp", "ceiling",
+            "confidence", "epsilon_claimed"} <= set(audit)
+    assert audit["kind"] == "input" and audit["canaries"] == 200 and audit["confidence"] == 0.95
+    assert audit["epsilon_claimed"] == summary["final"]["epsilon"] and not audit["above_claimed"]
+    n_in = int(begin(compose_config(["audit=one_run", "audit.canaries=200"]),
+                     SimpleNamespace(train_x=torch.zeros(1), train_y=torch.zeros(1))).included.sum())
+    assert summary["sample_rate"] == pytest.approx(64 / (1437 + n_in))  # q = B / N with the canaries in N
+    assert any("claimed epsilon=" in r.message and "audited epsilon >=" in r.message for r in caplog.records)
+
+
+def test_a_run_without_noise_fails_its_audit_loudly(tmp_path, caplog, monkeypatch):
+    """The whole CLI path: a method whose noise went missing (sigma still told to the accountant) is flagged."""
+    import runner.methods.base as base
+    real = base.add_noise_and_scale
+    monkeypatch.setattr(base, "add_noise_and_scale", lambda model, std, b, gen=None: real(model, 0.0, b, gen))
+    summary = run_audited(tmp_path, "method=reweight", "sigma=4", "epochs=4")
+    assert summary["audit"]["above_claimed"] is True
+    assert any("PRIVACY AUDIT FAILED" in r.message for r in caplog.records)
+
+
+
+@pytest.mark.slow  # two spawned processes and three audits: ~40 s on a quiet 2-core machine
+def test_two_ranks_audit_as_one_process(tmp_path):
+    """Every rank draws the canaries' Poisson draws, rank 0 adds them before the all-reduce: the 2-process run's
+    audit is the one-process run's."""
+    from runner.train import train
+    from test_distributed import _train_worker, spawn
+
+    base = ["method=reweight", "dtype=float64", "progress=false", "max_steps_per_epoch=5", "batch_size=32",
+            "epochs=2", "audit=one_run", "audit.canaries=200", "checkpoint=false"]
+    one = train(compose_config(base), tmp_path / "one")["audit"]
+    spawn(_train_worker, 2, tmp_path / "work", base, tmp_path / "two")
+    two = __import__("json").loads((tmp_path / "two" / "summary.json").read_text())
+    assert two["world_size"] == 2
+    for key in ("guesses", "correct", "epsilon_lower_bound", "epsilon_lower_bound_fdp", "epsilon_claimed"):
+        assert two["audit"][key] == pytest.approx(one[key], rel=1e-9), key
+
+
+def test_report_shows_the_audited_column_and_flags_a_failed_audit():
+    from runner.audit.columns import audit_columns, audited_text
+    row = audit_columns({"audit": {"kind": "gradient", "epsilon_lower_bound": 0.32, "epsilon_lower_bound_fdp": 0.39,
+                                   "ceiling": 5.1, "above_claimed": False}})
+    assert audited_text(row["audited_epsilon"], row["audited_epsilon_fdp"], row["audit_above_claimed"]) == \
+        ">= 0.32 (f-DP 0.39)"
+    assert audited_text(9.1, 9.5, True).startswith("AUDIT FAILED")
+    assert audited_text(*[audit_columns({})[k] for k in ("audited_epsilon", "audited_epsilon_fdp",
+                                                          "audit_above_claimed")]) == ""
