@@ -131,3 +131,16 @@ def unstarted_runs(root: str | Path) -> list[tuple[Path, dict]]:
             cfg = {}
         found.append((folder, cfg))
     return found
+
+
+def run_dir_in_out_dir(argv: list[str]) -> list[str]:
+    """A single run's literal `out_dir=X` is Hydra's run folder too (hydra.run.dir=X): its .hydra/ record goes into
+    X, and nothing is written outside it (no outputs/runs/<date>/... holding only .hydra/). A sweep, an explicit
+    hydra.run.dir= or an interpolated out_dir are left as they are."""
+    if {"-m", "--multirun"} & set(argv) or any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv):
+        return argv
+    for arg in argv:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if key == "out_dir" and sep and value not in ("", "null") and not any(c in value for c in "${},()"):
+            return [*argv, f"hydra.run.dir={value}"]
+    return argv
