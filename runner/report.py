@@ -24,7 +24,6 @@ target_epsilon are named.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 
 import pandas as pd
 
+from runner.entry import OneLineParser, run_entry
 from runner.errors import DprunError
 from runner.run_dir import out_dir_of, unstarted_runs
 
@@ -333,7 +333,12 @@ def unfinished_view(runs: pd.DataFrame) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dprun-report", description=__doc__.splitlines()[0])
+    """`dprun-report`: bad input is one line (runner/entry.py)."""
+    return run_entry(report, "dprun-report", argv)
+
+
+def report(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="dprun-report", description=__doc__.splitlines()[0])
     p.add_argument("--root", default="outputs", help="folder searched for run folders (default: outputs)")
     p.add_argument("--experiment", help="keep only runs with this experiment_name (a preset's name)")
     p.add_argument("--scale", choices=["smoke", "paper"], help="keep only runs of this scale")
@@ -343,11 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="CSV to write (default: <root>/tables/runs.csv, or runs_<experiment>.csv)")
     p.add_argument("--quiet", action="store_true", help="write the CSV, print only its path")
     args = p.parse_args(argv)
-    try:
-        table = collect(args.root, args.experiment, args.scale, per_epoch=args.epochs, reference=args.reference)
-    except DprunError as e:
-        print(f"dprun-report: {e}", file=sys.stderr)
-        return 2
+    table = collect(args.root, args.experiment, args.scale, per_epoch=args.epochs, reference=args.reference)
     name = "runs" + (f"_{args.experiment}" if args.experiment else "") + ("_epochs" if args.epochs else "")
     out = Path(args.out or Path(args.root) / "tables" / f"{name}.csv")
     out.parent.mkdir(parents=True, exist_ok=True)

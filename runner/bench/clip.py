@@ -16,6 +16,7 @@ DprunError) are rows with a note. Saves outputs/bench/clip_<device>.csv.
 """
 from __future__ import annotations
 
+import sys
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,4 +164,6 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    from runner.entry import run_entry
+
+    sys.exit(run_entry(main, "python -m runner.bench.clip"))

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from runner.data.base import DataInfo
 from runner.data.synthetic import like_info
+from runner.entry import OneLineParser
 from runner.errors import DprunError
 from runner.methods import METHODS
 from runner.metrics import synchronize
@@ -174,7 +175,7 @@ def step_memory_bytes(step: Callable[[], object], device: torch.device,
 def arguments(prog: str, doc: str, *, repeats: int, warmup: int, budget: float, quick: str, workloads: list[str],
               out: str) -> argparse.ArgumentParser:
     """The options every bench takes (each adds its own after these)."""
-    ap = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    ap = OneLineParser(prog=prog, description=doc.splitlines()[0])
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--repeats", type=int, default=repeats, help="timed steps per contender (median reported)")
     ap.add_argument("--warmup", type=int, default=warmup, help="untimed steps per contender first")
@@ -188,7 +189,9 @@ def arguments(prog: str, doc: str, *, repeats: int, warmup: int, budget: float, 
 
 def bench_device(name: str) -> torch.device:
     """--device auto: this machine's best device."""
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    from runner.train import resolve_device
+
+    return resolve_device(name)  # cuda without CUDA, or a name that is no device: one line
 
 
 def select_workloads(available: list, wanted_csv: str | None, tool: str) -> list:
@@ -199,5 +202,5 @@ def select_workloads(available: list, wanted_csv: str | None, tool: str) -> list
     names = [w.name for w in available]
     unknown = [n for n in wanted if n not in names]
     if unknown:
-        raise SystemExit(f"{tool}: unknown workload {unknown[0]!r}; valid: {', '.join(names)}")
+        raise DprunError(f"unknown workload {unknown[0]!r}; valid: {', '.join(names)}")
     return [w for w in available if w.name in wanted]
