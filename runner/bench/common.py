@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -36,6 +37,10 @@ from runner.entry import OneLineParser
 from runner.errors import DprunError
 from runner.methods import METHODS
 from runner.metrics import synchronize
+
+# Kineto (torch.profiler, the CPU memory measurement) prints "USDT: ... profiler_start/stop" at every profiled step;
+# level 6 is above all of its levels (read when a profile starts)
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 # the datasets' shapes the benchmarks draw synthetic inputs of (the timings do not depend on the values), from
@@ -92,7 +97,9 @@ def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimi
         if compile_mode:
             from runner.methods.compiled import CompiledStep
 
-            method_step = CompiledStep(method, compile_mode, x.device, physical=None)
+            # the bench's batch has a fixed size: each chunk padded to it (or to physical_batch_size), one graph
+            physical = (configure or {}).get("physical_batch_size") or len(y)
+            method_step = CompiledStep(method, compile_mode, x.device, physical=int(physical))
         step = lambda: method_step(model, loss_fn, x, y, opt, sample_rate=sample_rate,  # noqa: E731
                                    expected_batch_size=expected_batch_size, generator=gen)
         step()  # fails here, not in the timing loop, if the method rejects the model
