@@ -21,10 +21,11 @@ from runner.interrupt import interrupted_exit, sigterm_as_interrupt
 from runner.overrides import CONFIG_GROUPS, check_group_choices
 from runner.paths import CONF_DIR, register_resolvers
 from runner.registry import unknown_name_message
-from runner.run_dir import check_reused_dirs, discard_unstarted, run_dir_in_out_dir
+from runner.run_dir import check_reused_dirs, discard_hydra_record, discard_unstarted, run_dir_in_out_dir
 from runner.speaker import Speaker
 
 register_resolvers()  # before @hydra.main composes conf/
+NEW_DIRS: set[Path] = set()  # out_dir= folders that did not exist before Hydra made them (main() notes them)
 EXIT_DIVERGED = 3  # a run whose loss or parameters became non-finite (status `diverged`); 2: refused; 1: failed
 
 
@@ -100,7 +101,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         for handler in logging.getLogger().handlers:
             handler.addFilter(_NoEpochLines())
     out_dir = Path(output_dir(cfg))
-    new_out_dir = not out_dir.exists()  # a refused run removes only folders made for it
+    new_out_dir = not out_dir.exists() or out_dir.resolve() in NEW_DIRS  # a refused run removes only what it made
     try:
         run(cfg, speaker)
     except DprunError as e:
@@ -138,7 +139,11 @@ def discard_refused(cfg: DictConfig, out_dir: Path | None) -> None:
     cell of the grid stays visible (docs/figures.md)."""
     if cfg.get("resume"):
         return
-    discard_unstarted(HydraConfig.get().runtime.output_dir)
+    hydra_dir = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.out_dir and out_dir is None and hydra_dir.resolve() == Path(cfg.out_dir).resolve():  # a user's folder
+        discard_hydra_record(hydra_dir)  # it stays, without the record Hydra wrote into it
+    else:
+        discard_unstarted(hydra_dir)
     if out_dir is not None:
         discard_unstarted(out_dir)
 
@@ -226,6 +231,8 @@ def main() -> None:
         check_reused_dirs(argv)
         # resume=<dir>: that run's own config (summary.json), continued in its folder; checked before Hydra writes
         hydra_argv = run_dir_in_out_dir(resume_argv(argv))  # out_dir=X: Hydra's .hydra/ record inside X too
+        NEW_DIRS.update(Path(a.partition("=")[2]).resolve() for a in hydra_argv
+                        if a.startswith("hydra.run.dir=") and not Path(a.partition("=")[2]).exists())
         nproc = launch.processes(argv)  # distributed.nproc_per_node=N, or what a resumed run recorded
         if nproc > 1 and Speaker.here().size == 1:  # start the N ranks, each running this command
             sys.exit(launch.launch(argv, nproc))

@@ -79,6 +79,17 @@ def discard_unstarted(folder: str | Path) -> bool:
     return True
 
 
+def discard_hydra_record(folder: str | Path) -> None:
+    """Remove the .hydra/ record Hydra wrote into a folder that existed before the run (a user's out_dir= folder,
+    refused before training): the folder and anything else in it stay."""
+    hydra = Path(folder) / ".hydra"
+    if hydra.is_dir() and not hydra.is_symlink():
+        for name in HYDRA_RECORD:
+            (hydra / name).unlink(missing_ok=True)
+        if not any(hydra.iterdir()):
+            hydra.rmdir()
+
+
 def hydra_config(folder: Path) -> dict:
     """The job config Hydra recorded in folder/.hydra/config.yaml, resolved where the resolvers allow."""
     from omegaconf import OmegaConf
