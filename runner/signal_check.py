@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from runner import methods, models
+from runner import models
 from runner.data import load_dataset
 from runner.methods import METHODS
 from runner.methods.base import trainable
