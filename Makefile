@@ -31,7 +31,7 @@ endef
 export TORCH_CPU_VERSION
 SCALE ?= smoke
 
-.PHONY: help install torch demo test test-slow bench
+.PHONY: help install torch demo test lint test-slow bench
 
 help: ## list the targets (coloured on a terminal only)
 	@if [ -t 1 ]; then c='\033[36m'; n='\033[0m'; else c=''; n=''; fi; \
@@ -65,6 +65,9 @@ demo: ## the built-in demo: non-private MLP on scikit-learn's digits, CPU, secon
 
 test: ## the default test suite (fast; slow sweeps are excluded)
 	$(PY) -m pytest -q
+
+lint: ## ruff with pyproject.toml's rules (pyflakes, pycodestyle errors); part of CI
+	$(PY) -m ruff check .
 
 test-slow: ## the slow suite: end-to-end figure sweeps at smoke scale
 	$(PY) -m pytest -q -m slow

@@ -21,13 +21,15 @@ is runner/data/sampler.py's. docs/api.md has a runnable example.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset as TorchDataset, Sampler as TorchSampler
 from torch.utils.data.dataloader import default_collate
 
-from runner import accountants, distributed, methods, privacy_check, randomness
+from runner import distributed, privacy_check, randomness
+from runner.assembly import API_NAMES, PrivateRun, Request, assemble
 from runner.data.base import DataInfo, Dataset
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
@@ -236,77 +238,77 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         generator = torch.Generator().manual_seed(int(seed))
     options = {**(method_options or {}), **({"r": int(r)} if r is not None else {})}  # r: method.r (JL dimension)
     check_options("method", method, options)  # a typo in an option name is an error, not a silent default
-    m = methods.METHODS.build(method, cfg=options, clip=float(max_grad_norm), sigma=float(noise_multiplier))
     world = distributed.current(int(seed or 0))  # the user's own process group, if they initialised one
     generator = randomness.api_generator(rng, generator, world)  # secure: SecureRandom, shared by the ranks
-    m.configure(physical_batch_size=max_physical_batch_size, precision=precision, world=world)
-    m.privacy_check = bool(validate)
-    kind = m.sampling or ("poisson" if poisson else "shuffle")
-
-    sampler = loader = tensors = None
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
-        x, y = data
-        if not batch_size:
-            raise DprunError("make_private with tensors needs batch_size (the expected batch size)")
-        gen = generator if generator is not None else _child_generator()
-        sampler = Sampler(kind, len(y), int(batch_size), gen, y.device)
-        tensors, n = (x, y), len(y)
-        info = DataInfo("user", tuple(x.shape[1:]), int(y.max().item()) + 1 if y.numel() else 0, train_size=n)
-        dataset = Dataset(info, x, y, x[:0], y[:0], source="user")
-    elif isinstance(data, (TorchDataset, DataLoader)):
-        if m.sampling:
-            raise DprunError(f"method={method} needs in-memory tensors (x, y), not a Dataset or DataLoader")
-        loader = poisson_loader(data, batch_size, generator)
-        batch_size, n = loader.batch_sampler.sampler.batch_size, len(loader.dataset)
-        if not poisson:
-            loader.batch_sampler.sampler = Sampler("shuffle", n, batch_size, loader.batch_sampler.sampler.generator)
-        loader.batch_sampler.world = world
-        dataset = None
-    else:
-        raise DprunError(f"data must be (x, y) tensors, a torch Dataset or a DataLoader, not {type(data).__name__}")
-    privacy_check.check_ranks(world, *(tensors or (None, None)), sampler or loader.batch_sampler.sampler)
-
+    source = _Source(data, batch_size, generator, world)
+    request = Request(method=method, method_options=options, clip=float(max_grad_norm), sigma=float(noise_multiplier),
+                      sampling="poisson" if poisson else "shuffle", accountant=accountant,
+                      physical_batch_size=max_physical_batch_size, precision=precision, epochs=epochs,
+                      target_epsilon=target_epsilon, delta=delta, names=API_NAMES)
     params_before = [p for g in optimizer.param_groups for p in g["params"]]
-    model = m.attach(model, dataset)  # the CLI's entry: shared checks (BatchNorm refused), then the method's own
+    private = assemble(request, model, source.dataset, world, source.sampler)  # runner/assembly.py, as the CLI's
+    private.method.privacy_check = bool(validate)  # the first step's check (runner/privacy_check/)
+    privacy_check.check_ranks(world, *(source.tensors or (None, None)), private.sampler)  # same data, same batches
+    return _training(private, optimizer, params_before, source, delta, generator, rng, validate)
+
+
+class _Source:
+    """make_private's data: (x, y) tensors (batches are index gathers) or a Dataset / DataLoader (Poisson batches
+    through poisson_loader); `sampler(kind)` is assemble's make_sampler."""
+
+    def __init__(self, data: Any, batch_size: int | None, generator: torch.Generator | None, world):
+        self.batch_size, self.generator, self.world = batch_size, generator, world
+        self.loader: DataLoader | None = None
+        self.tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+        if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+            if not batch_size:
+                raise DprunError("make_private with tensors needs batch_size (the expected batch size)")
+            x, y = self.tensors = tuple(data)
+            info = DataInfo("user", tuple(x.shape[1:]), int(y.max().item()) + 1 if y.numel() else 0,
+                            train_size=len(y))
+            self.dataset = Dataset(info, x, y, x[:0], y[:0], source="user")
+        elif isinstance(data, (TorchDataset, DataLoader)):
+            self.data, self.dataset = data, None
+        else:
+            raise DprunError(f"data must be (x, y) tensors, a torch Dataset or a DataLoader, not {type(data).__name__}")
+
+    def sampler(self, kind: str) -> Sampler:
+        if self.tensors is not None:
+            y = self.tensors[1]
+            gen = self.generator if self.generator is not None else _child_generator()
+            return Sampler(kind, len(y), int(self.batch_size), gen, y.device)
+        if kind not in ("poisson", "shuffle"):  # a method that needs its own sampling (sbcd: fixed)
+            raise DprunError(f"the method needs sampling={kind} (its accountant assumes it): pass in-memory tensors "
+                             f"(x, y), not a Dataset or DataLoader")
+        self.loader = poisson_loader(self.data, self.batch_size, self.generator)
+        batches = self.loader.batch_sampler
+        if kind != "poisson":
+            batches.sampler = Sampler(kind, len(self.loader.dataset), batches.sampler.batch_size,
+                                      batches.sampler.generator)
+        batches.world = self.world
+        return batches.sampler
+
+
+def _training(private: PrivateRun, optimizer: torch.optim.Optimizer, params_before: list, source: _Source,
+              delta: float | None, generator, rng: str, validate: bool) -> PrivateTraining:
+    """The PrivateTraining over the assembled run; the optimizer rebuilt if the method trains other tensors."""
+    m, model, sampler = private.method, private.model, private.sampler
     trainable = [p for p in model.parameters() if p.requires_grad]
     if {id(p) for p in trainable} != {id(p) for p in params_before} and not m.updates_model:
         # the method trains different parameter tensors than the optimizer holds: rebuild it on them
         optimizer = type(optimizer)(trainable, **optimizer.defaults)
-
-    acc_name = accountants.resolve_name(accountant, m)
-    sample_rate = batch_size / n
-    if target_epsilon is not None:
-        if not m.private:
-            raise DprunError("target_epsilon is set but method=nonprivate has no privacy to calibrate")
-        if not epochs or delta is None:
-            raise DprunError("target_epsilon needs epochs and delta (the privacy budget is for the whole run)")
-        steps_per_epoch = sampler.steps_per_epoch if sampler is not None else len(loader.batch_sampler)
-        if not poisson:
-            raise DprunError("target_epsilon needs poisson=True: no accountant here analyses shuffled batches")
-        calibrator = accountants.calibration_accountant(acc_name)  # a certified one: never gdp's approximation
-        steps = steps_per_epoch * int(epochs)
-        m.sigma = accountants.calibrate_sigma(calibrator, m.mechanism, sample_rate, steps, float(target_epsilon),
-                                              float(delta))
-        # as the CLI: the certified epsilon published after the planned steps (a WARNING if it misses the target)
-        target = accountants.check_target(acc_name, calibrator, m.mechanism(sample_rate), steps,
-                                          float(target_epsilon), float(delta))
-    acc = accountants.build(acc_name) if m.private else None
-    if acc is not None:
-        accountants.check_for_method(acc, m, sample_rate)  # as the CLI's: refused before any step
-    if not poisson and m.private:
-        import warnings
-
+    if sampler.kind != "poisson" and m.private and not m.sampling:
         warnings.warn("poisson=False: no accountant here analyses shuffled batches; get_epsilon() raises and "
-                      "epsilon_assuming_poisson() gives what Poisson sampling would (not a guarantee)", stacklevel=2)
+                      "epsilon_assuming_poisson() gives what Poisson sampling would (not a guarantee)", stacklevel=3)
     noise_gen = randomness.noise_generator(generator, model)
-    training = PrivateTraining(model, optimizer, m, acc, acc_name, sampler, loader, tensors, n, int(batch_size), delta,
-                               noise_gen)
-    training.sampling, training.rng = kind, rng
+    training = PrivateTraining(model, optimizer, m, private.accountant, private.accountant_name,
+                               sampler if source.tensors is not None else None, source.loader, source.tensors,
+                               sampler.n, int(sampler.batch_size), delta, noise_gen)
+    training.sampling, training.rng = sampler.kind, rng
     if m.private and not validate:
-        import warnings
-
         training.privacy_notes.append(privacy_check.UNCHECKED.replace("privacy_check=false", "validate=False"))
-        warnings.warn(training.privacy_notes[-1], stacklevel=2)
-    if target_epsilon is not None:
-        training.planned_epsilon, training.target_epsilon_met = target["planned_epsilon"], target["target_epsilon_met"]
+        warnings.warn(training.privacy_notes[-1], stacklevel=3)
+    if private.target:
+        training.planned_epsilon = private.target["planned_epsilon"]
+        training.target_epsilon_met = private.target["target_epsilon_met"]
     return training

@@ -90,6 +90,15 @@ def save(out_dir: str | Path, *, epoch: int, model, optimizer, sampler, method, 
     atomic_replace(path, lambda tmp: torch.save(state, tmp))  # a signal mid-save leaves no temp file
 
 
+def first_sentence(text: str, limit: int = 100) -> str:
+    """The first sentence of an error's first line, cut at a word (never mid-word) if longer than `limit`."""
+    line = (text.strip().splitlines() or [""])[0]
+    sentence = re.split(r"(?<=[.!?])\s", line, maxsplit=1)[0]
+    if len(sentence) <= limit:
+        return sentence
+    return sentence[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
+
+
 def load(run_dir: str | Path, mmap: bool = False) -> dict[str, Any]:
     """The saved state; mmap=True maps the tensors instead of reading them (a cheap check that the file is whole)."""
     path = Path(run_dir) / FILE
@@ -99,7 +108,7 @@ def load(run_dir: str | Path, mmap: bool = False) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # cut short (a full disk, a copy
         # stopped half-way) or overwritten: torch's error is a many-line traceback that does not say which file
-        raise DprunError(f"{path} is damaged or truncated ({str(e).splitlines()[0][:80]}); the run's metrics.csv "
+        raise DprunError(f"{path} is damaged or truncated ({first_sentence(str(e))}); the run's metrics.csv "
                          "and summary.json are intact, but it cannot be resumed: run it again for more epochs") from e
 
 
@@ -138,8 +147,9 @@ def check_config(run_dir: str | Path, cfg: dict) -> None:
     differ = sorted(k for k in set(saved) | set(cfg) if k not in MAY_CHANGE and saved.get(k) != cfg.get(k))
     if differ:
         shown = ", ".join(f"{k}={saved.get(k)!r} -> {cfg.get(k)!r}" for k in differ[:4])
-        raise DprunError(f"resume={run_dir}: the run's config differs ({shown}); only {', '.join(MAY_CHANGE[:2])} "
-                         "and logging options may change on resume")
+        may_change = ", ".join(k for k in MAY_CHANGE if k not in SET_BY_RESUME)
+        raise DprunError(f"resume={run_dir}: the run's config differs ({shown}); only {may_change} may change on "
+                         f"resume")
 
 
 def restore(state: dict[str, Any], *, model, optimizer, sampler, method, accountant) -> tuple[int, list[dict]]:
@@ -172,8 +182,8 @@ def resume_argv(argv: list[str]) -> list[str]:
     overrides, so Hydra parses neither the folder's name nor the run's values. Hydra's run folder is <dir> with no
     .hydra/ output: Hydra rewrites .hydra/ before dprun's code runs, and it is the run's record of how it was
     launched. Raises DprunError (refused) or RunComplete before anything is written. Flags (--cfg job) pass on."""
-    at = next((i for i, a in enumerate(argv) if a.lstrip("+").startswith("resume=")), None)
-    if at is None or argv[at].split("=", 1)[1] in ("", "null"):
+    at = _resume_at(argv)
+    if at is None:
         return argv
     run_dir, rest = _folder(argv[at].split("=", 1)[1]), argv[:at] + argv[at + 1:]
     if {"-m", "--multirun"} & set(rest):
@@ -186,6 +196,18 @@ def resume_argv(argv: list[str]) -> list[str]:
         "defaults": [{"override hydra/job_logging": "disabled"}, "_self_"], **cfg,  # as conf/config.yaml's
         "hydra": {"run": {"dir": str(run_dir)}, "output_subdir": None, "job": {"chdir": False}}})
     return [a for a in rest if a not in overrides] + [f"--config-name={RESUME_CONFIG}"]
+
+
+def _resume_at(argv: list[str]) -> int | None:
+    """The index of a resume=<dir> argument (not resume=null), or None."""
+    at = next((i for i, a in enumerate(argv) if a.lstrip("+").startswith("resume=")), None)
+    return None if at is None or argv[at].split("=", 1)[1] in ("", "null") else at
+
+
+def resume_folder(argv: list[str]) -> Path | None:
+    """The folder of the command line's resume=<dir>, or None (runner/launch.py: how many ranks it ran on)."""
+    at = _resume_at(argv)
+    return None if at is None else _folder(argv[at].split("=", 1)[1])
 
 
 def _folder(value: str) -> Path:
@@ -206,7 +228,10 @@ def resumed_config(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
     from runner.validate import validate_config
 
     saved = saved_summary(run_dir)["config"]
-    cfg = {**saved, **_changes(run_dir, saved, overrides), "resume": str(run_dir),
+    merged = OmegaConf.create(saved)
+    for key, value in _changes(run_dir, saved, overrides).items():  # distributed.nproc_per_node=2: a nested key
+        OmegaConf.update(merged, key, value, force_add=True)
+    cfg = {**OmegaConf.to_container(merged), "resume": str(run_dir),
            "out_dir": str(run_dir) if saved.get("out_dir") else None}  # null: Hydra's run folder, run_dir
     validate_config(OmegaConf.create(cfg))  # e.g. epochs=abc, before it is compared below
     method = str((saved.get("method") or {}).get("name"))
@@ -237,7 +262,7 @@ def _changes(run_dir: Path, saved: dict, overrides: list[str]) -> dict[str, Any]
         if override.is_sweep_override():
             raise DprunError(f"resume={run_dir}: {arg} is a sweep; a resume continues one run")
         key, value = override.key_or_group, None if override.is_delete() else override.value()
-        if key in may_change:
+        if key.split(".")[0] in may_change:  # distributed.nproc_per_node: any world size
             changes[key] = value
             continue
         has: Any = saved

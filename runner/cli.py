@@ -16,24 +16,25 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner.distributed import launched_rank, launched_world_size
 from runner.errors import DprunError
 from runner.interrupt import interrupted_exit, sigterm_as_interrupt
 from runner.overrides import CONFIG_GROUPS, check_group_choices
 from runner.paths import CONF_DIR, register_resolvers
 from runner.randomness import end_line
 from runner.registry import unknown_name_message
-from runner.run_dir import check_reused_dirs, discard_unstarted
+from runner.run_dir import check_reused_dirs, discard_hydra_record, discard_unstarted, run_dir_in_out_dir
+from runner.speaker import Speaker
 
 register_resolvers()  # before @hydra.main composes conf/
+NEW_DIRS: set[Path] = set()  # out_dir= folders that did not exist before Hydra made them (main() notes them)
 EXIT_DIVERGED = 3  # a run whose loss or parameters became non-finite (status `diverged`); 2: refused; 1: failed
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig, speaker: Speaker | None = None) -> dict:
     from runner.train import train
 
     out_dir = output_dir(cfg)
-    if launched_rank() != 0:  # another rank of a distributed run: rank 0 writes the run's files and prints
+    if not (speaker or Speaker.here()).main:  # another rank of a distributed run: rank 0 writes and prints
         with sigterm_as_interrupt():
             return train(cfg, out_dir)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -103,41 +104,40 @@ def print_guarantee(summary: dict) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
-    rank = launched_rank()
-    # other ranks: warnings and errors only (rank 0 speaks for the run), each line naming its rank
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="[dprun] %(message)s" if rank == 0 else f"[dprun rank {rank}] %(message)s", force=True)
+    speaker = Speaker.here()  # runner/speaker.py: what this rank prints and writes
+    speaker.configure_logging()
     logging.getLogger("dprun").disabled = False  # hydra/job_logging=disabled disables existing loggers per job
     if _interactive():
         for handler in logging.getLogger().handlers:
             handler.addFilter(_NoEpochLines())
-    prefix = "dprun: " if launched_world_size() == 1 else f"dprun: rank {rank}: "
     out_dir = Path(output_dir(cfg))
-    new_out_dir = not out_dir.exists()  # a refused run removes only folders made for it
+    new_out_dir = not out_dir.exists() or out_dir.resolve() in NEW_DIRS  # a refused run removes only what it made
     try:
-        run(cfg)
+        run(cfg, speaker)
     except DprunError as e:
-        print(f"{prefix}{e}", file=sys.stderr)
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
-            raise  # a sweep goes on with its other jobs; Hydra reports the failed one at the end
         from runner.train import Diverged
 
-        if rank == 0 and not isinstance(e, Diverged):
+        speaker.last_line("failed" if isinstance(e, Diverged) else "refused", str(e))
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # a sweep goes on with its other jobs; Hydra reports the failed one at the end
+        if speaker.main and not isinstance(e, Diverged):
             discard_refused(cfg, out_dir if new_out_dir else None)
         sys.exit(EXIT_DIVERGED if isinstance(e, Diverged) else 2)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the complete epochs are on disk; one line, no traceback
         line, code = interrupted_exit(e, output_dir(cfg))
-        print(line if rank == 0 else f"{prefix}{line.removeprefix('dprun: ')}", file=sys.stderr)
+        speaker.last_line("interrupted", line.removeprefix("dprun: "))
         sys.exit(code)
-    except Exception as e:  # noqa: BLE001  a distributed rank's error: one line naming the rank (torchrun's
+    except Exception as e:  # noqa: BLE001  a distributed rank's error: one line naming the rank (the launcher's
         # own report follows); a single process keeps Hydra's traceback
-        if launched_world_size() == 1:
+        if speaker.size == 1:
             raise
         from runner.distributed import broken_collective
 
-        why = "another rank stopped (its line says why)" if broken_collective(e) else \
-            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        print(f"{prefix}{'stopped' if broken_collective(e) else 'failed'}: {why}", file=sys.stderr)
+        if broken_collective(e):
+            speaker.last_line("stopped", "stopped: another rank stopped (its line says why)")
+        else:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            speaker.last_line("failed", f"failed: {type(e).__name__}: {first}")
         sys.exit(1)
 
 
@@ -149,7 +149,11 @@ def discard_refused(cfg: DictConfig, out_dir: Path | None) -> None:
     cell of the grid stays visible (docs/figures.md)."""
     if cfg.get("resume"):
         return
-    discard_unstarted(HydraConfig.get().runtime.output_dir)
+    hydra_dir = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.out_dir and out_dir is None and hydra_dir.resolve() == Path(cfg.out_dir).resolve():  # a user's folder
+        discard_hydra_record(hydra_dir)  # it stays, without the record Hydra wrote into it
+    else:
+        discard_unstarted(hydra_dir)
     if out_dir is not None:
         discard_unstarted(out_dir)
 
@@ -226,35 +230,26 @@ def main() -> None:
     note = extra_sweeps_note(sys.argv[1:])
     if note:
         print(note, file=sys.stderr)
-    try:
-        check_group_choices(sys.argv[1:])
-        check_launcher_extra(sys.argv[1:])
-        check_keys(sys.argv[1:])
-        check_reused_dirs(sys.argv[1:])
-    except DprunError as e:
-        print(f"dprun: {e}", file=sys.stderr)
-        sys.exit(2)
     from runner import launch
-
-    try:
-        nproc = launch.requested(sys.argv[1:])
-        if nproc > 1 and launched_world_size() == 1:  # dprun distributed.nproc_per_node=N: start the N ranks
-            sys.exit(launch.launch(sys.argv[1:], nproc))
-    except DprunError as e:
-        print(f"dprun: {e}", file=sys.stderr)
-        sys.exit(2)
     from runner.checkpoint import RunComplete, resume_argv
 
-    try:  # resume=<dir>: that run's own config (summary.json), continued in its folder; checked before Hydra writes
-        sys.argv[1:] = resume_argv(sys.argv[1:])
+    argv = sys.argv[1:]
+    try:  # every check before any process starts or any file is written: refused in one line
+        check_group_choices(argv)
+        check_launcher_extra(argv)
+        check_keys(argv)
+        check_reused_dirs(argv)
+        # resume=<dir>: that run's own config (summary.json), continued in its folder; checked before Hydra writes
+        hydra_argv = run_dir_in_out_dir(resume_argv(argv))  # out_dir=X: Hydra's .hydra/ record inside X too
+        NEW_DIRS.update(Path(a.partition("=")[2]).resolve() for a in hydra_argv
+                        if a.startswith("hydra.run.dir=") and not Path(a.partition("=")[2]).exists())
+        nproc = launch.processes(argv)  # distributed.nproc_per_node=N, or what a resumed run recorded
+        if nproc > 1 and Speaker.here().size == 1:  # start the N ranks, each running this command
+            sys.exit(launch.launch(argv, nproc))
+        sys.argv[1:] = rank_argv(hydra_argv)
     except RunComplete as e:  # nothing to train: not an error
         print(f"dprun: {e}")
         sys.exit(0)
-    except DprunError as e:
-        print(f"dprun: {e}", file=sys.stderr)
-        sys.exit(2)
-    try:
-        sys.argv[1:] = rank_argv(sys.argv[1:])
     except DprunError as e:
         print(f"dprun: {e}", file=sys.stderr)
         sys.exit(2)
@@ -264,17 +259,18 @@ def main() -> None:
 def rank_argv(argv: list[str]) -> list[str]:
     """Under torchrun/srun, ranks other than 0 write nothing: Hydra's run folder (which every rank would otherwise
     create, each with its own time stamp) goes to a temporary folder without a .hydra record."""
-    if launched_world_size() > 1 and {"-m", "--multirun"} & set(argv):
+    speaker = Speaker.here()
+    if speaker.size > 1 and {"-m", "--multirun"} & set(argv):
         raise DprunError("dprun -m under torchrun/srun would run the sweep on every rank, each in its own folder; "
                          "sweep distributed runs with a launcher's tasks (launcher=slurm hydra.launcher.tasks_per_node"
                          "=N) or start one torchrun per run")
-    if launched_world_size() == 1 or launched_rank() == 0:
+    if speaker.main:
         return argv
     import atexit
     import shutil
     import tempfile
 
-    scratch = tempfile.mkdtemp(prefix=f"dprun-rank{launched_rank()}-")
+    scratch = tempfile.mkdtemp(prefix=f"dprun-rank{speaker.rank}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     return [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={scratch}",
                                                                        "hydra.output_subdir=null"]

@@ -244,10 +244,6 @@ def current(seed: int = 0) -> World:
     return World(seed=seed)
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def init(device_name: str, timeout_s: float, seed: int, backend: str = "auto") -> World:
     """The run's World: one process unless a launcher started several (torchrun, srun, submitit), in which case the
     default process group is initialised here (env://) with `timeout_s` on every collective, so that no rank waits

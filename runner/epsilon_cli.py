@@ -20,6 +20,7 @@ import time
 from runner import accountants
 from runner.accountants import SubsampledGaussian, SubsampledJL
 from runner.data.sampler import poisson_steps_per_epoch
+from runner.entry import OneLineParser, run_entry
 from runner.errors import DprunError
 
 
@@ -82,12 +83,12 @@ def epsilon_row(n: int, batch_size: int, sigma: float, epochs: float, delta: flo
     return eps, time.perf_counter() - start, text
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):  # bad input is one line (argparse would print its usage block first)
-        self.exit(2, f"{self.prog}: {message} (dprun-eps --help lists the options)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
+    """`dprun-eps`: bad input is one line (runner/entry.py)."""
+    return run_entry(epsilon_table, "dprun-eps", argv)
+
+
+def epsilon_table(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="dprun-eps", description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, required=True, help="training set size N")
     p.add_argument("--batch-size", type=int, required=True, help="expected batch size B (q = B/N)")
@@ -97,19 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--r", type=parse_r, nargs="+", default=[math.inf], help="JL dimensions; 'inf' = exact Gaussian")
     p.add_argument("--accountant", default=None, help="rdp | pld | gdp for r=inf (default pld); jl for finite r")
     args = p.parse_args(argv)
-    try:
-        steps = check_args(args.n, args.batch_size, args.sigma, args.epochs, args.delta)
-        print(f"N={args.n} B={args.batch_size} q={args.batch_size / args.n:.5g} steps={steps} "
-              f"({poisson_steps_per_epoch(args.n, args.batch_size)} per epoch) sigma={args.sigma} "
-              f"delta={args.delta:g}")
-        print(f"{'r':>5}  {'epsilon':>22}  {'seconds':>8}")
-        for r in args.r:
-            _, seconds, text = epsilon_row(args.n, args.batch_size, args.sigma, args.epochs, args.delta, r,
-                                           args.accountant)
-            print(f"{'inf' if math.isinf(r) else int(r):>5}  {text:>22}  {seconds:>8.2f}", flush=True)
-    except DprunError as e:
-        print(f"dprun-eps: {e}", file=sys.stderr)
-        return 2
+    steps = check_args(args.n, args.batch_size, args.sigma, args.epochs, args.delta)
+    print(f"N={args.n} B={args.batch_size} q={args.batch_size / args.n:.5g} steps={steps} "
+          f"({poisson_steps_per_epoch(args.n, args.batch_size)} per epoch) sigma={args.sigma} delta={args.delta:g}")
+    print(f"{'r':>5}  {'epsilon':>22}  {'seconds':>8}")
+    for r in args.r:
+        _, seconds, text = epsilon_row(args.n, args.batch_size, args.sigma, args.epochs, args.delta, r, args.accountant)
+        print(f"{'inf' if math.isinf(r) else int(r):>5}  {text:>22}  {seconds:>8.2f}", flush=True)
     return 0
 
 

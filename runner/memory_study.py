@@ -51,6 +51,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from runner.entry import OneLineParser, run_entry
+
 STUDY_ROOT = Path("outputs/multirun/lk_memory_study")
 EXPERIMENT = "lk_memory"
 DEFAULT_METHODS = ("nonprivate", "multiloss", "reweight")
@@ -314,7 +316,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     passthrough = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(prog="python -m runner.memory_study", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m runner.memory_study", description=__doc__.splitlines()[0])
     p.add_argument("--scale", default="smoke", choices=["smoke", "paper"])
     p.add_argument("--methods", help="comma-separated (default: the preset's memory_study.methods)")
     p.add_argument("--isolation", default="subprocess", choices=["subprocess", "inprocess"])
@@ -338,4 +340,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_entry(main, "python -m runner.memory_study"))

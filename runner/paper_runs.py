@@ -465,7 +465,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     w.add_argument("--import-to", metavar="DIR", help="first copy each run's metrics.csv + summary.json into "
                    f"DIR/<name>/ (e.g. {OUT}, to commit them) and write the README from there")
     w.add_argument("--probes", default=str(PROBES), help="folder of the IMDB setups tried (a table of its own)")
-    w.add_argument("--import-probes", metavar="SRC", help=f"first copy the runs in SRC into --probes")
+    w.add_argument("--import-probes", metavar="SRC", help="first copy the runs in SRC into --probes")
     w.add_argument("--lr-probes", default=str(LR_PROBES), help="folder of the learning rates tried for the "
                    "non-private MNIST run (a table of its own)")
     args = p.parse_args(argv)

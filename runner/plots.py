@@ -12,12 +12,12 @@ Computed figures (JL Table 1 and Figure 2, epsilon vs r, the DP-SBCD curves) nee
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+from runner.entry import OneLineParser, run_entry
 from runner.figures import FIGURES
 from runner.figures.style import caption_for
 from runner.report import RUN_KEY, latest
@@ -113,7 +113,7 @@ def _cuda() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runner.plots", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m runner.plots", description=__doc__.splitlines()[0])
     p.add_argument("names", nargs="*", help="figure names (see --list)")
     p.add_argument("--all", action="store_true", help="every registered table and figure")
     p.add_argument("--tables-only", action="store_true", help="with --all: only the tables")
@@ -155,4 +155,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_entry(main, "python -m runner.plots"))

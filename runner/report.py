@@ -24,7 +24,6 @@ target_epsilon are named.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -35,6 +34,7 @@ from typing import Any
 import pandas as pd
 
 from runner.audit.columns import audit_columns, audited_text
+from runner.entry import OneLineParser, run_entry
 from runner.errors import DprunError
 from runner.run_dir import out_dir_of, unstarted_runs
 
@@ -44,17 +44,30 @@ CONFIG_COLUMNS = [
     ("image_size", "dataset.image_size"), ("model", "model.name"), ("depth", "model.depth"),
     ("method", "method.name"), ("r", "method.r"), ("batch_size", "batch_size"), ("sigma", "sigma"), ("clip", "clip"),
     ("lr", "lr"), ("optimizer", "optimizer.name"), ("epochs", "epochs"), ("seed", "seed"),
-    ("max_steps_per_epoch", "max_steps_per_epoch"), ("delta", "delta"),
+    ("max_steps_per_epoch", "max_steps_per_epoch"), ("delta", "delta"), ("precision", "precision"),
+    ("physical_batch_size", "physical_batch_size"),
 ]
 # epsilon: certified, or empty; the labelled epsilon_*_approx/_assumed columns are NOT guarantees
 # (runner/accountants/published.py); epsilon_lower_bound: certified lower bound where epsilon is inf
 METRIC_COLUMNS = ["test_acc", "test_loss", "train_loss", "train_acc", "epsilon", "epsilon_lower_bound",
                   "epsilon_gdp_approx", "epsilon_hsa_assumed", "epsilon_poisson_assumed", "epoch_time_s",
                   "step_time_s", "peak_mem_bytes"]
-SUMMARY_VIEW = ["started", "experiment", "scale", "dataset", "model", "method", "method_options", "batch_size", "sigma",
-                "epochs", "sampling", "status", "test_acc", "epsilon", "audited", "epsilon_gdp_approx",
-                "epsilon_hsa_assumed", "epsilon_poisson_assumed", "delta", "epoch_time_est_s", "device", "capped",
-                "source", "folder"]
+SUMMARY_VIEW = ["started", "experiment", "scale", "dataset", "model", "method", "method_options", "batch_size",
+                "physical_batch_size", "precision", "world_size", "sigma", "epochs", "sampling", "status", "test_acc",
+                "epsilon", "audited", "epsilon_gdp_approx", "epsilon_hsa_assumed", "epsilon_poisson_assumed", "delta",
+                "epoch_time_est_s", "device", "capped", "source", "folder"]
+# the default view fits WIDTH characters: columns are left out from the end of this list (least needed first) until
+# every line fits; --wide shows them all. What is never left out: what ran, on what scale, and what it gave.
+WIDTH = 120
+KEEP_FIRST = ["method", "status", "test_acc", "epsilon", "audited", "batch_size", "physical_batch_size", "precision", "world_size",
+              "folder", "started", "capped", "source", "dataset", "sigma", "model", "epochs", "epoch_time_est_s",
+              "method_options", "experiment", "scale", "device", "sampling", "delta", "epsilon_gdp_approx",
+              "epsilon_hsa_assumed", "epsilon_poisson_assumed"]
+NEVER_LEFT_OUT = KEEP_FIRST[:13]
+SCALE_COLUMNS = ("physical_batch_size", "precision", "world_size")  # shown even where blank: how each run scaled
+# the header a column is shown under in the default view (the CSV keeps the full names)
+SHORT_NAMES = {"physical_batch_size": "phys_B", "world_size": "ranks", "epoch_time_est_s": "epoch_s",
+               "batch_size": "B", "method_options": "options"}
 FAILED_TO_START = "failed-to-start"  # status of a folder holding only Hydra's .hydra/ record
 NO_SUMMARY = "no summary.json: stopped before training (bad input, missing data, out of memory), or still loading data"
 REFERENCE = "reference"  # <root>/reference/: the committed reference runs (outputs/reference/), not the user's
@@ -153,6 +166,7 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
         "accountant_certified": summary.get("accountant_certified"),
         "epsilon_certified": summary.get("epsilon_certified"),
         "noise_sigma": summary.get("sigma"),
+        "world_size": summary.get("world_size"),
         "device": summary.get("device"),
         "device_name": summary.get("device_name"),
         "torch_version": versions.get("torch"),
@@ -295,7 +309,30 @@ def local_time(iso: Any) -> str:
     return "" if not isinstance(iso, str) else datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M")
 
 
-def summary_view(runs: pd.DataFrame) -> str:
+def summary_view(runs: pd.DataFrame, wide: bool = False) -> str:
+    """One line per run: at most WIDTH characters (columns left out, least needed first, and named in a last line),
+    or every column with wide=True. Empty cells are blank (a non-private run has no sigma or epsilon)."""
+    view = summary_columns(runs)
+    if not wide:  # a column blank on every row says nothing (capped when no run was cut short)
+        view = view.drop(columns=[c for c in view.columns if c not in SCALE_COLUMNS and (view[c].isna() |
+                                                                                          (view[c] == "")).all()])
+    text = render(view, wide)
+    hidden: list[str] = []
+    while not wide and max(map(len, text.splitlines())) > WIDTH:
+        droppable = [c for c in reversed(KEEP_FIRST) if c in view and c not in NEVER_LEFT_OUT]
+        if not droppable:
+            break
+        hidden.append(droppable[0])
+        view = view.drop(columns=droppable[0])
+        text = render(view, wide)
+    if hidden:
+        note = f"(--wide adds {', '.join(reversed(hidden))})"
+        text += "\n" + (note if len(note) <= WIDTH else f"(--wide adds {len(hidden)} more columns)")
+    return text
+
+
+def summary_columns(runs: pd.DataFrame) -> pd.DataFrame:
+    """The summary view's columns, formatted: epsilon as text, capped as 'taken/full', numbers as numbers."""
     runs = runs.assign(started=runs["started_at"].map(local_time) if "started_at" in runs else "")
     if "capped" in runs:  # "3/98": steps per epoch taken / a full epoch's, for runs that max_steps_per_epoch cut
         none = pd.Series(math.nan, runs.index)
@@ -310,12 +347,28 @@ def summary_view(runs: pd.DataFrame) -> str:
     cols = [c for c in SUMMARY_VIEW if c in runs]
     view = runs[cols].copy()
     view = view.drop(columns=[c for c in cols if c.startswith("epsilon_") and view[c].isna().all()])
+    for col in view.columns:  # None in an object column (sigma of a non-private run) is a blank, not "None"
+        if view[col].dtype == object:
+            numbers = pd.to_numeric(view[col], errors="coerce")
+            if numbers.notna().sum() == view[col].notna().sum() and numbers.notna().any():
+                view[col] = numbers  # a NaN, printed blank (na_rep)
+            else:
+                view[col] = view[col].where(view[col].notna(), "")
     for col in [c for c in view.columns if c.startswith("epsilon_")]:  # labelled, not guarantees
         view[col] = view[col].map(lambda v: "" if pd.isna(v) else f"{v:.3g}")
     if "epsilon" in view:
         bound = runs["epsilon_lower_bound"] if "epsilon_lower_bound" in runs else pd.Series(math.nan, runs.index)
         view["epsilon"] = [epsilon_text(e, b) for e, b in zip(view["epsilon"], bound)]
-    return view.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="")
+    for col in ("physical_batch_size", "world_size"):  # integers where set (a blank is a NaN: float otherwise)
+        if col in view:
+            view[col] = view[col].map(lambda v: "" if pd.isna(v) or v == "" else str(int(v)))
+    return view
+
+
+def render(view: pd.DataFrame, wide: bool) -> str:
+    shown = view if wide else view.rename(columns=SHORT_NAMES)
+    return shown.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="",
+                                      max_colwidth=None if wide else 22)
 
 
 def epsilon_text(eps: float, lower_bound: float) -> str:
@@ -339,7 +392,12 @@ def unfinished_view(runs: pd.DataFrame) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dprun-report", description=__doc__.splitlines()[0])
+    """`dprun-report`: bad input is one line (runner/entry.py)."""
+    return run_entry(report, "dprun-report", argv)
+
+
+def report(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="dprun-report", description=__doc__.splitlines()[0])
     p.add_argument("--root", default="outputs", help="folder searched for run folders (default: outputs)")
     p.add_argument("--experiment", help="keep only runs with this experiment_name (a preset's name)")
     p.add_argument("--scale", choices=["smoke", "paper"], help="keep only runs of this scale")
@@ -348,12 +406,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also the committed reference runs under <root>/reference/ (column `source` tells them apart)")
     p.add_argument("--out", help="CSV to write (default: <root>/tables/runs.csv, or runs_<experiment>.csv)")
     p.add_argument("--quiet", action="store_true", help="write the CSV, print only its path")
+    p.add_argument("--wide", action="store_true", help=f"every column of the summary (default: it fits {WIDTH} columns)")
     args = p.parse_args(argv)
-    try:
-        table = collect(args.root, args.experiment, args.scale, per_epoch=args.epochs, reference=args.reference)
-    except DprunError as e:
-        print(f"dprun-report: {e}", file=sys.stderr)
-        return 2
+    table = collect(args.root, args.experiment, args.scale, per_epoch=args.epochs, reference=args.reference)
     name = "runs" + (f"_{args.experiment}" if args.experiment else "") + ("_epochs" if args.epochs else "")
     out = Path(args.out or Path(args.root) / "tables" / f"{name}.csv")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -366,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     unfinished = "" if args.epochs else unfinished_view(table)
     if not args.quiet:
-        print(table.to_string(index=False, max_colwidth=24) if args.epochs else summary_view(table))
+        print(table.to_string(index=False, max_colwidth=24) if args.epochs else summary_view(table, args.wide))
         if unfinished:
             print(unfinished)
     n = table["run_dir"].nunique()

@@ -79,6 +79,17 @@ def discard_unstarted(folder: str | Path) -> bool:
     return True
 
 
+def discard_hydra_record(folder: str | Path) -> None:
+    """Remove the .hydra/ record Hydra wrote into a folder that existed before the run (a user's out_dir= folder,
+    refused before training): the folder and anything else in it stay."""
+    hydra = Path(folder) / ".hydra"
+    if hydra.is_dir() and not hydra.is_symlink():
+        for name in HYDRA_RECORD:
+            (hydra / name).unlink(missing_ok=True)
+        if not any(hydra.iterdir()):
+            hydra.rmdir()
+
+
 def hydra_config(folder: Path) -> dict:
     """The job config Hydra recorded in folder/.hydra/config.yaml, resolved where the resolvers allow."""
     from omegaconf import OmegaConf
@@ -131,3 +142,16 @@ def unstarted_runs(root: str | Path) -> list[tuple[Path, dict]]:
             cfg = {}
         found.append((folder, cfg))
     return found
+
+
+def run_dir_in_out_dir(argv: list[str]) -> list[str]:
+    """A single run's literal `out_dir=X` is Hydra's run folder too (hydra.run.dir=X): its .hydra/ record goes into
+    X, and nothing is written outside it (no outputs/runs/<date>/... holding only .hydra/). A sweep, an explicit
+    hydra.run.dir= or an interpolated out_dir are left as they are."""
+    if {"-m", "--multirun"} & set(argv) or any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv):
+        return argv
+    for arg in argv:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if key == "out_dir" and sep and value not in ("", "null") and not any(c in value for c in "${},()"):
+            return [*argv, f"hydra.run.dir={value}"]
+    return argv

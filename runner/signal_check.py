@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from runner import methods, models
+from runner import models
 from runner.data import load_dataset
 from runner.methods import METHODS
 from runner.methods.base import trainable
@@ -95,7 +95,13 @@ def summary_table(rows: list[dict]):
 def main(argv: Optional[list[str]] = None) -> int:
     from runner.paths import compose
 
+    from runner.overrides import check_group_choices
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    if {"-h", "--help"} & set(argv):
+        print(__doc__.split("\n\n")[0] + "\n\nUsage:\n" + __doc__.split("\n\n")[1])
+        return 0
+    check_group_choices(argv)  # dataset=nope: one line naming the choices
     check = {"batches": 4, "r": "1"}
     rest = []
     for a in argv:
@@ -115,4 +121,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from runner.entry import run_entry
+
+    sys.exit(run_entry(main, "python -m runner.signal_check"))

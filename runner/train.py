@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from runner import accountants, checkpoint, distributed, methods, models, privacy_check, randomness
+from runner import checkpoint, distributed, methods, models, privacy_check, randomness
 from runner.audit import run as audit_run
 from runner.accountants.published import epsilon_columns, privacy_notes
+from runner.assembly import PrivateRun, Request, assemble
 from runner.data import load_dataset
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
@@ -161,7 +162,8 @@ def blame_peer(run: Run) -> None:
 
 # -- set-up ------------------------------------------------------------------------------------------------------
 def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
-    """Data, sampler, model, method, accountant (sigma calibrated to target_epsilon), optimizer, step, resume."""
+    """Data, model, the private run (runner/assembly.py: method, sampler, accountant, sigma calibrated to
+    target_epsilon: the same assembly as make_private's), optimizer, step, resume, summary.json."""
     if world.main:
         out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(str(cfg.device), world.local_rank)
@@ -169,90 +171,98 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     torch.manual_seed(int(cfg.seed))
     # the sampler's (the same global batches on every rank) and, rng=secure, the noise's (runner/randomness.py)
     gen = randomness.sampling_generator(str(cfg.get("rng", "seeded")), int(cfg.seed), world)
+    data, audit = load_data(cfg, device, dtype)
+    model, model_kwargs = build_model(cfg, data, device, dtype)
+    private = assemble(request_from(cfg), model, data, world,
+                       make_sampler=lambda kind: Sampler(kind, data.info.train_size or len(data.train_y),
+                                                         int(cfg.batch_size), gen, device))
+    if private.sampler.kind != "poisson" and not private.method.sampling:
+        log.warning("sampling=%s: no accountant here analyses it, so `epsilon` stays empty; epsilon_poisson_assumed "
+                    "holds only under Poisson sampling (not a guarantee)", private.sampler.kind)
+    private.method.privacy_check = bool(cfg.get("privacy_check", True))  # the first step's check (runner/privacy_check/)
+    privacy_check.check_ranks(world, data.train_x, data.train_y, private.sampler)  # the same data and batches everywhere
+    audit_run.attach(audit, private.method, private.model, private.sampler.sample_rate)  # gradient canaries
+    optimizer = build_optimizer(cfg.optimizer, private.model.parameters(), float(cfg.lr))
+    eval_idx = eval_subset(data.test_y, int(cfg.eval_batch_size) * int(cfg.max_eval_batches)) \
+        if cfg.get("max_eval_batches") else None
+    run = Run(cfg, out_dir, world, device, data, private.sampler, private.steps_per_epoch, private.model,
+              private.method, private.accountant, optimizer, build_run_step(cfg, private, device, world), eval_idx,
+              summary={}, noise_rng=gen if randomness.is_secure(gen) else None)
+    # the resolved config, with every model knob's value used (summary.json; a resume must match it)
+    run_config = {**OmegaConf.to_container(cfg, resolve=True), "model": {"name": str(cfg.model.name), **model_kwargs}}
+    if cfg.get("resume"):
+        resume(run, run_config)
+    run.summary = start_summary(run, run_config, private)
+    if world.main:
+        write_json(out_dir / "summary.json", run.summary)
+    return run
 
-    # data: tensors on the device, loaded once
+
+def load_data(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The dataset's tensors on the device, loaded once; float features in the run's dtype; and the run's audit
+    (audit=one_run: included input canaries join the training set; None otherwise)."""
     data = load_dataset(cfg.dataset, cfg.data_dir, device)
-    audit = audit_run.begin(cfg, data)  # audit=one_run: included input canaries join the training set
+    audit = audit_run.begin(cfg, data)
     if data.train_x.is_floating_point():
         data.train_x, data.test_x = data.train_x.to(dtype), data.test_x.to(dtype)
-    required = methods.METHODS.get(str(cfg.method.name)).sampling  # e.g. sbcd: fixed disjoint batches
-    sampling = required or str(cfg.sampling)
-    sampler = Sampler(sampling, data.info.train_size or len(data.train_y), int(cfg.batch_size), gen, device)
-    if required and required != str(cfg.sampling):
-        log.info("method=%s needs sampling=%s (its accountant assumes it); using it", cfg.method.name, required)
-    if sampler.kind != "poisson" and not required:
-        log.warning("sampling=%s: no accountant here analyses it, so `epsilon` stays empty; epsilon_poisson_assumed "
-                    "holds only under Poisson sampling (not a guarantee)", sampler.kind)
-    steps_per_epoch = sampler.steps_per_epoch
-    if cfg.max_steps_per_epoch:
-        steps_per_epoch = min(steps_per_epoch, int(cfg.max_steps_per_epoch))
+    return data, audit
 
-    # model and method
+
+def build_model(cfg: DictConfig, data: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, dict]:
+    """The registry's model with its knobs (null -> the builder's default); (model, the knobs' values used)."""
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     model_kwargs = {k: v for k, v in model_cfg.items() if k not in ("name", "kwargs")}
     model_kwargs.update(model_cfg.get("kwargs") or {})  # model=auto: the dataset's knobs for its paper model
-    model_kwargs = models.knobs(str(cfg.model.name), **model_kwargs)  # null -> the builder's default
-    model = models.build(str(cfg.model.name), data.info, **model_kwargs).to(device=device, dtype=dtype)
-    method = methods.build(cfg).configure(physical_batch_size=cfg.get("physical_batch_size"),
-                                         precision=str(cfg.get("precision", "fp32")), world=world)
-    model = method.attach(model, data)  # validates (BatchNorm refused, norm-rule coverage) and prepares
-    method.privacy_check = bool(cfg.get("privacy_check", True))  # the first step's check (runner/privacy_check/)
-    privacy_check.check_ranks(world, data.train_x, data.train_y, sampler)  # the same data and batches on every rank
-    audit_run.attach(audit, method, model, sampler.sample_rate)  # gradient canaries join the clipped sum
+    model_kwargs = models.knobs(str(cfg.model.name), **model_kwargs)
+    return models.build(str(cfg.model.name), data.info, **model_kwargs).to(device=device, dtype=dtype), model_kwargs
 
-    # privacy: accountant and (optionally) sigma calibrated to a target epsilon
-    accountant_name = accountants.resolve_name(str(cfg.accountant.name), method)
-    accountant = accountants.build(accountant_name) if method.private else None
-    total_steps = steps_per_epoch * int(cfg.epochs)
-    if cfg.target_epsilon is not None:
-        if not method.private:
-            raise DprunError("target_epsilon is set but method=nonprivate has no privacy to calibrate")
-        if accountant is not None and sampler.kind != accountant.assumes_sampling:
-            raise DprunError(f"target_epsilon needs sampling={accountant.assumes_sampling}: no accountant here "
-                             f"analyses sampling={sampler.kind}, so no epsilon could be certified")
-        calibrator = accountants.calibration_accountant(accountant_name, cfg.get("calibration_accountant"))
-        method.sigma = accountants.calibrate_sigma(calibrator, method.mechanism, sampler.sample_rate,
-                                                   total_steps, float(cfg.target_epsilon), float(cfg.delta))
-        log.info("calibrated sigma=%.4f for epsilon=%s at delta=%s (accountant=%s)", method.sigma,
-                 cfg.target_epsilon, cfg.delta, calibrator)
-        target = accountants.check_target(accountant_name, calibrator, method.mechanism(sampler.sample_rate),  # met?
-                                          total_steps, float(cfg.target_epsilon), float(cfg.delta))
-    if accountant is not None:
-        accountants.check_for_method(accountant, method, sampler.sample_rate)  # before training
 
-    optimizer = build_optimizer(cfg.optimizer, model.parameters(), float(cfg.lr))
-    expected = sampler.sample_rate * sampler.n  # the expected GLOBAL batch size: what the noisy sum is divided by
+def request_from(cfg: DictConfig) -> Request:
+    """The config's privacy knobs in runner/assembly.py's vocabulary."""
+    return Request(method=str(cfg.method.name), method_options=cfg.method, clip=float(cfg.clip),
+                   sigma=float(cfg.sigma), sampling=str(cfg.sampling), accountant=str(cfg.accountant.name),
+                   physical_batch_size=cfg.get("physical_batch_size"), precision=str(cfg.get("precision", "fp32")),
+                   epochs=int(cfg.epochs), max_steps_per_epoch=cfg.get("max_steps_per_epoch"),
+                   target_epsilon=cfg.target_epsilon, delta=float(cfg.delta),
+                   calibration_accountant=cfg.get("calibration_accountant"))
+
+
+def build_run_step(cfg: DictConfig, private: PrivateRun, device: torch.device, world: distributed.World):
+    """The step callable for compile= (runner/methods/compiled.py), padded to a fixed physical batch."""
+    expected = private.sampler.sample_rate * private.sampler.n  # the expected GLOBAL batch size
     physical = cfg.get("physical_batch_size") or physical_batch(expected / world.size)
-    step_fn = build_step(method, cfg.get("compile", "off"), device, int(physical))  # runner/methods/compiled.py
-    eval_idx = eval_subset(data.test_y, int(cfg.eval_batch_size) * int(cfg.max_eval_batches)) \
-        if cfg.get("max_eval_batches") else None
-    run = Run(cfg, out_dir, world, device, data, sampler, steps_per_epoch, model, method, accountant, optimizer,
-              step_fn, eval_idx, summary={}, noise_rng=gen if randomness.is_secure(gen) else None)
+    return build_step(private.method, cfg.get("compile", "off"), device, int(physical))
 
-    # the resolved config, with every model knob's value used (summary.json; a resume must match it)
-    run_config = {**OmegaConf.to_container(cfg, resolve=True), "model": {"name": str(cfg.model.name), **model_kwargs}}
-    can_checkpoint = checkpoint.supported(method)  # None: the model + optimizer hold all of the method's state
-    if cfg.get("resume"):  # runner/checkpoint.py: same batches, noise and epsilon as an uninterrupted run
-        if can_checkpoint:
-            raise DprunError(f"resume: {can_checkpoint}")
-        checkpoint.check_config(cfg.resume, run_config)
-        state = checkpoint.load(cfg.resume)
-        if checkpoint.nothing_to_train(cfg.resume, state["epoch"], int(cfg.epochs)):  # refuses fewer epochs
-            raise checkpoint.RunComplete(f"resume={cfg.resume}: the run already has {state['epoch']} epochs")
-        run.start_epoch, run.rows = checkpoint.restore(state, model=model, optimizer=optimizer,
-                                                       sampler=sampler, method=method, accountant=accountant)
-        run.rows_on_disk = len(run.rows)
-        world.steps = run.start_epoch * steps_per_epoch  # the ranks' forward streams continue where they were
-        log.info("resumed %s after epoch %d%s", cfg.resume, run.start_epoch, "; rng=secure: the batches and noise from "
-                 "here on come from fresh entropy (no random state was saved)" if randomness.is_secure(gen) else "")
-    run.summary = {
+
+def resume(run: Run, run_config: dict[str, Any]) -> None:
+    """resume=<dir> (runner/checkpoint.py): the same batches, noise and epsilon as an uninterrupted run."""
+    cfg = run.cfg
+    can_checkpoint = checkpoint.supported(run.method)  # None: the model + optimizer hold all of the method's state
+    if can_checkpoint:
+        raise DprunError(f"resume: {can_checkpoint}")
+    checkpoint.check_config(cfg.resume, run_config)
+    state = checkpoint.load(cfg.resume)
+    if checkpoint.nothing_to_train(cfg.resume, state["epoch"], int(cfg.epochs)):  # refuses fewer epochs
+        raise checkpoint.RunComplete(f"resume={cfg.resume}: the run already has {state['epoch']} epochs")
+    run.start_epoch, run.rows = checkpoint.restore(state, model=run.model, optimizer=run.optimizer,
+                                                   sampler=run.sampler, method=run.method, accountant=run.accountant)
+    run.rows_on_disk = len(run.rows)
+    run.world.steps = run.start_epoch * run.steps_per_epoch  # the ranks' forward streams continue where they were
+    log.info("resumed %s after epoch %d%s", cfg.resume, run.start_epoch, "; rng=secure: the batches and noise from "
+             "here on come from fresh entropy (no random state was saved)" if run.noise_rng is not None else "")
+
+
+def start_summary(run: Run, run_config: dict[str, Any], private: PrivateRun) -> dict[str, Any]:
+    """summary.json as the run starts (status running); finish() completes it."""
+    cfg, method, accountant, sampler, data = run.cfg, run.method, run.accountant, run.sampler, run.data
+    return {
         "status": "running",
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),  # UTC; dprun-report sorts by it
         "config": run_config,
         "method": method.name,
         "sigma": method.sigma if method.private else None,
-        **(target if cfg.target_epsilon is not None else {}),  # planned_epsilon, target_epsilon_met
-        "accountant": accountant_name if method.private else None,
+        **private.target,  # target_epsilon: planned_epsilon, target_epsilon_met
+        "accountant": private.accountant_name if method.private else None,
         "accountant_approximate": bool(accountant is not None and accountant.approximate),
         "accountant_certified": bool(accountant is not None and accountant.certified),  # the named accountant's own
         # number; `epsilon` itself is certified whenever it is not empty (runner/accountants/published.py):
@@ -263,21 +273,18 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
         "data_source": data.source,
         "sampling": sampler.kind,
         "sample_rate": sampler.sample_rate,
-        "steps_per_epoch": steps_per_epoch,
-        "num_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "device": str(device),
-        "device_name": device_name(device),
-        "world_size": world.size,
-        "backend": world.backend,
-        "evaluation": ("the whole test split" if eval_idx is None else
-                       f"a fixed stratified random subset of {len(eval_idx)} of the {len(data.test_y)} test examples "
-                       f"(max_eval_batches={cfg.max_eval_batches}; the same subset for every run)"),
+        "steps_per_epoch": run.steps_per_epoch,
+        "num_parameters": sum(p.numel() for p in run.model.parameters() if p.requires_grad),
+        "device": str(run.device),
+        "device_name": device_name(run.device),
+        "world_size": run.world.size,
+        "backend": run.world.backend,
+        "evaluation": ("the whole test split" if run.eval_idx is None else
+                       f"a fixed stratified random subset of {len(run.eval_idx)} of the {len(data.test_y)} test "
+                       f"examples (max_eval_batches={cfg.max_eval_batches}; the same subset for every run)"),
         "versions": package_versions(),
         "mechanisms": [],
     }
-    if world.main:
-        write_json(out_dir / "summary.json", run.summary)
-    return run
 
 
 # -- one epoch ---------------------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def test_methods_option_keeps_only_the_named_rows(tmp_path):
 
 
 def test_unknown_workload_names_the_valid_ones():
-    with pytest.raises(SystemExit, match="unknown workload 'cnn'.*cnn_mnist"):
+    with pytest.raises(DprunError, match="unknown workload 'cnn'.*cnn_mnist"):
         clip.main(["--workloads", "cnn", "--device", "cpu"])
 
 
@@ -93,3 +93,27 @@ def test_cpu_step_memory_counts_the_peak_not_the_end():
 
     peak = step_memory_bytes(step, CPU)
     assert 4_000_000 <= peak < 4_200_000
+
+
+def test_the_compile_path_times_a_compiled_step(monkeypatch):
+    """--compile default: the contender's step is a CompiledStep that compiled (it was n/a on every row when the
+    bench built it with physical=None). torch.compile's backend is swapped for Dynamo's eager one: the bench's own
+    path is what runs, without minutes of Inductor code generation on a CPU."""
+    import runner.methods.compiled as compiled
+    from runner.bench.common import contender, synthetic_batch
+
+    real = torch.compile
+    monkeypatch.setattr(compiled.torch, "compile", lambda fn, **kw: real(fn, backend="eager", dynamic=False))
+    base = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
+    x, y = synthetic_batch(TINY, 4, CPU)
+    for name, options in (("nonprivate", {}), ("reweight", {"mode": "bk"})):
+        made, note = contender(name, options, base, x, y, lambda ps: torch.optim.SGD(ps, lr=0.1), 0.04, 4.0,
+                               compile_mode="default")
+        assert made is not None and note == "", note
+        made.step()
+
+
+def test_the_cpu_memory_measurement_prints_no_profiler_lines(capfd):
+    model = torch.nn.Linear(4, 2)
+    step_memory_bytes(lambda: model(torch.randn(3, 4)).sum().backward(), CPU)
+    assert "USDT" not in capfd.readouterr().err

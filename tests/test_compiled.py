@@ -6,7 +6,6 @@ nonprivate, reweight and jl. -m slow: TorchInductor (compile=default) itself, mi
 """
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest

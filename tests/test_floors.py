@@ -1,6 +1,6 @@
 """The import floors: a module imports only from its own floor or the floors below it, and no two parts import
 each other (in a cycle). Every import counts, also one inside a function. A new module must be placed on a floor
-here, so that where it may import from is decided once. The floors follow the data flow of one run (DESIGN.md):
+here, so that where it may import from is decided once. The floors follow the data flow of one run (README.md, Layout):
 pieces, then the method that combines them, the run that drives the method, the entry points that start runs, and
 what reads and draws finished runs.
 """
@@ -22,10 +22,11 @@ FLOORS = [
     # 2: the clipping methods (Method.attach / Method.step: norms, clipping, noise, the optimizer step)
     ["runner.methods"],
     # 3: one run's surroundings: where conf/ is and its resolvers, knob checks, run folders, overrides, checkpoints,
-    #    starting a run's ranks (dprun distributed.nproc_per_node=N), the one-run privacy audit (its canaries meet a
-    #    Method through one hook, by duck typing)
+    #    starting a run's ranks (dprun distributed.nproc_per_node=N) and what each rank says, the one assembly of a
+    #    private run (the CLI's and the API's), entry points' one-line errors, the one-run privacy audit (its canaries
+    #    meet a Method through one hook, by duck typing)
     ["runner.paths", "runner.validate", "runner.run_dir", "runner.overrides", "runner.checkpoint", "runner.launch",
-     "runner.audit"],
+     "runner.speaker", "runner.assembly", "runner.entry", "runner.audit"],
     # 4: what drives a Method: the training loop and the library API
     ["runner.train", "runner.api"],
     # 5: measurements and tables built on them: the benches, DP-SBCD's privacy curves, the report of finished runs

@@ -59,13 +59,13 @@ def test_search_max_batch_fits_and_error_stops_the_method():
 @pytest.fixture
 def oom_above(monkeypatch):
     """Every method's training step raises torch.OutOfMemoryError when the batch has more than K examples."""
-    from runner import methods
+    from runner import assembly
 
-    real_build = methods.build
+    real_build = assembly.build_method  # the one assembly of a run's method (runner/assembly.py)
 
     def install(k):
-        def build(cfg):
-            method = real_build(cfg)
+        def build(request, world):
+            method = real_build(request, world)
             step = method.step
 
             def step_or_oom(model, loss_fn, x, y, *args, **kwargs):
@@ -74,7 +74,7 @@ def oom_above(monkeypatch):
                 return step(model, loss_fn, x, y, *args, **kwargs)
             method.step = step_or_oom
             return method
-        monkeypatch.setattr(methods, "build", build)
+        monkeypatch.setattr(assembly, "build_method", build)
     return install
 
 

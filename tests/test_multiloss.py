@@ -90,7 +90,7 @@ def test_frozen_parameters_and_buffers_pass_through():
     model[0].weight.requires_grad_(False)
     model.register_buffer("unused", torch.ones(1))
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
-    (want, want_g), (got, got_g) = clipped("nxbp", model, x, y), clipped("multiloss", model, x, y)
+    (_, want_g), (_, got_g) = clipped("nxbp", model, x, y), clipped("multiloss", model, x, y)
     assert model[0].weight.grad is None  # frozen: no gradient
     assert len(got_g) == len(want_g) == 5
     for a, b in zip(got_g, want_g):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from conftest import compose_config
 from runner.errors import DprunError
+from runner.methods.features import Feature
 from runner.methods import METHODS
 from runner.models import MODELS
 from tests.test_exact_methods import TOYS, VARIANTS, ZOO, batch
@@ -26,7 +27,7 @@ from tests.test_exact_methods import TOYS, VARIANTS, ZOO, batch
 DT = torch.float64
 OPTIONS = {**VARIANTS, "opacus": [{"grad_sample_mode": m} for m in ("hooks", "functorch", "ghost")],
            "jl": [{"r": 3, "jvp": "forward"}, {"r": 3, "jvp": "double_vjp"}]}
-CHUNKED = [(name, cfg) for name, cls in METHODS.items() if cls.unsupported(cls.__new__(cls), "physical_batch_size")
+CHUNKED = [(name, cfg) for name, cls in METHODS.items() if cls.why_not(cls.__new__(cls), Feature.PHYSICAL_BATCH)
            is None for cfg in OPTIONS.get(name, [{}])]
 
 

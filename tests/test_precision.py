@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from conftest import compose_config
 from runner.errors import DprunError
+from runner.methods.features import Feature
 from runner.methods import METHODS
 from runner.models import MODELS
 from tests.test_exact_methods import KNOWN_WRONG, TOYS, VARIANTS, ZOO, batch
@@ -29,7 +30,7 @@ ALL = [(name, cfg) for name, cls in METHODS.items() if cls.private for cfg in OP
 
 
 def accepts_bf16(name, cfg) -> bool:
-    return METHODS.build(name, cfg=cfg).unsupported("precision=bf16") is None
+    return METHODS.build(name, cfg=cfg).why_not(Feature.BF16) is None
 
 
 BF16 = [c for c in ALL if accepts_bf16(*c)]

@@ -13,7 +13,7 @@ import time
 import pandas as pd
 import pytest
 
-from conftest import ROOT, compose_config
+from conftest import compose_config
 from test_report import make_run
 
 TINY = ["dataset=digits", "epochs=1", "max_steps_per_epoch=2", "progress=false"]
@@ -90,6 +90,7 @@ def test_a_refused_run_leaves_no_folder(tmp_path):
     (tmp_path / "mine").mkdir()
     assert dprun(*TINY, "clip=0", f"out_dir={tmp_path / 'mine'}", cwd=tmp_path).returncode == 2
     assert (tmp_path / "mine").is_dir()  # the user's folder; only the log of the refusal is in it
+    assert not (tmp_path / "mine" / ".hydra").exists()
 
 
 def test_a_sweeps_refused_job_keeps_its_folder_and_the_report_says_why(tmp_path):
@@ -260,12 +261,12 @@ def test_report_lists_failed_interrupted_and_never_started_runs(tmp_path, capsys
 
 
 def test_report_does_not_list_the_hydra_folder_of_an_out_dir_run(tmp_path):
-    """With out_dir=, Hydra's own folder keeps only .hydra/; the results are elsewhere, so it is no failed start."""
+    """With out_dir=, Hydra's .hydra/ record is in out_dir (nothing outside it): no second folder, no failed start."""
     from runner.report import collect
 
     proc = dprun(*TINY, f"out_dir={tmp_path / 'mine'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert list((tmp_path / "outputs").rglob(".hydra"))  # Hydra's folder exists, holding only .hydra/
+    assert not (tmp_path / "outputs").exists() and (tmp_path / "mine" / ".hydra" / "config.yaml").is_file()
     assert list(collect(tmp_path)["status"]) == ["finished"]
 
 

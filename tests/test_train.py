@@ -99,7 +99,6 @@ def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
 
 
 def test_eval_cap_and_per_epoch_cpu_peak_memory(tmp_path):
-    from runner.metrics import peak_memory_bytes, reset_peak_memory
     from runner.evaluation import eval_subset, evaluate
 
     model = torch.nn.Linear(4, 3)

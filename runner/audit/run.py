@@ -14,7 +14,6 @@ import logging
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch

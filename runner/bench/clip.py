@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,4 +210,6 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    from runner.entry import run_entry
+
+    sys.exit(run_entry(main, "python -m runner.bench.clip"))

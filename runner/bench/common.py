@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -32,10 +33,15 @@ import torch.nn.functional as F
 
 from runner.data.base import DataInfo
 from runner.data.synthetic import like_info
+from runner.entry import OneLineParser
 from runner.errors import DprunError
 from runner.methods import METHODS
 from runner.metrics import synchronize
 from runner.randomness import SecureRandom
+
+# Kineto (torch.profiler, the CPU memory measurement) prints "USDT: ... profiler_start/stop" at every profiled step;
+# level 6 is above all of its levels (read when a profile starts)
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 # the datasets' shapes the benchmarks draw synthetic inputs of (the timings do not depend on the values), from
@@ -93,7 +99,9 @@ def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimi
         if compile_mode:
             from runner.methods.compiled import CompiledStep
 
-            method_step = CompiledStep(method, compile_mode, x.device, physical=None)
+            # the bench's batch has a fixed size: each chunk padded to it (or to physical_batch_size), one graph
+            physical = (configure or {}).get("physical_batch_size") or len(y)
+            method_step = CompiledStep(method, compile_mode, x.device, physical=int(physical))
         step = lambda: method_step(model, loss_fn, x, y, opt, sample_rate=sample_rate,  # noqa: E731
                                    expected_batch_size=expected_batch_size, generator=gen)
         if rng == "secure":  # the next step's noise, drawn ahead, is waited for: interleaved with the other
@@ -179,7 +187,7 @@ def step_memory_bytes(step: Callable[[], object], device: torch.device,
 def arguments(prog: str, doc: str, *, repeats: int, warmup: int, budget: float, quick: str, workloads: list[str],
               out: str) -> argparse.ArgumentParser:
     """The options every bench takes (each adds its own after these)."""
-    ap = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    ap = OneLineParser(prog=prog, description=doc.splitlines()[0])
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--repeats", type=int, default=repeats, help="timed steps per contender (median reported)")
     ap.add_argument("--warmup", type=int, default=warmup, help="untimed steps per contender first")
@@ -193,7 +201,9 @@ def arguments(prog: str, doc: str, *, repeats: int, warmup: int, budget: float, 
 
 def bench_device(name: str) -> torch.device:
     """--device auto: this machine's best device."""
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    from runner.train import resolve_device
+
+    return resolve_device(name)  # cuda without CUDA, or a name that is no device: one line
 
 
 def select_workloads(available: list, wanted_csv: str | None, tool: str) -> list:
@@ -204,5 +214,5 @@ def select_workloads(available: list, wanted_csv: str | None, tool: str) -> list
     names = [w.name for w in available]
     unknown = [n for n in wanted if n not in names]
     if unknown:
-        raise SystemExit(f"{tool}: unknown workload {unknown[0]!r}; valid: {', '.join(names)}")
+        raise DprunError(f"unknown workload {unknown[0]!r}; valid: {', '.join(names)}")
     return [w for w in available if w.name in wanted]

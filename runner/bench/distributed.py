@@ -25,6 +25,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from runner.entry import OneLineParser
+from runner.errors import DprunError
+
 WORKLOADS = {"cnn_mnist": ("bu_cnn", "mnist"), "transformer_imdb": ("transformer", "imdb")}
 
 
@@ -92,7 +95,7 @@ def run_one(args, n: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    ap = argparse.ArgumentParser(prog="python -m runner.bench.distributed", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m runner.bench.distributed", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu (gloo) | cuda (nccl, one GPU per process)")
     ap.add_argument("--nproc", default="1,2", help="comma-separated process counts")
     ap.add_argument("--workload", default="cnn_mnist", choices=list(WORKLOADS))
@@ -108,8 +111,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if args.worker:
         worker(args)
         return pd.DataFrame()
+    counts = [v for v in args.nproc.split(",") if v.isdigit() and int(v) >= 1]
+    if not counts or len(counts) != len(args.nproc.split(",")):
+        raise DprunError(f"--nproc={args.nproc} must be comma-separated process counts >= 1, e.g. 1,2")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise DprunError(f"--device={args.device} is not valid; valid: cpu (gloo), cuda (nccl)")
     rows = []
-    for n in [int(v) for v in args.nproc.split(",")]:
+    for n in [int(v) for v in counts]:
         print(f"bench.distributed: {args.workload} {args.method} B={args.batch} on {n} process(es) ({args.device})",
               flush=True)
         rows.append(run_one(args, n))
@@ -125,4 +133,6 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    from runner.entry import run_entry
+
+    sys.exit(run_entry(main, "python -m runner.bench.distributed"))

@@ -17,6 +17,7 @@ Saves outputs/bench/jl_<device>.csv (jl_<device>_quick.csv with --quick).
 """
 from __future__ import annotations
 
+import sys
 import math
 import time
 from dataclasses import dataclass
@@ -183,4 +184,6 @@ def table(rows: list[dict]) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    from runner.entry import run_entry
+
+    sys.exit(run_entry(main, "python -m runner.bench.jl"))

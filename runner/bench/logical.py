@@ -18,6 +18,7 @@ well be slower: the numbers say). Saves outputs/bench/logical_<device>.csv.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -100,4 +101,6 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    from runner.entry import run_entry
+
+    sys.exit(run_entry(main, "python -m runner.bench.logical"))

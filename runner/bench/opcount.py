@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 
 
 def op_counts(step: Callable[[], object], before: Callable[[], object] | None = None) -> dict[str, int]:

@@ -1,9 +1,9 @@
 """Estimated GPU time of each target at scale=paper, with its basis (printed by `make figures-list`).
 
 These are estimates, not measurements. The step-cost model: a small model's forward+backward is launch-bound at
-about 3 ms eager on an H100 (docs DESIGN.md: the MNIST CNN's non-private step is 2.9 ms); nxBP costs one backward
-per example (B x 3 ms per step); multiLoss, ReweightGP, Opacus and non-private cost a few such passes per step;
-DP-SGD-JL(r) costs about r forward-mode passes. Where the paper gives seconds per epoch (JL Tables 2, 3, 5 on a
+about 3 ms eager on an H100 (measured with runner/bench/clip.py: the MNIST CNN's non-private step is 2.9 ms); nxBP
+costs one backward per example (B x 3 ms per step); multiLoss, ReweightGP, Opacus and non-private cost a few such
+passes per step; DP-SGD-JL(r) costs about r forward-mode passes. Where the paper gives seconds per epoch (JL Tables 2, 3, 5 on a
 Tesla P100), their sum x epochs is quoted as an upper bound. Trained figures sharing a preset share its runs (the
 time is counted once, at the first of them). Computed targets need no GPU (CPU seconds to minutes).
 """

@@ -10,7 +10,7 @@ A method turns a batch into a (privatized) update; library users, runner/train.p
 `attach` validates (the checks every private method shares) and then calls `prepare`, the subclass hook (norm-rule
 coverage, Opacus's hooks, DP-SBCD's auxiliary variables); `step` accepts only the model `attach` returned.
 `configure` sets how a logical batch is processed, never what is released (a method refuses what it cannot do
-in one line, `unsupported`):
+in one line, `why_not(Feature.X)`, runner/methods/features.py):
 
     method.configure(physical_batch_size=128, precision="bf16", world=world)
 
@@ -37,6 +37,7 @@ import torch
 from runner.distributed import World
 from runner.errors import DprunError
 from runner.accountants.mechanisms import Mechanism, NoPrivacy, SubsampledGaussian
+from runner.methods.features import Feature
 from runner.methods.noise import add_noise_and_scale
 from runner.precision import PRECISIONS, ROUNDING_MARGIN, autocast
 from runner.registry import Registry
@@ -109,7 +110,7 @@ class Method:
     # how a logical batch is processed (configure()): chunk size, autocast, ranks. Never what is released.
     physical_batch_size: int | None = None
     precision: str = "fp32"
-    world: World = World()
+    world: World  # per instance (__init__): forward_rng counts this method's steps
     # False (privacy_check=false, make_private(validate=False)): skip the first step's check (runner/privacy_check/);
     # the run's privacy notes then say the guarantee is unchecked
     privacy_check: bool = True
@@ -123,6 +124,7 @@ class Method:
         self.clip = float(clip)
         self.sigma = float(sigma)
         self.model: torch.nn.Module | None = None  # the model attach() returned: the one step() trains
+        self.world = World()  # one process until configure(world=...)
 
     def option(self, key: str, default: Any) -> Any:
         """A method option from conf/method/<name>.yaml (`method.<key>=...`)."""
@@ -150,18 +152,25 @@ class Method:
             raise DprunError(f"precision={precision!r} is not valid; valid: {', '.join(PRECISIONS)} (fp16 with loss "
                              f"scaling is not supported)")
         world = world or World()
-        for asked, feature in ((physical_batch_size is not None, "physical_batch_size"),
-                               (precision != "fp32", f"precision={precision}"), (world.size > 1, "distributed")):
-            why = self.unsupported(feature) if asked else None
+        for asked, feature in ((physical_batch_size is not None, Feature.PHYSICAL_BATCH),
+                               (precision == "bf16", Feature.BF16), (world.size > 1, Feature.DISTRIBUTED)):
+            why = self.why_not(feature) if asked else None
             if why:
                 raise DprunError(f"method={self.name} cannot run with {feature}: {why}")
         self.physical_batch_size = None if physical_batch_size is None else int(physical_batch_size)
         self.precision, self.world = precision, world
         return self
 
-    def unsupported(self, feature: str) -> str | None:
-        """Why this method (with its options) cannot run with `feature` (physical_batch_size, precision=bf16,
-        distributed), or None. The default supports all three: the shared step chunks, autocasts and reduces."""
+    def why_not(self, feature: Feature) -> str | None:
+        """Why this method (with its options) cannot run with `feature`, or None; `feature` must be a Feature."""
+        if not isinstance(feature, Feature):
+            raise TypeError(f"method capabilities are Feature members ({', '.join(f.name for f in Feature)}), "
+                            f"not {feature!r}")
+        return self.unsupported(feature)
+
+    def unsupported(self, feature: Feature) -> str | None:
+        """The subclass hook behind why_not. The default supports every Feature: the shared step chunks, autocasts
+        and reduces."""
         return None
 
     def autocast(self, x: torch.Tensor):

@@ -37,6 +37,7 @@ from runner.accountants.mechanisms import Mechanism, SubsampledJL
 from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized
 from runner.methods.rng import rng_state, set_rng_state
+from runner.methods.features import Feature
 
 log = logging.getLogger("dprun")
 
@@ -175,8 +176,8 @@ class JL(Method):
             raise DprunError("method=jl: the model has no trainable parameters")
         return model
 
-    def unsupported(self, feature: str) -> str | None:
-        if feature == "precision=bf16":
+    def unsupported(self, feature: Feature) -> str | None:
+        if feature is Feature.BF16:
             return ("the JL accountant assumes the norm estimates are projections of exactly the gradient that is "
                     "released; under bf16 the projections and the backward round differently")
         return None

@@ -31,6 +31,7 @@ import torch
 from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized, trainable
 from runner.norms.certify import finite_rows, upper_sqnorm
+from runner.methods.features import Feature
 
 MODES = ("hooks", "ghost", "functorch")
 log = logging.getLogger("dprun")
@@ -100,8 +101,8 @@ class OpacusPeer(Method):
                              f"{type(model).__name__}: {first_line(e)}") from e
         return model
 
-    def unsupported(self, feature: str) -> str | None:
-        if feature == "precision=bf16" and self.mode == "ghost":
+    def unsupported(self, feature: Feature) -> str | None:
+        if feature is Feature.BF16 and self.mode == "ghost":
             return ("grad_sample_mode=ghost's second backward rounds differently from the pass that measured the "
                     "norms, so an example's contribution could exceed C; use grad_sample_mode=hooks or functorch")
         return None

@@ -28,6 +28,7 @@ import torch
 from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized, trainable
 from runner.methods.rng import rng_state, set_rng_state
+from runner.methods.features import Feature
 from runner.norms import Recorder, plan_model
 from runner.norms.streaming import StreamingNorms
 from runner.norms.base import HOW
@@ -64,8 +65,8 @@ class ReweightGP(Method):
         self.plan(model)
         return model
 
-    def unsupported(self, feature: str) -> str | None:
-        if feature == "precision=bf16" and self.mode != "bk":
+    def unsupported(self, feature: Feature) -> str | None:
+        if feature is Feature.BF16 and self.mode != "bk":
             return (f"method.mode={self.mode}'s second backward rounds differently from the pass that measured the "
                     f"norms, so an example's contribution could exceed C; use method.mode=bk (it sums the very "
                     f"tensors whose norms it took)")

@@ -25,7 +25,6 @@ recorded INPUT is refused (it would make the recorded input wrong), as in Record
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import partial
 

@@ -32,6 +32,7 @@ from runner.methods.sbcd import updates as up
 from runner.methods.sbcd.bounds import hidden_state_step, network_constants
 from runner.methods.sbcd.net import SBCDNet
 from runner.methods.sbcd.schedule import noise_multiplier
+from runner.methods.features import Feature
 from runner.models.mlp import MLP  # the one model family it trains (a lower floor)
 
 log = logging.getLogger("dprun")
@@ -88,13 +89,14 @@ class SBCD(Method):
         self.num_seen, self.last_batch, self.epoch, self.power_v = 0, -1, 0, [None] * (self.depth + 1)
         return net
 
-    def unsupported(self, feature: str) -> str | None:
+    def unsupported(self, feature: Feature) -> str | None:
         """Its step is not a clipped gradient sum: the block updates read and write the auxiliary variables of the
         whole fixed batch at once, and its hidden-state noise is calibrated to that batch."""
-        return {"physical_batch_size": "its block updates read and write the whole fixed batch's auxiliary variables "
-                                       "at once (run it without physical_batch_size)",
-                "precision=bf16": "its spectral projection and prox step are calibrated in full precision",
-                "distributed": "its auxiliary variables (one per training example) live in one process"}.get(feature)
+        return {Feature.PHYSICAL_BATCH: "its block updates read and write the whole fixed batch's auxiliary "
+                                        "variables at once (run it without physical_batch_size)",
+                Feature.BF16: "its spectral projection and prox step are calibrated in full precision",
+                Feature.DISTRIBUTED: "its auxiliary variables (one per training example) live in one process",
+                }.get(feature)
 
     def _decay(self) -> dict:
         return {"decay": float(self.option("noise_decay", 0.9)), "floor": float(self.option("noise_floor", 0.25))}

@@ -1,0 +1,148 @@
+"""A new user's first commands (issue 28): resume across world sizes, one line for a refused multi-process run,
+nothing written outside out_dir, and one place (runner/speaker.py) deciding what each rank prints and writes."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, compose_config
+from runner import launch
+from runner.checkpoint import MAY_CHANGE, SET_BY_RESUME, resumed_config
+from runner.speaker import REPORT_DIR, Speaker, read_reports
+from runner.train import train
+
+
+def dprun(*args, cwd, timeout=300):
+    return subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def dprun_lines(proc) -> list[str]:
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("dprun")]
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one") / "run"
+    train(compose_config(["method=nxbp", "epochs=1", "max_steps_per_epoch=2", "progress=false",
+                          f"out_dir={run_dir}"]), run_dir)
+    return run_dir
+
+
+# -- 1. resume across world sizes -----------------------------------------------------------------------------
+def test_a_one_process_run_resumes_on_two(one_process_run, tmp_path):
+    cfg = resumed_config(one_process_run, ["distributed.nproc_per_node=2", "epochs=2"])
+    assert cfg["distributed"]["nproc_per_node"] == 2 and cfg["distributed"]["backend"] == "auto"  # merged, nested
+    assert launch.processes([f"resume={one_process_run}", "distributed.nproc_per_node=2"]) == 2
+    assert launch.processes([f"resume={one_process_run}"]) == 1  # it recorded one process
+
+
+def test_a_plain_resume_continues_on_the_processes_the_run_recorded(one_process_run, tmp_path):
+    two = tmp_path / "two"
+    two.mkdir()
+    summary = json.loads((one_process_run / "summary.json").read_text())
+    summary["config"]["distributed"]["nproc_per_node"] = 2  # as a `distributed.nproc_per_node=2` run records it
+    (two / "summary.json").write_text(json.dumps(summary))
+    assert launch.processes([f"resume={two}"]) == 2
+    assert launch.processes([f"resume={two}", "distributed.nproc_per_node=1"]) == 1  # unless told otherwise
+
+
+def test_readme_and_docs_list_what_a_resume_may_change():
+    row = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("| `checkpoint`, `resume`"))
+    for key in (k for k in MAY_CHANGE if k not in SET_BY_RESUME):
+        assert f"`{key}" in row, key
+    assert "any world size" in row and "either launcher" in row
+    assert "any world size, from either launcher" in (ROOT / "docs" / "distributed.md").read_text()
+
+
+def test_a_refused_resume_on_two_processes_is_one_line_before_any_rank_starts(one_process_run, tmp_path):
+    proc = dprun(f"resume={one_process_run}", "method=jl", "distributed.nproc_per_node=2", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert len(dprun_lines(proc)) == 1 and "method=jl would change the run" in proc.stderr, proc.stderr
+    assert "rank" not in proc.stderr
+
+
+# -- 2. a bad value on several ranks: one line -------------------------------------------------------------------
+def test_a_bad_value_on_two_ranks_is_one_line(tmp_path):
+    proc = dprun("distributed.nproc_per_node=2", "lr=abc", f"out_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert dprun_lines(proc) == ["dprun: lr='abc' is not valid: lr must be a finite number > 0"], proc.stderr
+    assert list(tmp_path.iterdir()) == []  # refused: no folder left behind
+
+
+class _Failure:
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+
+
+class _Failed:
+    """What torch.distributed.run raises: ChildFailedError's failures and first failure."""
+
+    def __init__(self, codes: dict[int, int], first: int):
+        self.failures = {r: _Failure(c) for r, c in codes.items()}
+        self.first = first
+
+    def get_first_failure(self):
+        return self.first, self.failures[self.first]
+
+
+def test_the_launcher_prints_one_line_for_the_job():
+    refused = {"kind": "refused", "text": "lr='abc' is not valid"}
+    assert launch.failure_line(_Failed({0: 2, 1: 2}, 1), {0: refused, 1: refused}) == ("dprun: lr='abc' is not valid", 2)
+    failed = {1: {"kind": "failed", "text": "failed: RuntimeError: boom"},
+              0: {"kind": "stopped", "text": "stopped: another rank stopped (its line says why)"}}
+    line, code = launch.failure_line(_Failed({0: 1, 1: 1}, 0), failed)  # rank 0 ended first, rank 1 is the cause
+    assert line.startswith("dprun: distributed run failed: rank 1 exit code 1: failed: RuntimeError: boom;") and code == 1
+    line, code = launch.failure_line(_Failed({0: 1, 1: -9}, 0), {0: {"kind": "interrupted", "text": "interrupted"}})
+    assert "rank 1 killed by SIGKILL (stopped from outside" in line and code == 137
+
+
+# -- 3. out_dir: nothing outside it ------------------------------------------------------------------------------
+def test_an_out_dir_run_writes_nothing_outside_out_dir(tmp_path):
+    proc = dprun("epochs=1", "max_steps_per_epoch=2", "progress=false", f"out_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no outputs/runs/<date>/... holding only .hydra/
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()  # Hydra's record of the launch is in the run
+
+
+# -- 14. one place decides what a rank prints and writes ---------------------------------------------------------
+def test_one_place_decides_what_each_rank_prints_and_writes(tmp_path, monkeypatch, capsys):
+    cli = (ROOT / "runner" / "cli.py").read_text()
+    assert not re.search(r"launched_rank|launched_world_size|rank [!=]= 0", cli)  # runner/speaker.py decides
+    assert Speaker(0, 1).main and not Speaker(1, 2).main and Speaker(1, 2).prefix == "dprun: rank 1: "
+    Speaker(1, 2).last_line("interrupted", "interrupted; 0 complete epochs kept")  # rank 0 alone says it
+    Speaker(1, 2).last_line("failed", "failed: RuntimeError: boom")  # torchrun: each rank names itself
+    assert capsys.readouterr().err == "dprun: rank 1: failed: RuntimeError: boom\n"
+    monkeypatch.setenv(REPORT_DIR, str(tmp_path))  # dprun's own launcher: the line goes to it
+    Speaker(1, 2).last_line("refused", "bad value")
+    assert capsys.readouterr().err == "" and read_reports(tmp_path) == {1: {"kind": "refused", "text": "bad value"}}
+
+
+def test_distributed_has_no_dead_backend_for():
+    import runner.distributed as distributed
+
+    assert not hasattr(distributed, "backend_for")
+
+
+# -- 6. messages in the caller's words, never cut mid-word ---------------------------------------------------------
+def test_a_garbage_checkpoint_is_named_in_whole_words(tmp_path):
+    import torch
+
+    from runner.checkpoint import first_sentence, load
+    from runner.errors import DprunError
+
+    (tmp_path / "checkpoint.pt").write_bytes(b"garbage" * 50)
+    try:
+        torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    except Exception as e:  # noqa: BLE001  torch's own message, to compare with
+        torch_says = str(e).splitlines()[0]
+    with pytest.raises(DprunError) as refused:
+        load(tmp_path)
+    reason = re.search(r"damaged or truncated \((.*)\); the run's", str(refused.value)).group(1)
+    whole = reason.removesuffix(" ...")
+    assert torch_says.startswith(whole) and torch_says[len(whole):len(whole) + 1] in ("", " ", "."), reason
+    assert first_sentence("word " * 40).endswith("word ...") and len(first_sentence("word " * 40)) <= 104
