@@ -20,10 +20,12 @@ the running sum of its allocation/free records (the CPU allocator's view, like C
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -156,6 +158,21 @@ def timing_columns(label: str, times: dict[str, list[float]], repeats: int) -> d
                 note=f"estimated from {len(times[label])} of {repeats} steps (slow)" if fewer else "")
 
 
+@contextlib.contextmanager
+def quiet_stderr():
+    """The process's stderr (fd 2) muted: the CPU profiler's C++ allocator warning ("Memory block of unknown size was
+    allocated before the profiling started", printed once per block freed while profiling) is noise in a bench table."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def step_memory_bytes(step: Callable[[], object], device: torch.device,
                       before: Callable[[], object] | None = None) -> int:
     """Peak bytes allocated during one step above the bytes live at its start (see the module docstring).
@@ -174,7 +191,7 @@ def step_memory_bytes(step: Callable[[], object], device: torch.device,
         return int(torch.cuda.max_memory_allocated(device) - start)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0
