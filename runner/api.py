@@ -28,7 +28,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset as TorchDataset, Sampler as TorchSampler
 from torch.utils.data.dataloader import default_collate
 
-from runner import distributed, privacy_check, randomness
+from runner import distributed, randomness
+from runner.methods import privacy_check
 from runner.assembly import API_NAMES, PrivateRun, Request, assemble
 from runner.data.base import DataInfo, Dataset
 from runner.data.sampler import Sampler
@@ -229,7 +230,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         and seed; each trains on its share of every global Poisson batch, the clipped sums are added over the ranks
         and one noise draw is added (runner/distributed.py). step() takes the rank's share from batches().
         seed=None: rank 0's seed on every rank; ranks holding other data are refused.
-    validate: check on the first step what per-example clipping cannot bound (runner/privacy_check/; batch coupling,
+    validate: check on the first step what per-example clipping cannot bound (runner/methods/privacy_check/; batch coupling,
         data written by the forward, parameters used outside their module, a loss not of shape (B,)). False (experts)
         skips it with a warning, and private.privacy_notes says the guarantee is unchecked.
     """
@@ -247,7 +248,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       target_epsilon=target_epsilon, delta=delta, names=API_NAMES)
     params_before = [p for g in optimizer.param_groups for p in g["params"]]
     private = assemble(request, model, source.dataset, world, source.sampler)  # runner/assembly.py, as the CLI's
-    private.method.privacy_check = bool(validate)  # the first step's check (runner/privacy_check/)
+    private.method.privacy_check = bool(validate)  # the first step's check (runner/methods/privacy_check/)
     privacy_check.check_ranks(world, *(source.tensors or (None, None)), private.sampler)  # same data, same batches
     return _training(private, optimizer, params_before, source, delta, generator, rng, validate)
 

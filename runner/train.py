@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from runner import checkpoint, distributed, methods, models, privacy_check, randomness
+from runner import checkpoint, distributed, methods, models, randomness
+from runner.methods import privacy_check
 from runner.audit import run as audit_run
 from runner.accountants.published import epsilon_columns, privacy_notes
 from runner.assembly import PrivateRun, Request, assemble
@@ -179,7 +180,7 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     if private.sampler.kind != "poisson" and not private.method.sampling:
         log.warning("sampling=%s: no accountant here analyses it, so `epsilon` stays empty; epsilon_poisson_assumed "
                     "holds only under Poisson sampling (not a guarantee)", private.sampler.kind)
-    private.method.privacy_check = bool(cfg.get("privacy_check", True))  # the first step's check (runner/privacy_check/)
+    private.method.privacy_check = bool(cfg.get("privacy_check", True))  # the first step's check (runner/methods/privacy_check/)
     privacy_check.check_ranks(world, data.train_x, data.train_y, private.sampler)  # the same data and batches everywhere
     audit_run.attach(audit, private.method, private.model, private.sampler.sample_rate)  # gradient canaries
     optimizer = build_optimizer(cfg.optimizer, private.model.parameters(), float(cfg.lr))
@@ -318,7 +319,7 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
         losses = out.losses.detach()
         loss_sum += losses.sum()
         seen += len(y)
-        bad = ~torch.isfinite(losses).all() & (first_bad < 0)
+        bad = (~torch.isfinite(losses).all() | no_finite_gradient(out.norms)) & (first_bad < 0)
         first_bad = torch.where(bad, torch.full_like(first_bad, step + 1), first_bad)
         if out.outputs is not None:
             correct += (out.outputs.detach().argmax(1) == y).sum()
@@ -340,6 +341,15 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
     return EpochStats(loss_total, int(correct_total), int(seen_total), step_time, epoch_time, norm_log)
 
 
+def no_finite_gradient(norms: torch.Tensor | None) -> torch.Tensor | bool:
+    """True (a 0-dim device tensor, no sync) when a private step's batch had examples and none of them a finite
+    gradient norm: certified clipping drops such records (they contribute nothing, runner/norms/certify.py), so a
+    run whose weights blew up would otherwise go on adding noise alone with a finite but meaningless loss."""
+    if norms is None or norms.numel() == 0:
+        return False
+    return ~torch.isfinite(norms).any()
+
+
 def check_finite(run: Run, epoch: int, first_bad: torch.Tensor, parameters: bool = False) -> None:
     """Diverged (a one-line DprunError) if any rank saw a non-finite loss (or, at the epoch's end, a non-finite
     parameter). On every rank at the same steps: the check is a collective."""
@@ -348,7 +358,7 @@ def check_finite(run: Run, epoch: int, first_bad: torch.Tensor, parameters: bool
     bad_step, bad_param = run.world.max([bad_step, float(bad_param)], run.device)
     if bad_step > 0 or bad_param:
         where = f"at epoch {epoch}, step {int(bad_step)}" if bad_step > 0 else f"by the end of epoch {epoch}"
-        what = "the training loss" if bad_step > 0 else "a parameter"
+        what = "the training loss (or every example's gradient)" if bad_step > 0 else "a parameter"
         raise Diverged(f"run diverged: {what} became non-finite (nan/inf) {where} (lr={run.cfg.lr}); the "
                        f"{len(run.rows)} complete epoch(s) before it are kept")
 

@@ -31,7 +31,7 @@ from torch import nn
 from runner.errors import DprunError
 from runner.methods import METHODS, opacus_peer, reweight
 from runner.norms import RULES
-from runner.norms.adversarial import CONSTRUCTIONS, Cancelling, exact_norm, measured, near_constant, released, seq
+from runner.bench.adversarial import CONSTRUCTIONS, Cancelling, exact_norm, measured, near_constant, released, seq
 from runner.norms.base import HOW
 
 TOL = 1e-6  # the contract: ||contribution|| <= C (1 + TOL)

@@ -88,8 +88,8 @@ def crafted_release(rank: int) -> float:
     """Issue 26 across ranks: one crafted example per rank (an LSTM projection's shape, positions that cancel), sigma
     0; the release summed over both ranks, / C. Each example contributes <= C, so it is <= 2 (100 x each before)."""
     from runner.methods import METHODS
-    from runner.norms.adversarial import CONSTRUCTIONS, exact_norm
-    from runner.norms.adversarial import loss_fn as readout
+    from runner.bench.adversarial import CONSTRUCTIONS, exact_norm
+    from runner.bench.adversarial import loss_fn as readout
 
     _, build, example = CONSTRUCTIONS[torch.nn.Linear][1]  # Linear 128 -> 512 at 28 positions
     torch.manual_seed(0)

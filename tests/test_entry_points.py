@@ -29,6 +29,8 @@ CASES = [
     ("runner.bench.jl", "python -m runner.bench.jl", ["--device", "tpu"], r"unknown device 'tpu'"),
     ("runner.bench.logical", "python -m runner.bench.logical", ["--bogus"], r"unrecognized arguments: --bogus"),
     ("runner.bench.distributed", "python -m runner.bench.distributed", ["--nproc", "1,x"], r"--nproc=1,x must be"),
+    ("runner.bench.adversarial", "python -m runner.bench.adversarial", ["--eps", "x"], r"invalid float value: 'x'"),
+    ("runner.bench.overclip", "python -m runner.bench.overclip", ["--batch", "x"], r"invalid int value: 'x'"),
 ]
 
 

@@ -18,7 +18,8 @@ FLOORS = [
     #    methods describe their steps with), optimizers, timers and writers, progress lines, signal handling, the
     #    precision policy, the ranks of a distributed run, test-set evaluation
     ["runner.data", "runner.models", "runner.norms", "runner.accountants", "runner.optimizers", "runner.metrics",
-     "runner.progress", "runner.interrupt", "runner.precision", "runner.distributed", "runner.evaluation"],
+     "runner.progress", "runner.interrupt", "runner.precision", "runner.distributed", "runner.evaluation",
+     "runner.randomness"],
     # 2: the clipping methods (Method.attach / Method.step: norms, clipping, noise, the optimizer step)
     ["runner.methods"],
     # 3: one run's surroundings: where conf/ is and its resolvers, knob checks, run folders, overrides, checkpoints,

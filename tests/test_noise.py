@@ -67,7 +67,7 @@ def test_parameters_without_grad_still_get_noise():
 class FixedSum(Method):
     """privatize leaves the same clipped sum (all ones) whatever the batch, like a batch padded by zero-gradient examples."""
 
-    privacy_check = False  # a test double with no loss function: nothing for runner/privacy_check/ to check
+    privacy_check = False  # a test double with no loss function: nothing for runner/methods/privacy_check/ to check
 
     def privatize(self, model, loss_fn, x, y):
         for p in model.parameters():

@@ -1,4 +1,4 @@
-"""The privacy validator (issue 32, runner/privacy_check/): on the first step of every private method, a model or
+"""The privacy validator (issue 32, runner/methods/privacy_check/): on the first step of every private method, a model or
 loss whose release per-example clipping cannot bound is refused in one line naming the module, parameter or buffer.
 
 One test per row of the issue's table, for every method it applies to (and the methods that can run the model still
@@ -377,7 +377,7 @@ def test_the_check_costs_a_few_forwards_once():
     method = METHODS.build("reweight", clip=1.0, sigma=1.0)
     model = method.attach(nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    from runner.privacy_check import first_step as check
+    from runner.methods.privacy_check import first_step as check
 
     calls, times = [], []
     original = check.snapshot

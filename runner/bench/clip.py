@@ -58,7 +58,7 @@ SECURE = ["reweight-bk-secure", "noise-seeded", "noise-secure"]  # rng=secure's 
 ALL = list(METHOD_VARIANTS) + SECURE
 # the footnote of opacus-ghost's rows: timed as a peer, refused for training (runner/methods/opacus_peer.py)
 UNCERTIFIED = ("timed only: not certified, refused for training (4.25 C on a crafted input: python -m "
-               "runner.norms.adversarial)")
+               "runner.bench.adversarial)")
 FIG6 = ["nonprivate", "nxbp", "reweight-twopass", "reweight-bk"] + SECURE  # L&K figure 6: nxBP vs ReweightGP over B
 IMAGENET256 = DataInfo("imagenet256", (3, 256, 256), 1000, "image", None, 1281167, 50000)
 GPU = ["nonprivate", "reweight-twopass", "reweight-bk", "reweight-recompute", "opacus-hooks", "opacus-ghost",

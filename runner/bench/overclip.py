@@ -10,13 +10,13 @@ the same model and batch (synthetic inputs of the dataset's shape, as the benche
 """
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
 
 from runner.bench.clip import gpu_workloads, workloads
 from runner.bench.common import loss_fn, synthetic_batch
+from runner.entry import OneLineParser
 from runner.methods import METHODS
 from runner.models import MODELS
 
@@ -35,7 +35,7 @@ def norms(name: str, cfg: dict, model: torch.nn.Module, x, y) -> torch.Tensor:
 def main(argv=None) -> None:
     import pandas as pd
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--workloads", default=None, help="comma-separated names (default: every paper model)")
     args = parser.parse_args(argv)
@@ -59,4 +59,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from runner.entry import run_entry
+
+    sys.exit(run_entry(main, "python -m runner.bench.overclip"))

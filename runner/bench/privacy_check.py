@@ -1,4 +1,4 @@
-"""The privacy validator's cost (runner/privacy_check/): once per run, against one training step, on the bench
+"""The privacy validator's cost (runner/methods/privacy_check/): once per run, against one training step, on the bench
 workloads of runner/bench/clip.py.
 
     python -m runner.bench.privacy_check            # the three workloads at their batch sizes, CPU or CUDA
@@ -23,7 +23,7 @@ from runner.errors import DprunError
 from runner.methods import METHODS
 from runner.metrics import device_name, synchronize
 from runner.models import MODELS
-from runner.privacy_check import check_first_step
+from runner.methods.privacy_check import check_first_step
 
 METHODS_TIMED = ["reweight-bk", "reweight-twopass", "opacus-hooks", "multiloss"]
 

@@ -111,7 +111,7 @@ class Method:
     physical_batch_size: int | None = None
     precision: str = "fp32"
     world: World  # per instance (__init__): forward_rng counts this method's steps
-    # False (privacy_check=false, make_private(validate=False)): skip the first step's check (runner/privacy_check/);
+    # False (privacy_check=false, make_private(validate=False)): skip the first step's check (runner/methods/privacy_check/);
     # the run's privacy notes then say the guarantee is unchecked
     privacy_check: bool = True
     audit: Any = None  # audit=one_run: its hook adds gradient canaries to the clipped sum (runner/audit/run.py)
@@ -195,7 +195,7 @@ class Method:
         if not self.private:
             return
         from runner.norms.coverage import REASONS
-        from runner.privacy_check import check_modules
+        from runner.methods.privacy_check import check_modules
 
         check_modules(model, self.name)  # Embedding(max_norm), tracked InstanceNorm: they write data into the model
 
@@ -259,7 +259,7 @@ class Method:
         gradients. `privatize` (default self.privatize) runs one chunk: compile= passes a compiled, padded one."""
         privatize = privatize or self.privatize
         if self.private and self.privacy_check:  # once per run, whatever runs the chunks (compile=, chunks, ranks)
-            from runner.privacy_check import check_first_step
+            from runner.methods.privacy_check import check_first_step
 
             check_first_step(self, model, loss_fn, x, y)  # refuses (one line) what per-example clipping cannot bound
         params = trainable(model)

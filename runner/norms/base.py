@@ -45,7 +45,7 @@ class NormRule:
                 stash: dict | None = None) -> torch.Tensor:
         """(B,) per example, a CERTIFIED upper bound of the squared norm of its gradient over the layer's trainable
         parameters, as the clipped sum forms it, for any input (runner/norms/certify.py; a rule is registered only
-        with an adversarial construction in runner/norms/adversarial.py). `stash` (book-keeping mode only) may keep
+        with an adversarial construction in runner/bench/adversarial.py). `stash` (book-keeping mode only) may keep
         intermediate results, e.g. materialised per-example gradients, for clipped_sums."""
         raise NotImplementedError
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.methods.rng import rng_state, set_rng_state
-from runner.privacy_check.shapes import first_input
+from runner.methods.privacy_check.shapes import first_input
 
 ALONE = "method=nxbp or method=multiloss (each example runs alone)"
 

@@ -17,11 +17,8 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.methods.base import trainable
-from runner.privacy_check.independence import tolerance
-from runner.privacy_check.shapes import BLACK_BOX, check_losses, check_norms, covered
-
-
-CERTIFICATE_SLACK = 1e-2  # relative: how far above the exact norm a float32 certified norm may sit
+from runner.methods.privacy_check.independence import tolerance
+from runner.methods.privacy_check.shapes import BLACK_BOX, check_losses, check_norms, covered
 
 
 def check_inside_calls(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str) -> None:
@@ -90,11 +87,7 @@ def check_against_oracle(method, model: nn.Module, loss_fn, x: torch.Tensor, y: 
     got = out.norms.detach().double()
     atol = rtol * float(want.max())
     low = got < want - atol - rtol * want  # an under-estimate: the released gradient could exceed C
-    # certified norms (runner/norms/certify.py) sit above the exact ones by their rounding bound: <= 2e-3 relative
-    # on the paper models in float32 (docs/privacy.md), ~1e-13 in float64
-    slack = CERTIFICATE_SLACK if out.norms.dtype != torch.float64 else 0.0
-    high = got > want * (1 + rtol + slack) + atol
-    if bool(low.any()) or (rule == "equal" and bool(high.any())):
+    if bool(low.any()) or (rule == "equal" and not torch.allclose(got, want, rtol=rtol, atol=atol)):
         i = int(low.nonzero()[0]) if bool(low.any()) else int((got - want).abs().argmax())
         raise DprunError(f"method={method.name}'s per-example gradient norm of example {i} of the first batch is "
                          f"{float(got[i]):.6g}, but one backward for that example alone gives {float(want[i]):.6g}: "

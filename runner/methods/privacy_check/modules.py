@@ -6,7 +6,7 @@ These are found by type and setting because their write depends on the data: Emb
 in place only the rows a batch looks up whose norm exceeds max_norm (one rare token suffices), and an InstanceNorm
 with track_running_stats=True keeps running statistics of the raw data in buffers saved with the model. No method
 can run them privately (the write is not a gradient, so no clipping or noise covers it). BatchNorm is refused by
-Method.validate itself. Any other write shows up in the first step's check (runner/privacy_check/state.py).
+Method.validate itself. Any other write shows up in the first step's check (runner/methods/privacy_check/state.py).
 """
 from __future__ import annotations
 

@@ -8,17 +8,17 @@ gradient is O(eps) while each term of a float32 ghost Gram is O(1) (catastrophic
             x = example(torch.Generator().manual_seed(1), eps)   # (1, ...) one crafted example
     loss = model(x)[:, 0]                              # the read-out itself is the per-example loss
 
-tests/test_certified_clipping.py checks every method on them, and `python -m runner.norms.adversarial` prints each
+tests/test_certified_clipping.py checks every method on them, and `python -m runner.bench.adversarial` prints each
 method's worst contribution / C (the table of docs/privacy.md).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
 from torch import nn
 
+from runner.entry import OneLineParser
 from runner.methods import METHODS
 
 
@@ -161,7 +161,7 @@ def main(argv=None) -> None:
 
     from runner.errors import DprunError
 
-    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser = OneLineParser(description=main.__doc__)
     parser.add_argument("--eps", type=float, default=1e-4, help="the deviation from a constant input (default 1e-4)")
     args = parser.parse_args(argv)
     rows = {}
@@ -184,4 +184,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from runner.entry import run_entry
+
+    sys.exit(run_entry(main, "python -m runner.bench.adversarial"))

@@ -19,10 +19,10 @@ import contextlib
 import torch
 
 from runner.methods.rng import rng_state, set_rng_state
-from runner.privacy_check.independence import check_independence
-from runner.privacy_check.measured import check_against_oracle, check_inside_calls, per_example_grads
-from runner.privacy_check.shapes import check_batch_first, check_losses
-from runner.privacy_check.state import check_unwritten, restore, snapshot
+from runner.methods.privacy_check.independence import check_independence
+from runner.methods.privacy_check.measured import check_against_oracle, check_inside_calls, per_example_grads
+from runner.methods.privacy_check.shapes import check_batch_first, check_losses
+from runner.methods.privacy_check.state import check_unwritten, restore, snapshot
 
 PROBE = 4  # examples of the first batch the check runs on (the cost: a few forwards and backwards of these)
 ALONE = ("nxbp", "multiloss")  # each example's forward runs alone: no coupling, no batch dimension to get wrong
@@ -30,13 +30,13 @@ PER_LAYER = ("reweight", "opacus")  # norms from each module's recorded calls
 
 
 def oracle_rule(method) -> str | None:
-    """How the method's norms must compare with one backward per example: "equal" (reweight: exact), "bound" (the
-    Opacus peer's ghost mode: its norms may over-estimate, e.g. an Embedding's padding_idx row, which only clips
-    harder, since its second backward releases the true gradient), None: each clipped term is the very tensor whose
-    norm was taken (nxbp, multiloss, Opacus's hooks/functorch grad samples) or the norm is an estimate (jl)."""
-    if method.name == "reweight":
-        return "equal"
-    if method.name == "opacus" and getattr(method, "mode", None) == "ghost":
+    """How the method's norms must compare with one backward per example: "bound" (never below it: reweight's norms
+    are certified upper bounds, runner/norms/certify.py, which sit far above the exact norm on an example whose
+    per-position gradients cancel, and the Opacus peer's ghost mode may over-estimate, e.g. an Embedding's
+    padding_idx row); in both the released sum must then be sum_i factor_i grad_i with the method's own factors.
+    None: each clipped term is the very tensor whose norm was taken (nxbp, multiloss, Opacus's hooks/functorch grad
+    samples) or the norm is an estimate (jl)."""
+    if method.name == "reweight" or (method.name == "opacus" and getattr(method, "mode", None) == "ghost"):
         return "bound"
     return None
 

@@ -9,9 +9,9 @@ Method.validate calls check_modules and Method.clipped_sum calls check_first_ste
 step and chunked batches all run them; `privacy_check=false` (make_private(validate=False)) skips the first-step
 check, and the run's privacy notes then say the guarantee is unchecked (UNCHECKED).
 """
-from runner.privacy_check.first_step import check_first_step  # noqa: F401
-from runner.privacy_check.modules import check_modules  # noqa: F401
-from runner.privacy_check.ranks import check_ranks, shared_seed  # noqa: F401
+from runner.methods.privacy_check.first_step import check_first_step  # noqa: F401
+from runner.methods.privacy_check.modules import check_modules  # noqa: F401
+from runner.methods.privacy_check.ranks import check_ranks, shared_seed  # noqa: F401
 
 UNCHECKED = ("privacy_check=false: the model and loss were NOT checked for what per-example clipping cannot bound "
              "(batch coupling, data written by the forward, parameters used outside their module, non-batch inputs): "
