@@ -34,6 +34,8 @@ from runner.norms import RULES
 from runner.bench.adversarial import CONSTRUCTIONS, Cancelling, exact_norm, measured, near_constant, released, seq
 from runner.norms.base import HOW
 
+# VALIDATOR: these tests measure clipping alone, so the first-step privacy validator is off here: its comparison with
+# one backward per example is not robust to a crafted first batch (issue 26 note: bf16 or non-finite records).
 TOL = 1e-6  # the contract: ||contribution|| <= C (1 + TOL)
 EXCUSED = ("jl", "sbcd")  # see tests/test_clip_contribution.py: estimates / another mechanism
 
@@ -102,6 +104,7 @@ def test_chunked_logical_batch_keeps_the_bound(how):
     x = torch.cat([near_constant((16, 512), EPS, torch.Generator().manual_seed(s)) for s in range(3)])
     C = 0.01 * min(exact_norm(model, x[i:i + 1]) for i in range(3))
     method = METHODS.build("reweight", cfg={"norm": how}, clip=C, sigma=0.0).configure(physical_batch_size=2)
+    method.privacy_check = False  # clipping alone (see VALIDATOR below)
     norm, out = released(method, method.attach(copy.deepcopy(model)), x)
     assert norm <= 3 * C * (1 + TOL), f"release {norm / C:.6g} C from 3 examples"
 
@@ -170,6 +173,7 @@ def test_a_non_finite_record_cannot_poison_the_release(name, cfg, record, act, v
 
     def release(xs, ys):
         method = METHODS.build(name, cfg=cfg, clip=C, sigma=0.0)
+        method.privacy_check = False  # clipping alone (see VALIDATOR below)
         m = method.attach(copy.deepcopy(model))
         method.step(m, ce, xs, ys, torch.optim.SGD(m.parameters(), lr=0.0), sample_rate=1.0, expected_batch_size=1.0)
         return torch.cat([p.grad.double().flatten() for p in m.parameters()])

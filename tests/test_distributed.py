@@ -97,6 +97,7 @@ def crafted_release(rank: int) -> float:
     xs = [example(torch.Generator().manual_seed(s), 1e-4) for s in (1, 2)]
     C = 0.01 * min(exact_norm(model, x) for x in xs)
     method = METHODS.build("reweight", clip=C, sigma=0.0).configure(world=distributed.current(seed=1))
+    method.privacy_check = False  # clipping alone: the validator's oracle comparison is not made for crafted batches
     model = method.attach(model)
     x = xs[rank] if dist.is_initialized() else torch.cat(xs)
     method.step(model, readout, x, torch.zeros(len(x), dtype=torch.long), torch.optim.SGD(model.parameters(), lr=0.0),
