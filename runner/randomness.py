@@ -1,6 +1,6 @@
 """Where a run's privacy randomness comes from: `rng=seeded` (torch generators seeded by `seed`) or `rng=secure`.
 
-    rng = sampling_generator("secure", seed=0, world=world)   # SecureRandom: ChaCha20 keyed from os.urandom
+    rng = sampling_generator("secure", seed=0, world=world)   # SecureRandom: AES-256-CTR keyed from os.urandom
     mask = poisson_mask(rng, n, batch_size)                   # (n,) bool: the step's Poisson sample
     z = standard_normal(rng, numel, device, dtype)            # (numel,) N(0, 1), the same on every rank
 
@@ -9,10 +9,10 @@ RNG, seeded alike, so a run is replayable bit for bit (exactness tests, resume).
 against an adversary who does not know `seed` (it is in summary.json): with it, training on D and on D' replays
 both runs and the released model equals exactly one of them.
 
-secure: the masks, the shuffles/partitions and the Gaussian noise come from SecureRandom, the ChaCha20 keystream of
-the `cryptography` package (OpenSSL) under a 256-bit key from os.urandom (`secrets`). The key lives only inside the
+secure: the masks, the shuffles/partitions and the Gaussian noise come from SecureRandom, the AES-256-CTR keystream
+of the `cryptography` package (OpenSSL) under a 256-bit key from os.urandom (`secrets`). The key lives only inside the
 cipher object: it is never written (not summary.json, not the log, not the checkpoint); a resumed run draws a fresh
-key. The Gaussian is Box-Muller on 52-bit uniforms (radius in float64, angle in float32), four draws summed and
+key. The Gaussian is Box-Muller on 52-bit uniforms for the radius (its logarithm in float64) and 23-bit ones for the angle, four draws summed and
 halved (Holohan & Braghin, arXiv 2107.10138, as Opacus's secure_mode) against the floating-point attacks on Gaussian
 samplers (docs/privacy.md); the next step's noise is drawn ahead on a worker thread. On several ranks rank 0 draws
 and broadcasts, so every rank samples the same batch and adds the same noise.
@@ -30,7 +30,7 @@ import torch
 from runner.errors import DprunError
 
 RNGS = ("seeded", "secure")
-REKEY_BYTES = 2**36  # a fresh key well before ChaCha20's 32-bit block counter (2^32 blocks of 64 bytes) wraps
+REKEY_BYTES = 2**36  # a fresh key every 64 GiB of keystream (far below AES-CTR's 2^64-block limit for one key)
 CHUNK_BYTES = 2**22  # keystream made in blocks of 4 MiB: big enough for OpenSSL's vector code, a small zero buffer
 _ZEROS = memoryview(bytes(CHUNK_BYTES))
 GAUSSIAN_SUMMANDS = 4  # N(0,1) = (z1 + z2 + z3 + z4) / 2: Holohan & Braghin's n = 2, as Opacus's secure_mode
@@ -47,7 +47,7 @@ def _observe_key(key: bytes) -> None:
 
 
 class SecureRandom:
-    """A ChaCha20 keystream (cryptography's OpenSSL binding) keyed from the OS, turned into masks and Gaussians with
+    """An AES-256-CTR keystream (cryptography's OpenSSL binding) keyed from the OS, turned into masks and Gaussians with
     vectorised numpy/torch ops. `world`: on several ranks only rank 0 draws; the others receive its draws.
     `ahead`: draw the next step's noise on a worker thread while this step computes (the noise does not depend on
     the data, only on the parameter count): its cost leaves the step when a core is free."""
@@ -63,25 +63,30 @@ class SecureRandom:
         self._rekey()
 
     def _rekey(self) -> None:
-        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
         key = secrets.token_bytes(32)
         _observe_key(key)
-        # a fresh random key per stream, so the 16-byte nonce (32-bit block counter + 96-bit nonce) may start at 0
-        self._cipher = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+        # AES-256 in counter mode (AES instructions: ~2x ChaCha20's keystream rate on x86 here); a fresh random key
+        # per stream, so the 128-bit counter block may start at 0
+        self._cipher = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
         self._used = 0
+
+    def bytes(self, size: int) -> np.ndarray:
+        """(size,) uint8 of the keystream (a fresh array; size a multiple of 8)."""
+        out = np.empty(size + 64, dtype=np.uint8)  # update_into wants room for a block more than it writes
+        with self._lock:
+            if self._used + size > REKEY_BYTES:
+                self._rekey()
+            self._used += size
+            for start in range(0, size, CHUNK_BYTES):  # keystream XOR zeros, a chunk of the zero buffer at a time
+                part = min(CHUNK_BYTES, size - start)
+                self._cipher.update_into(_ZEROS[:part], out[start:start + part + 64])
+        return out[:size]
 
     def words(self, n: int) -> np.ndarray:
         """(n,) int64: 64 uniformly random bits each (the keystream, 8 bytes a word; a fresh array)."""
-        out = np.empty(8 * n + 64, dtype=np.uint8)  # update_into wants room for a block more than it writes
-        with self._lock:
-            if self._used + 8 * n > REKEY_BYTES:
-                self._rekey()
-            self._used += 8 * n
-            for start in range(0, 8 * n, CHUNK_BYTES):  # keystream XOR zeros, a chunk of the zero buffer at a time
-                size = min(CHUNK_BYTES, 8 * n - start)
-                self._cipher.update_into(_ZEROS[:size], out[start:start + size + 64])
-        return out[:8 * n].view(np.int64)
+        return self.bytes(8 * n).view(np.int64)
 
     def normal(self, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """(n,) N(0, 1) of `dtype` on `device`: the one drawn ahead for this size if there is one, else drawn now;
@@ -134,33 +139,49 @@ def uniform_open(words: np.ndarray) -> np.ndarray:
     return u
 
 
-def box_muller(u: torch.Tensor) -> torch.Tensor:
-    """(2m,) float64 uniforms in (0, 1) -> (2m,) independent N(0, 1), float32: r cos(theta), r sin(theta) of each
-    pair. The radius r = sqrt(-2 ln u1) in float64 (its rounding sets the tails); the angle 2 pi u2 and the
-    products in float32, the precision of the noise that is added (this is most of the noise's cost: float64 trig
-    costs 2.5x)."""
-    u1, u2 = u.chunk(2)
-    r = u1.log().mul_(-2.0).sqrt_().to(torch.float32)  # (m,)
-    theta = u2.to(torch.float32).mul_(2.0 * math.pi)  # (m,)
-    z = torch.empty(len(u), dtype=torch.float32, device=u.device)
+def uniform_open_float32(words: np.ndarray) -> np.ndarray:
+    """uint32 random words (n,), overwritten -> float32 (n,) in (0, 1): 23 random bits, the centres of 2^23 equal
+    cells ((2k + 1) / 2^24, exact in float32), as uniform_open does with 52."""
+    bits = words.view(np.uint32)
+    bits >>= np.uint32(9)
+    bits |= np.uint32(0x3F800000)
+    u = bits.view(np.float32)
+    u -= np.float32(1.0 - 2.0**-24)
+    return u
+
+
+def box_muller(u: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """(m,) float64 uniforms u in (0, 1) (52 bits) and (m,) float32 uniforms for the angle -> (2m,) independent
+    N(0, 1), float32: r cos(theta), r sin(theta) of each pair. ln u in float64 (u near 1, where r is small, has all
+    its bits there), then rounded to float32: the radius r = sqrt(-2 ln u) and everything after it in float32, the
+    precision of the noise that is added (float64 roots and trigonometry cost 2-2.5x)."""
+    r = u.log_().to(torch.float32).mul_(-2.0).sqrt_()  # (m,), overwrites u
+    theta = angle.mul_(2.0 * math.pi)  # (m,)
+    z = torch.empty(2 * len(r), dtype=torch.float32, device=r.device)
     torch.cos(theta, out=z[:len(r)])
     torch.sin(theta, out=z[len(r):])
     return z.view(2, -1).mul_(r).view(-1)
 
 
+PAIR_BYTES = 12  # one Box-Muller pair: 8 bytes (52 bits) for the radius's uniform, 4 (23 bits) for the angle's
+
+
 def secure_standard_normal(rng: SecureRandom, n: int, device: torch.device) -> torch.Tensor:
-    """(n,) float64 N(0, 1) on `device`: GAUSSIAN_SUMMANDS Box-Muller draws per value, added in float64 and divided
-    by their standard deviation (2). The keystream and the uniforms are made on the CPU, in blocks that stay in the
-    cache (2^15 values: 1 MiB of keystream); the Box-Muller math runs on `device` (one block on a GPU)."""
-    out = torch.empty(n, dtype=torch.float64, device=device)
+    """(n,) float32 N(0, 1) on `device`: GAUSSIAN_SUMMANDS Box-Muller draws per value, added and divided by their
+    standard deviation (2, exactly). The keystream and the uniforms are made on the CPU, in blocks that stay in the
+    cache (2^15 values: 768 KiB of keystream); the Box-Muller math runs on `device` (one block on a GPU)."""
+    out = torch.empty(n, dtype=torch.float32, device=device)
     block = n if device.type != "cpu" else 2**15
+    pairs_per_value = GAUSSIAN_SUMMANDS // 2
     for start in range(0, n, block):
         b = min(block, n - start)
-        k = GAUSSIAN_SUMMANDS * b + (GAUSSIAN_SUMMANDS * b) % 2  # an even count: Box-Muller makes pairs
-        u = torch.from_numpy(uniform_open(rng.words(k))).to(device)  # (k,)
-        z = box_muller(u)[:GAUSSIAN_SUMMANDS * b].view(GAUSSIAN_SUMMANDS, b)
-        torch.sum(z, 0, dtype=torch.float64, out=out[start:start + b])
-    return out.div_(math.sqrt(GAUSSIAN_SUMMANDS))
+        m = pairs_per_value * b  # Box-Muller pairs for this block
+        raw = rng.bytes(PAIR_BYTES * m)  # (12 m,) uint8
+        u = torch.from_numpy(uniform_open(raw[:8 * m].view(np.int64))).to(device)  # (m,) float64
+        angle = torch.from_numpy(uniform_open_float32(raw[8 * m:].view(np.uint32))).to(device)  # (m,) float32
+        z = box_muller(u, angle).view(GAUSSIAN_SUMMANDS, b)
+        torch.sum(z, 0, out=out[start:start + b])
+    return out.mul_(1.0 / math.sqrt(GAUSSIAN_SUMMANDS))
 
 
 # -- what noise.py and sampler.py call: seeded keeps torch's draws exactly as they were ------------------------------
@@ -239,7 +260,7 @@ def guarantee_note(rng: str, seed: int | None) -> str:
     """summary.json's privacy note and the end-of-run line: who the guarantee holds against. seed None: the library
     API, whose generators the caller seeds."""
     if rng == "secure":
-        return ("rng=secure: the batch sampling and the noise came from a ChaCha20 keystream keyed from the "
+        return ("rng=secure: the batch sampling and the noise came from an AES-256-CTR keystream keyed from the "
                 "operating system's entropy and never written; the guarantee does not rest on keeping `seed` secret")
     which = f"seed={seed} (recorded in summary.json)" if seed is not None else "the seed of its generators"
     return (f"rng=seeded: the guarantee holds against an adversary who does not know {which}; whoever knows it can "

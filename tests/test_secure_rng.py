@@ -121,6 +121,34 @@ def test_uniforms_are_open_and_centred():
     assert u[0] == 1 - u[1]
 
 
+def test_angle_uniforms_are_open_centred_float32_cells():
+    words = np.array([0, 2**32 - 1, 2**31, 511, 512], dtype=np.uint64).astype(np.uint32)  # 9 low bits dropped
+    u = randomness.uniform_open_float32(words.copy())
+    assert u.dtype == np.float32
+    assert u[0] == 2.0**-24 and u[1] == 1 - 2.0**-24 and u[2] == 0.5 + 2.0**-24  # the cells' centres, exact
+    assert u[3] == u[0] and u[4] == 2.0**-24 + 2.0**-23  # 23 random bits: the word's top 23
+    assert u[0] == 1 - u[1]
+
+
+def test_the_noise_uses_the_keystream_bytes_it_accounts_for(monkeypatch):
+    """12 bytes per Box-Muller pair, two pairs per value: a draw of n values takes 24 n bytes (none wasted, none
+    reused), and the values change when any of those bytes does."""
+    rng = SecureRandom(ahead=False)
+    taken = []
+    real = rng.bytes
+    monkeypatch.setattr(rng, "bytes", lambda size: taken.append(size) or real(size))
+    secure_standard_normal(rng, 1000, torch.device("cpu"))
+    assert sum(taken) == 24 * 1000
+    fixed = np.frombuffer(np.random.default_rng(0).bytes(24 * 1000), dtype=np.uint8)
+    monkeypatch.setattr(rng, "bytes", lambda size: fixed[:size].copy())
+    a = secure_standard_normal(rng, 1000, torch.device("cpu"))
+    flipped = fixed.copy()
+    flipped[-1] ^= 0x80  # the last angle word's top bit
+    monkeypatch.setattr(rng, "bytes", lambda size: flipped[:size].copy())
+    b = secure_standard_normal(rng, 1000, torch.device("cpu"))
+    assert (a != b).sum() == 1 and a.dtype == torch.float32
+
+
 # -- two ranks ---------------------------------------------------------------------------------------------------
 def _secure_worker(rank, world, init_file, out_dir):
     import dprun
