@@ -30,11 +30,26 @@ from runner.methods.base import METHODS, Method, Privatized, trainable
 from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.features import Feature
 from runner.norms import Recorder, plan_model
+from runner.norms.lean import LeanRecorder
+from runner.norms.outer import KEEP, Stash
 from runner.norms.streaming import StreamingNorms
 from runner.norms.base import HOW
 from runner.norms.certify import certified_norms, exact_float32, finite_rows
 
 MODES = ("bk", "twopass", "recompute")
+
+
+def keep_ratio(value) -> float:
+    """method.keep: a number >= 0 (book-keeping keeps a layer's per-example gradient up to this many times the
+    records it replaces; 0 never keeps one)."""
+    try:
+        ratio = float(value)
+    except (TypeError, ValueError):
+        ratio = -1.0
+    if not ratio >= 0:
+        raise DprunError(f"method.keep={value!r} is not valid: a number >= 0 (0: keep no per-example gradient, "
+                         f"{KEEP}: the default, larger: trade memory for time)")
+    return ratio
 
 
 def finite_inputs(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +74,9 @@ class ReweightGP(Method):
         super().__init__(*args, **kwargs)
         self.mode = self.choice("mode", "bk", MODES)
         self.how = self.choice("norm", "auto", HOW)
+        self.keep = keep_ratio(self.option("keep", KEEP))
         self._plan, self._model_id = None, None
+        self._lean = True  # book-keeping's lean recorder, until a model needs Recorder (book_kept)
 
     def prepare(self, model, data=None):
         self.plan(model)
@@ -76,6 +93,7 @@ class ReweightGP(Method):
         """The model's covered layers; re-checked whenever the set of trainable parameters changes."""
         if self._plan is None or self._model_id != id(model) or not self._plan.matches(model):
             self._plan, self._model_id = plan_model(model), id(model)
+            self._lean = True
         return self._plan
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:
@@ -90,32 +108,60 @@ class ReweightGP(Method):
             with StreamingNorms(plan, self.how) as streaming:
                 outputs = model(finite_rows(x, finite))  # (B, classes)
                 losses = loss_fn(outputs, y)  # (B,)
-            norms = certified_norms(streaming.backward(losses.sum(), len(y)))  # (B,); the graph is kept
+            norms = certified_norms(streaming.backward(losses.sum(), len(y)), streaming.layers)  # (B,); graph kept
             norms = torch.where(finite, norms, torch.full_like(norms, float("inf")))
             nu = self.clip_factors(norms)  # (B,); 0 for a record whose inputs or norm are not finite
             self.second_backward(params, weighted_loss(nu, losses))
         else:
-            with Recorder(plan) as rec, self.autocast(x):
-                outputs = model(x)  # (B, classes)
-                losses = loss_fn(outputs, y)  # (B,)
-            rec.backprops(losses.sum(), retain_graph=False)
-            # Memory (issue 12): one layer at a time. Its (a, g) (a conv's unfolded input) and any ghost Gram
-            # matrices are freed before the next layer; only a per-example gradient small enough to keep
-            # (norms/outer.py) waits for the clipped sums, which use the raw records and free each layer's as
-            # soon as it is summed.
-            stashes = {}
-            with exact_float32(x.device):
-                norms_sq = losses.new_zeros(len(y)).detach()  # (B,) certified upper bounds, summed over layers
-                for _, module, rule, a, g in rec.layers():
-                    norms_sq = norms_sq + rule.norm_sq(module, a, g, self.how, stashes.setdefault(id(module), {}))
-                    del a, g
-                norms = certified_norms(norms_sq)  # (B,)
-                nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
-                self.book_keeping(params, rec, stashes, nu)
+            outputs, losses, norms = self.book_kept(plan, params, model, loss_fn, x, y)
         if not plan.matches(model):
             raise DprunError("the model's trainable parameters changed during the step; every trainable "
                              "parameter must be covered by a norm rule")
         return Privatized(losses.detach(), outputs.detach(), norms)
+
+    def book_kept(self, plan, params, model, loss_fn, x, y):
+        """Book-keeping: one forward, one backward, each layer's clipped sum from its records (book_keeping).
+        Eager: the lean recorder (runner/norms/lean.py, issue 31) forms each layer's norm inside the backward and
+        keeps only what the clipped sums need; a covered call its source-only backward did not reach makes the step
+        start again (same random state) with Recorder, which asks autograd for every call's output-gradient, and
+        this model keeps Recorder from then on. Compiled (runner/methods/compiled.py): Recorder (no tensor hooks
+        in the traced graph)."""
+        stashes: dict[int, dict] = {}
+        if self._lean and not torch.compiler.is_compiling():
+            state = rng_state(x.device)
+            with LeanRecorder(plan, self.how, stashes, self.keep) as rec, self.autocast(x):
+                outputs = model(x)  # (B, classes)
+                losses = loss_fn(outputs, y)  # (B,)
+            norms_sq = rec.backward(losses.sum(), len(y))  # (B,) certified; None: a call it did not reach
+            if norms_sq is not None:
+                norms = certified_norms(norms_sq, rec.layers)  # (B,)
+                nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
+                with exact_float32(x.device):
+                    self.book_keeping(params, rec, stashes, nu)
+                return outputs, losses, norms
+            self._lean = False
+            set_rng_state(state, x.device)
+            stashes.clear()
+        with Recorder(plan) as rec, self.autocast(x):
+            outputs = model(x)  # (B, classes)
+            losses = loss_fn(outputs, y)  # (B,)
+        rec.backprops(losses.sum(), retain_graph=False)
+        # Memory (issue 12): one layer at a time. Its (a, g) (a conv's unfolded input) and any ghost Gram
+        # matrices are freed before the next layer; only a per-example gradient small enough to keep
+        # (norms/outer.py) waits for the clipped sums, which use the raw records and free each layer's as
+        # soon as it is summed.
+        with exact_float32(x.device):
+            norms_sq = losses.new_zeros(len(y)).detach()  # (B,) certified upper bounds, summed over layers
+            layers = 0
+            for _, module, rule, a, g in rec.layers():
+                norms_sq = norms_sq + rule.norm_sq(module, a, g, self.how,
+                                                      stashes.setdefault(id(module), Stash(self.keep)))
+                layers += 1
+                del a, g
+            norms = certified_norms(norms_sq, layers)  # (B,)
+            nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
+            self.book_keeping(params, rec, stashes, nu)
+        return outputs, losses, norms
 
     def recomputed(self, plan, params, model, loss_fn, x, y):
         """Norms from a graph-freeing backward, then a second forward (same random state) for the re-weighted one.
@@ -133,7 +179,7 @@ class ReweightGP(Method):
             del losses
             if streaming.complete:
                 break
-        norms = certified_norms(norms_sq)  # (B,)
+        norms = certified_norms(norms_sq, streaming.layers)  # (B,)
         nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
         set_rng_state(state, x.device)  # the second forward draws the dropout masks the norms were formed with
         # a record with nu = 0 enters the second forward as zeros: its non-finite values never reach the graph

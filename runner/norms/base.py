@@ -55,10 +55,18 @@ class NormRule:
         raise NotImplementedError
 
 
+    def stash_only(self, layer: nn.Module, stash: dict) -> bool:
+        """True when `stash` (filled by norm_sq) alone gives every trainable parameter's clipped sum: book-keeping's
+        lean recorder (lean.py) then frees the layer's inputs and output-gradients during the backward, and
+        clipped_sums_calls gets no calls. A rule says so only where its clipped_sums use the stash alone."""
+        return False
+
     def clipped_sums_calls(self, layer: nn.Module, calls: list, nu: torch.Tensor,
                            stash: dict | None = None) -> dict[str, torch.Tensor]:
         """clipped_sums from the recorded [(input, output-gradient)] calls; a rule may override it to avoid
-        building `sequence`'s (a, g) again (a conv's unfolded input)."""
+        building `sequence`'s (a, g) again (a conv's unfolded input). No calls: stash_only said the stash suffices."""
+        if not calls:
+            return self.clipped_sums(layer, None, None, nu, stash)
         parts = [self.sequence(layer, inp, grad) for inp, grad in calls]
         a = torch.cat([p[0] for p in parts], 1) if len(parts) > 1 else parts[0][0]
         g = torch.cat([p[1] for p in parts], 1) if len(parts) > 1 else parts[0][1]

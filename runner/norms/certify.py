@@ -87,10 +87,12 @@ def summed_vector(parts: torch.Tensor, masses: torch.Tensor, terms: int) -> torc
     return torch.fmin(upper, masses.div(f)).square_().mul_(f * f * (1 + 3 * u))
 
 
-def certified_norms(upper_sq: torch.Tensor) -> torch.Tensor:
-    """(B,) N_i >= ||G_i|| from the layers' summed upper bounds (B,) (the sum and the root rounded up); inf or nan
-    where not finite (clip_factors then gives 0: the example contributes nothing)."""
-    return upper_sq.clamp_min(0).sqrt_().mul_(1 + 4 * unit(upper_sq))
+def certified_norms(upper_sq: torch.Tensor, terms: int = 1) -> torch.Tensor:
+    """(B,) N_i >= ||G_i|| from the layers' summed upper bounds (B,): `terms` layers' values added in floating point
+    (non-negative terms: the computed sum is >= the exact one times 1 - gamma_{terms-1}), then the root, each rounded
+    up; inf or nan where not finite (clip_factors then gives 0: the example contributes nothing)."""
+    u = unit(upper_sq)
+    return upper_sq.clamp_min(0).sqrt_().mul_((1 + 4 * u) * (1 + gamma(max(terms, 1), u)) ** 0.5)
 
 
 def finite_rows(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

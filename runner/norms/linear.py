@@ -32,10 +32,14 @@ class LinearRule(NormRule):
             total = total + outer.bias_norm_sq(g, stash)
         return total
 
+    def stash_only(self, layer, stash):
+        """Book-keeping kept G_i (the weight, when `keeps`) and the bias's per-example sums: nothing else needed."""
+        return all(name in stash for name in self.params if trains(getattr(layer, name)))
+
     def clipped_sums_calls(self, layer, calls, nu, stash=None):
         """Book-keeping: the weight's clipped sum as one GEMM per recorded call, added, never the calls concatenated
         along T (a recurrent cell's 28 calls: no (B, 28, in) + (B, 28, out) copy, issue 31); the rest as usual."""
-        if len(calls) == 1 or not trains(layer.weight) or (stash and "weight" in stash):
+        if len(calls) <= 1 or not trains(layer.weight) or (stash and "weight" in stash):
             return super().clipped_sums_calls(layer, calls, nu, stash)
         sums: dict[str, torch.Tensor] = {}
         keep = nu > 0  # a record with nu = 0 (non-finite norm) adds nothing (its rows zeroed: no 0 * inf)

@@ -45,6 +45,10 @@ class AffineRule(NormRule):
                 sums[name] = nu.unsqueeze(0).mm(finite_rows(per_example, nu > 0)).view(param.shape)
         return sums
 
+    def stash_only(self, layer, stash):
+        """norm_sq kept every per-example sum (book-keeping): the clipped sums are products of those alone."""
+        return all(n in stash for n in ("weight", "bias") if trains(getattr(layer, n, None)))
+
     def clipped_sums_calls(self, layer, calls, nu, stash=None):
         """Book-keeping kept every per-example sum: no (xhat, g) rebuilt from the calls (issue 31)."""
         wanted = [n for n in ("weight", "bias") if trains(getattr(layer, n, None))]

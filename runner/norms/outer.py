@@ -15,9 +15,10 @@ GEMM over the N*T rows; but materialising G_i is a bmm with inner dimension T, m
 so ghost still wins when T^2*(k+o) < BK_GHOST*k*o (measured on CPU: an LSTM's h_proj at T=28, 128->512,
 ghost+GEMM 20 ms vs direct 54 ms; bu_cnn's conv2, T=25, 256->32, a tie; a transformer FF, T=256, direct).
 
-Memory (issue 12): a kept G_i lives until the clipped sums, next to every other layer's records, so it is kept
-only when it is no larger than the layer's own recorded a and g (o*k <= T*(k+o), `keeps`); otherwise the choice
-is the stash-free one (flops) and the clipped sum is one GEMM (or the conv weight-gradient kernel). Ghost's
+Memory (issues 12, 31): a kept G_i lives until the clipped sums, in place of the layer's own recorded a and g
+(the lean recorder frees those), so it is kept only when it is at most method.keep (default 1.1) times their size
+(o*k <= keep*T*(k+o), `keeps`); otherwise the choice is the stash-free one (flops) and the clipped sum is one GEMM
+(or the conv weight-gradient kernel). Ghost's
 N*T^2 Gram matrices and a direct G_i that is not kept are transients, freed before the next layer.
 """
 from __future__ import annotations
@@ -37,9 +38,22 @@ def use_ghost(T: int, k: int, o: int, how: str, stash: bool = False) -> bool:
     return T * (k + o) < k * o  # N*T^2*(k+o) < N*T*k*o
 
 
-def keeps(T: int, k: int, o: int) -> bool:
-    """Book-keeping may keep the per-example gradient (N*o*k) only when it is no larger than a and g (N*T*(k+o))."""
-    return o * k <= T * (k + o)
+KEEP = 1.1  # method.keep's default: keep G_i up to 1.1x the records it replaces (issue 31; docs/methods.md)
+
+
+class Stash(dict):
+    """A layer's book-keeping stash (what norm_sq keeps for the clipped sum), with the method's keep ratio."""
+
+    def __init__(self, keep: float = KEEP):
+        super().__init__()
+        self.keep = keep
+
+
+def keeps(T: int, k: int, o: int, ratio: float = KEEP) -> bool:
+    """Book-keeping keeps the per-example gradient (N*o*k) when it is at most `ratio` (method.keep) times the
+    layer's recorded a and g (N*T*(k+o)), which the lean recorder then frees: the clipped sum is nu @ G (N*o*k
+    flops) instead of a GEMM over the N*T rows, for at most (ratio - 1) x the records in memory. ratio 0: never."""
+    return o * k <= ratio * T * (k + o)
 
 
 def sqnorm(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +71,7 @@ def norm_sq(a: torch.Tensor, g: torch.Tensor, how: str = "auto", stash: dict | N
     if T == 1:  # rank-one per-example gradient: ||G_i|| = ||g_i|| ||a_i||
         norm = torch.linalg.vector_norm(a[:, 0], dim=1).mul_(torch.linalg.vector_norm(g[:, 0], dim=1))  # (N,)
         return norm.square_().mul_((norm_factor(k, u) * norm_factor(o, u)) ** 2 * (1 + 5 * u))
-    if stash is not None and not keeps(T, k, o):
+    if stash is not None and not keeps(T, k, o, getattr(stash, "keep", KEEP)):
         stash = None  # memory: do not keep G_i for the clipped sum (clipped_sum falls back to one GEMM)
     if use_ghost(T, k, o, how, stash is not None):
         aa = torch.bmm(a, a.transpose(1, 2))  # (N, T, T)

@@ -59,6 +59,7 @@ class StreamingNorms(CallHooks):
         self.tensor_hooks: list = []  # on the recorded outputs; removed after the first backward
         self.norms_sq: torch.Tensor | None = None
         self.complete = True  # False when a call waited for its output-gradient after a graph-freeing backward
+        self.layers = 0  # modules whose squared norms were added into norms_sq
 
     def on_call(self, module, inp, out):
         p = self.pending.setdefault(id(module), Pending())
@@ -81,7 +82,9 @@ class StreamingNorms(CallHooks):
         if p.waiting == 0:  # every call of the module has its output-gradient: its norm, then free them
             self._add(key)
 
-    def _add(self, key: int) -> None:
+    def _calls(self, key: int) -> tuple[str, torch.nn.Module, object, list, list]:
+        """A module whose calls all have their output-gradients (or never will): (path, module, rule, inputs,
+        output-gradients), its pending record removed; an input modified in place since its call is refused."""
         path, module, rule = self.rules[key]
         p = self.pending.pop(key)
         for inp, version in zip(p.inputs, p.versions):
@@ -90,19 +93,27 @@ class StreamingNorms(CallHooks):
                                  f"call, so its recorded input is wrong; use inplace=False before this layer")
         grads = [g if g is not None else torch.zeros(shape, dtype=dt, device=dev)  # an unused call: zero
                  for g, (shape, dt, dev) in zip(p.grads, p.shapes)]
-        B = p.inputs[0].shape[0]
-        chunk = chunk_size(rule, module, p.inputs, grads)
+        return path, module, rule, p.inputs, grads
+
+    def _add(self, key: int) -> None:
+        path, module, rule, inputs, grads = self._calls(key)
+        B = inputs[0].shape[0]
+        chunk = chunk_size(rule, module, inputs, grads)
         parts = []
         for start in range(0, B, chunk):
             rows = slice(start, start + chunk)
-            seq = [rule.sequence(module, inp[rows], g[rows]) for inp, g in zip(p.inputs, grads)]
+            seq = [rule.sequence(module, inp[rows], g[rows]) for inp, g in zip(inputs, grads)]
             a = torch.cat([s[0] for s in seq], 1) if len(seq) > 1 else seq[0][0]
             g = torch.cat([s[1] for s in seq], 1) if len(seq) > 1 else seq[0][1]
             with exact_float32(g.device):
                 parts.append(rule.norm_sq(module, a, g, self.how).detach())  # (chunk,) certified upper bounds
             del seq, a, g
-        contribution = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self._accumulate(torch.cat(parts) if len(parts) > 1 else parts[0])
+
+    def _accumulate(self, contribution: torch.Tensor) -> None:
+        """Add one module's (B,) certified squared norms; `layers` counts the terms (certified_norms' rounding)."""
         self.norms_sq = contribution if self.norms_sq is None else self.norms_sq + contribution
+        self.layers += 1
 
     def backward(self, loss: torch.Tensor, batch_size: int, keep_graph: bool = True) -> torch.Tensor | None:
         """Run the first backward and return the (B,) per-example squared norms (certified upper bounds). keep_graph=False (ReweightGP's

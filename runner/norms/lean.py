@@ -1,0 +1,72 @@
+"""Book-keeping's lean recorder (issue 31): each layer's norm formed INSIDE the one backward, and only what the
+clipped sums need kept.
+
+    stashes = {}
+    with LeanRecorder(plan, how, stashes) as lean:
+        losses = loss_fn(model(x), y)                  # forward hooks keep each call's input, hook its output
+    norms_sq = lean.backward(losses.sum(), len(y))     # (B,) certified; None: a call the backward did not reach
+    for path, module, rule, calls in lean.raw_layers():  # what each layer's clipped sum is formed from
+        ...; lean.release(module)
+
+Recorder (hooks.py) keeps every call's output until the backward ends and gets all output-gradients at its end
+from autograd.grad(loss, outputs), so the outputs (which autograd itself would have freed) and every
+output-gradient pile up next to each other. Here, as in StreamingNorms (streaming.py, which it extends), a tensor
+hook on each call's output receives the output-gradient as the backward reaches the layer; once a module has all of
+its calls' gradients, its certified squared norm is formed (runner/norms/certify.py) with the rule's stash, and:
+
+- the outputs are never kept (the hook lives on the graph, not on the tensor);
+- a layer whose stash holds every parameter's per-example gradient or sum (rule.stash_only: a Linear that keeps
+  G_i, a LayerNorm's per-example sums) drops its inputs and output-gradients at once: the clipped sum adds the
+  stashed tensors, the very ones measured (the certificate is theirs);
+- any other layer keeps its raw (input, output-gradient) records, no upcast or concatenated copy, until its clipped
+  sum is formed (exactly what Recorder.raw_layers gives).
+
+The backward asks for the source layers' parameters only (StreamingNorms.backward, graph freed as it goes). A covered
+call it did not reach (input data that requires grad, an unused output) leaves `complete` False and backward returns
+None: the caller then replays the step with Recorder (ReweightGP does, and keeps Recorder for that model).
+"""
+from __future__ import annotations
+
+import torch
+
+from runner.norms.certify import exact_float32
+from runner.norms.coverage import Plan
+from runner.norms.outer import KEEP, Stash
+from runner.norms.streaming import StreamingNorms
+from runner.precision import to_float32
+
+
+class LeanRecorder(StreamingNorms):
+    def __init__(self, plan: Plan, how: str, stashes: dict, keep: float = KEEP):
+        super().__init__(plan, how)
+        self.stashes = stashes  # id(module) -> the rule's stash (kept per-example gradients or sums)
+        self.keep = keep  # method.keep: a per-example gradient up to keep x the records it replaces is kept
+        self.kept: dict[int, list] = {}  # id(module) -> [(input, output-gradient)] for its clipped sum ([] if stash)
+
+    def _add(self, key: int) -> None:
+        path, module, rule, inputs, grads = self._calls(key)
+        # bf16: the norm and the clipped sum are formed from the same float32 upcasts (as Recorder)
+        seq = [rule.sequence(module, to_float32(i), to_float32(g)) for i, g in zip(inputs, grads)]
+        a = torch.cat([s[0] for s in seq], 1) if len(seq) > 1 else seq[0][0]  # (B, T, ...): calls along T
+        g = torch.cat([s[1] for s in seq], 1) if len(seq) > 1 else seq[0][1]
+        stash = self.stashes.setdefault(key, Stash(self.keep))
+        with exact_float32(g.device):
+            self._accumulate(rule.norm_sq(module, a, g, self.how, stash).detach())  # (B,) certified upper bounds
+        del seq, a, g
+        self.kept[key] = [] if rule.stash_only(module, stash) else list(zip(inputs, grads))
+
+    def backward(self, loss: torch.Tensor, batch_size: int, keep_graph: bool = False) -> torch.Tensor | None:
+        """The one backward of book-keeping, graph freed as it goes; (B,) squared norms, or None if incomplete."""
+        return super().backward(loss, batch_size, keep_graph=False)
+
+    def raw_layers(self):
+        """(path, module, rule, [(input, output-gradient) per call], upcast to float32) per covered module that was
+        called, in the plan's order; [] for a module whose stash alone gives its clipped sums."""
+        for path, module, rule in self.plan.layers:
+            calls = self.kept.get(id(module))
+            if calls is not None:
+                yield path, module, rule, [(to_float32(i), to_float32(g)) for i, g in calls]
+
+    def release(self, module) -> None:
+        """Free a module's records once its clipped sum is formed."""
+        self.kept.pop(id(module), None)
