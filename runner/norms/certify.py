@@ -6,7 +6,7 @@ output-gradients, or a kept per-example gradient). Floating point can break that
 sum_{s,t} (a_s.a_t)(g_s.g_t) cancels catastrophically on near-constant inputs (a float32 value of 0 for a gradient
 of norm 1), and a direct norm is taken of a per-example gradient rounded differently from what the clipped sum adds.
 So every rule's norm_sq returns, per example, a certified upper bound of ||G_i||^2, whatever the input, and the
-clip factor uses N_i = sqrt(sum over layers) (1 + 4u) >= ||G_i||. docs/privacy.md ("Certified clipping") derives
+clip factor uses N_i = sqrt((sum over L layers) (1 + gamma_L)) (1 + 4u) >= ||G_i||. docs/privacy.md ("Certified clipping") derives
 each bound and names what is not covered (the rounding of the final reductions over examples, chunks and ranks,
 and the noise draw's own floating-point weakness).
 
