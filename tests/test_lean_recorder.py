@@ -170,3 +170,18 @@ def test_a_bad_keep_is_one_line_naming_what_is_accepted():
     for bad in ("lots", -1, float("nan")):
         with pytest.raises(DprunError, match=r"method\.keep=.* a number >= 0"):
             METHODS.build("reweight", cfg={"keep": bad}, clip=1.0, sigma=1.0)
+
+
+def test_a_recurrent_cells_calls_are_kept_as_one_sequence():
+    """h_proj is called once per time step: its T records become the one (B, T, h) / (B, T, 4h) pair the norm was
+    formed from, so the clipped sum is one GEMM over B*T rows (the exactness: the first test, on the LSTM)."""
+    torch.manual_seed(4)
+    model = MODELS.build("lstm", MNIST)
+    x, y = synthetic_batch(MNIST, 3, torch.device("cpu"))
+    plan = plan_model(model)
+    with LeanRecorder(plan, "auto", {}) as rec:
+        losses = loss_fn(model(x), y)
+    rec.backward(losses.sum(), len(y))
+    cell = next(m for name, m in model.named_modules() if name.endswith("h_proj"))
+    (a, g), = rec.kept[id(cell)]
+    assert a.shape == (3, 28, cell.in_features) and g.shape == (3, 28, cell.out_features)

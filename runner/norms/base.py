@@ -33,6 +33,7 @@ RULES: Dict[type, "NormRule"] = {}
 
 class NormRule:
     params: tuple[str, ...] = ()  # the module's own parameter names this rule covers
+    sequence_is_call = False  # True: sequence's (a, g) is itself a valid recorded (input, output-gradient) call
 
     def check(self, layer: nn.Module, path: str) -> None:
         """Raise DprunError (naming `path`) for a configuration of the layer the rule cannot handle exactly."""

@@ -52,8 +52,16 @@ class LeanRecorder(StreamingNorms):
         stash = self.stashes.setdefault(key, Stash(self.keep))
         with exact_float32(g.device):
             self._accumulate(rule.norm_sq(module, a, g, self.how, stash).detach())  # (B,) certified upper bounds
+        if rule.stash_only(module, stash):
+            self.kept[key] = []
+        elif len(seq) > 1 and rule.sequence_is_call and a.dtype == inputs[0].dtype:
+            # a module called many times (a recurrent cell's h_proj, T calls): the concatenated (a, g) the norm was
+            # formed from, kept as one call, so its clipped sum is one GEMM over B*T rows, not T small ones; the
+            # same bytes as the T records (which the backward may now free)
+            self.kept[key] = [(a, g)]
+        else:
+            self.kept[key] = list(zip(inputs, grads))
         del seq, a, g
-        self.kept[key] = [] if rule.stash_only(module, stash) else list(zip(inputs, grads))
 
     def backward(self, loss: torch.Tensor, batch_size: int, keep_graph: bool = False) -> torch.Tensor | None:
         """The one backward of book-keeping, graph freed as it goes; (B,) squared norms, or None if incomplete."""

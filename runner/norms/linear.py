@@ -19,6 +19,7 @@ from runner.norms.certify import finite_rows
 @register(nn.Linear)
 class LinearRule(NormRule):
     params = ("weight", "bias")
+    sequence_is_call = True  # (B, T, in), (B, T, out): a call on a sequence
 
     def sequence(self, layer, inp, grad_out):
         B = inp.shape[0]
