@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from runner.heap import retain_freed_memory
 from runner import checkpoint, distributed, methods, models, randomness
 from runner.methods import privacy_check
 from runner.audit import run as audit_run
@@ -168,6 +169,8 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     if world.main:
         out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(str(cfg.device), world.local_rank)
+    if device.type == "cpu":
+        retain_freed_memory()  # a step's freed blocks serve the next step: no page faults (runner/heap.py)
     dtype = {"float32": torch.float32, "float64": torch.float64}[str(cfg.dtype)]
     torch.manual_seed(int(cfg.seed))
     # the sampler's (the same global batches on every rank) and, rng=secure, the noise's (runner/randomness.py)

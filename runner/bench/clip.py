@@ -32,8 +32,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, contender, interleaved_times,
-                                 median, select_workloads, step_memory_bytes, synthetic_batch, timing_columns)
+from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, contender, faults_per_step,
+                                 interleaved_times, median, select_workloads, step_memory_bytes, synthetic_batch,
+                                 timing_columns)
 from runner.bench import common
 from runner.bench.opcount import op_counts
 from runner.data.base import DataInfo
@@ -64,7 +65,8 @@ IMAGENET256 = DataInfo("imagenet256", (3, 256, 256), 1000, "image", None, 128116
 GPU = ["nonprivate", "reweight-twopass", "reweight-bk", "reweight-recompute", "opacus-hooks", "opacus-ghost",
        "opacus-functorch"] + SECURE
 COLUMNS = ["workload", "model", "batch", "method", "step_ms", "x_nonprivate", "x_nonprivate_compiled",
-           "x_opacus_best", "x_seeded", "step_mem_mb", "mem_x_nonprivate", "aten_ops", "leaf_ops", "steps_timed", "note"]
+           "x_opacus_best", "x_seeded", "step_mem_mb", "mem_x_nonprivate", "faults_per_step", "aten_ops", "leaf_ops",
+           "steps_timed", "note"]
 
 
 @dataclass
@@ -140,6 +142,7 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
     times = interleaved_times({k: c.step for k, c in contenders.items()}, device, repeats, warmup, budget_s)
     memory = {label: step_memory_bytes(c.step, device, before=c.zero_grad) for label, c in contenders.items()}
     ops = {label: op_counts(c.step, before=c.zero_grad) for label, c in contenders.items()}
+    faults = {label: faults_per_step(c.step) if device.type == "cpu" else math.nan for label, c in contenders.items()}
     t = {label: median(ts) for label, ts in times.items()}
     opacus = [t[k] for k in t if k.startswith("opacus")]
     for r in rows:
@@ -153,6 +156,7 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
                  x_seeded=t[label] / t[seeded_twin(label)] if seeded_twin(label) in t else math.nan,
                  step_mem_mb=memory[label] / 2**20,
                  mem_x_nonprivate=memory[label] / memory["nonprivate"] if memory.get("nonprivate") else math.nan,
+                 faults_per_step=faults[label],
                  **ops[label])
         if label.startswith("opacus-ghost"):
             r.update(note=UNCERTIFIED)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
+
+from runner.heap import minor_page_faults, retain_freed_memory
 import torch.nn.functional as F
 
 from runner.data.base import DataInfo
@@ -220,7 +222,18 @@ def bench_device(name: str) -> torch.device:
     """--device auto: this machine's best device."""
     from runner.train import resolve_device
 
-    return resolve_device(name)  # cuda without CUDA, or a name that is no device: one line
+    device = resolve_device(name)  # cuda without CUDA, or a name that is no device: one line
+    if device.type == "cpu":
+        retain_freed_memory()  # freed blocks reused, not re-faulted: the ratios mean compute (runner/heap.py)
+    return device
+
+
+def faults_per_step(step: Callable[[], object], steps: int = 3) -> float:
+    """Minor page faults per step over `steps` steps (after the timing's warm-up): ~0 once the heap is retained."""
+    before = minor_page_faults()
+    for _ in range(steps):
+        step()
+    return (minor_page_faults() - before) / steps
 
 
 def select_workloads(available: list, wanted_csv: str | None, tool: str) -> list:
