@@ -13,10 +13,11 @@ The norm transients (a conv's unfolded input, ghost Gram matrices, a direct per-
 too: the batch is cut into chunks whose transients are no larger than the layer's own input and output-gradient.
 Per-example norms are independent across examples, so chunking is exact.
 
-The backward asks for the gradients of the "source" modules' parameters only: the modules called on an input
-that needs no gradient (the first layer of a chain: the data, token ids). When every input needs no gradient but
-its own layers' parameters, each covered call lies on a path from the loss to a source parameter and its hook
-fires; no other weight gradient is computed. Any call still waiting afterwards (input data that requires grad, an
+The backward asks for the gradients of the "source" calls' OUTPUTS only (gradient edges: torch.autograd.graph):
+the calls on an input that needs no gradient (the first layer of a chain: the data, token ids, a recurrent cell's
+zero initial state). When every input needs no gradient but its own layers' parameters, each covered call lies on a
+path from the loss to a source output and its hook fires; no weight gradient at all is computed (asking for the
+source layers' parameters, as before, computed a recurrent cell's whole weight gradient: issue 31). Any call still waiting afterwards (input data that requires grad, an
 unused output) gets a second pass that asks for its own layer's parameters, so a norm is never left at zero.
 
 A hook registered before an in-place change of the output (nn.ReLU(inplace=True) after a Linear) still gets the
@@ -55,7 +56,10 @@ class StreamingNorms(CallHooks):
         self.how = how
         self.rules = {id(m): (path, m, rule) for path, m, rule in plan.layers}
         self.pending: dict[int, Pending] = {}
-        self.sources: dict[int, torch.nn.Module] = {}  # modules called on an input that needs no gradient
+        # where the backward may stop: the output of each call on an input that needs no gradient (the first layer
+        # of a chain: the data, token ids, a recurrent cell's zero initial state), as a gradient edge (the graph
+        # node, not the tensor: the output itself is not kept)
+        self.sources: list = []
         self.tensor_hooks: list = []  # on the recorded outputs; removed after the first backward
         self.norms_sq: torch.Tensor | None = None
         self.complete = True  # False when a call waited for its output-gradient after a graph-freeing backward
@@ -67,8 +71,8 @@ class StreamingNorms(CallHooks):
         p.versions.append(None if torch.compiler.is_compiling() else inp._version)
         p.shapes.append((out.shape, out.dtype, out.device))
         p.grads.append(None)
-        if not inp.requires_grad:
-            self.sources[id(module)] = module
+        if not inp.requires_grad and out.requires_grad:
+            self.sources.append(torch.autograd.graph.get_gradient_edge(out))
         if out.requires_grad:
             p.waiting += 1
             self.tensor_hooks.append(out.register_hook(partial(self._on_grad, id(module), len(p.grads) - 1)))
@@ -118,11 +122,11 @@ class StreamingNorms(CallHooks):
     def backward(self, loss: torch.Tensor, batch_size: int, keep_graph: bool = True) -> torch.Tensor | None:
         """Run the first backward and return the (B,) per-example squared norms (certified upper bounds). keep_graph=False (ReweightGP's
         recompute mode) frees each saved activation as the backward passes it, as a non-private backward does, and
-        asks for the source layers' parameters only; when a call is still waiting afterwards the graph is gone, so
+        asks for the source calls' outputs only; when a call is still waiting afterwards the graph is gone, so
         `complete` is False and the caller runs the forward again and calls backward_all."""
-        sources = [p for m in self.sources.values() for p in m.parameters(recurse=False) if p.requires_grad]
-        if loss.requires_grad and sources:
-            torch.autograd.grad(loss, sources, retain_graph=keep_graph, allow_unused=True)
+        if loss.requires_grad and self.sources:  # every covered call between the loss and a source: no weight gradient
+            torch.autograd.grad(loss, self.sources, retain_graph=keep_graph, allow_unused=True)
+        self.sources = []
         waiting = [self.rules[k][1] for k, p in self.pending.items() if p.waiting]
         if not keep_graph and loss.requires_grad and waiting:
             self.complete = False  # the graph is gone: the caller starts again with backward_all
