@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import compose_config
+from conftest import compose_config, dprun_in_process
 from runner.checkpoint import FILE, RESUME_CONFIG, load, resume_argv
 from runner.errors import DprunError
 from runner.train import train
@@ -132,6 +132,10 @@ def dprun(*args, cwd):
                           timeout=300)
 
 
+# The CLI runs here go through conftest.dprun_in_process (the same code from argv to the exit status, in this
+# process); test_after_a_refused_resume_the_documented_one_works starts `python -m runner.cli resume=...`.
+
+
 def files(folder):
     """Every file under folder (.hydra/ included) -> its bytes."""
     return {p.relative_to(folder): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
@@ -141,7 +145,7 @@ def files(folder):
 def straight(tmp_path_factory):
     """model=cnn (a sweep's job below), 2 epochs straight."""
     folder = tmp_path_factory.mktemp("straight")
-    proc = dprun(*CLI_RUN, "model=cnn", "epochs=2", f"out_dir={folder / 'run'}", cwd=folder)
+    proc = dprun_in_process(*CLI_RUN, "model=cnn", "epochs=2", f"out_dir={folder / 'run'}", cwd=folder)
     assert proc.returncode == 0, proc.stderr
     return folder / "run"
 
@@ -153,15 +157,16 @@ def test_every_folder_dprun_writes_resumes_with_the_documented_command(tmp_path,
     the same weights, losses and epsilon as the straight run."""
     (tmp_path / "a").mkdir()
     if made_with == "out_dir":
-        proc, run = dprun(*CLI_RUN, "model=cnn", "epochs=1", "out_dir=runs/x", cwd=tmp_path / "a"), tmp_path / "a/runs/x"
+        proc = dprun_in_process(*CLI_RUN, "model=cnn", "epochs=1", "out_dir=runs/x", cwd=tmp_path / "a")
+        run = tmp_path / "a/runs/x"
     else:
-        proc = dprun("-m", *CLI_RUN, "model=choice(cnn)", "seed=choice(1)", "epochs=1", "hydra.sweep.dir=s",
-                     cwd=tmp_path / "a")
+        proc = dprun_in_process("-m", *CLI_RUN, "model=choice(cnn)", "seed=choice(1)", "epochs=1", "hydra.sweep.dir=s",
+                                cwd=tmp_path / "a")
         run = tmp_path / "a/s/0_model=cnn,seed=1"
     assert proc.returncode == 0, proc.stderr
     hydra_records = {k: v for k, v in files(run).items() if k.parts[0] == ".hydra"}
     assert hydra_records  # the record of how it was launched is in the run's own folder (nothing outside it)
-    proc = dprun(f"resume={run}", "epochs=2", cwd=tmp_path)
+    proc = dprun_in_process(f"resume={run}", "epochs=2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert {k: v for k, v in files(run).items() if k.parts[0] == ".hydra"} == hydra_records  # as launched
     assert not (tmp_path / "outputs").exists()  # no Hydra folder of its own
@@ -180,7 +185,7 @@ def test_every_folder_dprun_writes_resumes_with_the_documented_command(tmp_path,
 def two_epochs(tmp_path_factory):
     """A finished 2-epoch run in a Hydra run folder (with its .hydra/ record)."""
     folder = tmp_path_factory.mktemp("two")
-    proc = dprun(*CLI_RUN, "epochs=2", f"hydra.run.dir={folder / 'run'}", cwd=folder)
+    proc = dprun_in_process(*CLI_RUN, "epochs=2", f"hydra.run.dir={folder / 'run'}", cwd=folder)
     assert proc.returncode == 0, proc.stderr
     return folder / "run"
 
@@ -208,7 +213,7 @@ def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(tmp_path, two_e
     if damage:
         damage(run)
     before = files(run)
-    proc = dprun(f"resume={run}", *args, cwd=tmp_path)
+    proc = dprun_in_process(f"resume={run}", *args, cwd=tmp_path)
     assert proc.returncode == (0 if case == "complete" else 2), proc.stderr
     lines = (proc.stdout if case == "complete" else proc.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dprun: ") and says in lines[0], proc.stdout + proc.stderr
@@ -219,7 +224,7 @@ def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(tmp_path, two_e
 def test_after_a_refused_resume_the_documented_one_works(tmp_path, two_epochs):
     run = tmp_path / "run"
     shutil.copytree(two_epochs, run)
-    assert dprun(f"resume={run}", "method=nxbp", cwd=tmp_path).returncode == 2
+    assert dprun_in_process(f"resume={run}", "method=nxbp", cwd=tmp_path).returncode == 2
     proc = dprun(f"resume={run}", "epochs=3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert pd.read_csv(run / "metrics.csv").epoch.tolist() == [1, 2, 3]

@@ -7,12 +7,17 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, dprun_in_process
 
 
 def dprun(*args, cwd, timeout=300):
     return subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
+
+
+# What dprun says and writes is checked in this process (conftest.dprun_in_process: the same code from argv to the
+# exit status, without a new interpreter's ~5 s of imports); the tests that start `python -m runner.cli` check the
+# process itself: --version, --help, a multirun's terminal output.
 
 
 def one_line_error(proc) -> str:
@@ -27,21 +32,21 @@ def one_line_error(proc) -> str:
                                            ("dataset=cifar100", "cifar100", "cifar10"),
                                            ("optimizer=rmsprop", "rmsprop", "adam")])
 def test_unknown_group_option_is_one_line(tmp_path, arg, bad, valid):
-    line = one_line_error(dprun(arg, cwd=tmp_path))
+    line = one_line_error(dprun_in_process(arg, cwd=tmp_path))
     assert bad in line and valid in line
 
 
 def test_bad_knob_values_are_one_line(tmp_path):
-    line = one_line_error(dprun("sampling=random", "epochs=1", cwd=tmp_path))
+    line = one_line_error(dprun_in_process("sampling=random", "epochs=1", cwd=tmp_path))
     assert "random" in line and "poisson" in line
-    line = one_line_error(dprun("device=tpu", "epochs=1", cwd=tmp_path))
+    line = one_line_error(dprun_in_process("device=tpu", "epochs=1", cwd=tmp_path))
     assert "tpu" in line and "cpu" in line
-    line = one_line_error(dprun("batch_size=100000", "epochs=1", cwd=tmp_path))
+    line = one_line_error(dprun_in_process("batch_size=100000", "epochs=1", cwd=tmp_path))
     assert "100000" in line
 
 
 def test_missing_dataset_files_name_the_files_and_folder(tmp_path):
-    line = one_line_error(dprun("dataset=mnist", f"data_dir={tmp_path}/nowhere", "epochs=1", cwd=tmp_path))
+    line = one_line_error(dprun_in_process("dataset=mnist", f"data_dir={tmp_path}/nowhere", "epochs=1", cwd=tmp_path))
     assert "nowhere" in line and "train-images" in line
 
 
@@ -60,32 +65,39 @@ def test_multirun_writes_one_folder_per_run(tmp_path):
 
 
 def test_two_runs_in_the_same_second_never_share_a_folder(tmp_path):
-    a = dprun("epochs=1", "max_steps_per_epoch=2", cwd=tmp_path)
-    b = dprun("epochs=1", "max_steps_per_epoch=2", cwd=tmp_path)
+    a = dprun_in_process("epochs=1", "max_steps_per_epoch=2", cwd=tmp_path)  # in this process: <1 s apart
+    b = dprun_in_process("epochs=1", "max_steps_per_epoch=2", cwd=tmp_path)
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert len(list((tmp_path / "outputs" / "runs").rglob("summary.json"))) == 2
 
 
 def test_synthetic_cifar_run_starts(tmp_path):
-    proc = dprun("dataset=synthetic", "dataset.like=cifar10", "dataset.train_size=512", "dataset.test_size=64", "epochs=1",
-                 "max_steps_per_epoch=2", "batch_size=32", "max_eval_batches=1", "eval_batch_size=16", cwd=tmp_path)
+    proc = dprun_in_process("dataset=synthetic", "dataset.like=cifar10", "dataset.train_size=512",
+                            "dataset.test_size=64", "epochs=1", "max_steps_per_epoch=2", "batch_size=32",
+                            "max_eval_batches=1", "eval_batch_size=16", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "papernot_cnn" in (list((tmp_path / "outputs").rglob("summary.json"))[0]).read_text()
 
 
 def test_a_sweep_over_a_method_option_reports_one_row_per_value(tmp_path):
-    proc = dprun("-m", "method=reweight", "method.mode=bk,twopass", "dataset=digits", "epochs=1", "progress=false",
-                 cwd=tmp_path, timeout=600)
+    proc = dprun_in_process("-m", "method=reweight", "method.mode=bk,twopass", "dataset=digits", "epochs=1",
+                            "max_steps_per_epoch=2", "progress=false", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from runner.report import collect, latest
 
     rows = latest(collect(tmp_path / "outputs"))
-    assert sorted(rows["method_options"]) == ["mode=bk norm=auto", "mode=twopass norm=auto"]
+    assert sorted(rows["method_options"]) == ["mode=bk norm=auto keep=1.1", "mode=twopass norm=auto keep=1.1"]
     assert rows["config_key"].nunique() == 2
 
 
-def test_help_lists_groups_knobs_and_examples_with_nothing_unresolved(tmp_path):
-    proc = dprun("--help", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def help_proc(tmp_path_factory):
+    """`dprun --help`, once for the tests that read it."""
+    return dprun("--help", cwd=tmp_path_factory.mktemp("help"))
+
+
+def test_help_lists_groups_knobs_and_examples_with_nothing_unresolved(help_proc):
+    proc = help_proc
     assert proc.returncode == 0 and "${" not in proc.stdout
     for text in ("method: jl, multiloss, nonprivate", "batch_size=64", "resume=<run dir>", "Examples:",
                  "dprun method=reweight target_epsilon=3", "docs/api.md"):
@@ -93,13 +105,13 @@ def test_help_lists_groups_knobs_and_examples_with_nothing_unresolved(tmp_path):
     assert "powered by Hydra" not in proc.stdout
 
 
-def test_help_lists_every_knob_of_config_yaml(tmp_path):
+def test_help_lists_every_knob_of_config_yaml(help_proc):
     """A knob added to conf/config.yaml without a line in the help's Knobs section fails here."""
     import re
 
     import yaml
 
-    proc = dprun("--help", cwd=tmp_path)
+    proc = help_proc
     knobs = proc.stdout[proc.stdout.index("Knobs ("):proc.stdout.index("Examples:")]
     config = yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())
     keys = set()  # a group of knobs (distributed:) counts by its dotted keys, each needing its line
@@ -119,7 +131,7 @@ def test_version_is_dprun_s_and_exits_0(tmp_path):
 
 @pytest.mark.parametrize("arg", ["+batchsize=32", "batchsize=32"])
 def test_an_unknown_key_is_refused_in_one_line(tmp_path, arg):
-    line = one_line_error(dprun(arg, cwd=tmp_path))
+    line = one_line_error(dprun_in_process(arg, cwd=tmp_path))
     assert "unknown key 'batchsize'" in line and "did you mean 'batch_size'" in line
 
 

@@ -212,8 +212,10 @@ def test_torchrun_gives_the_one_process_run_and_only_rank_0_writes(tmp_path):
     """The issue's command, with torchrun; the same final loss, accuracy and epsilon as one process, and the same
     files (apart from world size and timings), written by rank 0 alone."""
     (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
-    single = subprocess.run([sys.executable, "-m", "runner.cli", *ISSUE_RUN, f"out_dir={tmp_path / 'one' / 'run'}"],
-                            cwd=tmp_path / "one", capture_output=True, text=True, timeout=TIMEOUT)
+    from conftest import dprun_in_process
+
+    # the one-process run: the same command in this process (conftest.dprun_in_process); torchrun's ranks are processes
+    single = dprun_in_process(*ISSUE_RUN, f"out_dir={tmp_path / 'one' / 'run'}", cwd=tmp_path / "one")
     assert single.returncode == 0, single.stderr
     proc = run_cli([*ISSUE_RUN, f"out_dir={tmp_path / 'two' / 'run'}"], cwd=tmp_path / "two")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -3,14 +3,12 @@ in dprun-report among the runs that did not finish; a capped evaluation is a fix
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
 import torch
 
-from conftest import compose_config
+from conftest import compose_config, dprun_in_process
 from runner.evaluation import eval_subset, evaluate
 from runner.train import Diverged, train
 
@@ -18,9 +16,8 @@ from runner.train import Diverged, train
 def test_a_huge_learning_rate_ends_the_run_as_diverged_with_exit_3(tmp_path):
     """The issue's command: `dprun lr=1e9 epochs=2 model=cnn method=reweight` said finished, test_acc 0.1, exit 0."""
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "runner.cli", "lr=1e9", "epochs=2", "model=cnn", "method=reweight",
-                           "progress=false", "max_steps_per_epoch=30", f"out_dir={out}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = dprun_in_process("lr=1e9", "epochs=2", "model=cnn", "method=reweight", "progress=false",  # the CLI, here
+                            "max_steps_per_epoch=30", f"out_dir={out}", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("dprun: run diverged: the training loss (or every example's gradient) became non-finite")

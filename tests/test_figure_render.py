@@ -69,9 +69,22 @@ def colour_of(art):
     return None
 
 
-@pytest.fixture(scope="module")
+class Drawn(dict):
+    """name -> its figure, drawn on first use: a test of one figure draws that one alone."""
+
+    def __missing__(self, name):
+        self[name] = draw(name)
+        return self[name]
+
+    def items(self):
+        return [(name, self[name]) for name in FIGS]
+
+
+@pytest.fixture(scope="session")
 def drawn():
-    figures = {name: draw(name) for name in FIGS}
+    """Each figure drawn once per worker (session scope: under xdist's worksteal a module fixture is set up again
+    whenever a worker comes back to this module, and sbcd_adaptive_noise trains two runs)."""
+    figures = Drawn()
     yield figures
     import matplotlib.pyplot as plt
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, compose_config
+from conftest import ROOT, compose_config, dprun_in_process
 from runner import launch
 from runner.checkpoint import MAY_CHANGE, SET_BY_RESUME, resumed_config
 from runner.speaker import REPORT_DIR, Speaker, read_reports
@@ -60,7 +60,8 @@ def test_readme_and_docs_list_what_a_resume_may_change():
 
 
 def test_a_refused_resume_on_two_processes_is_one_line_before_any_rank_starts(one_process_run, tmp_path):
-    proc = dprun(f"resume={one_process_run}", "method=jl", "distributed.nproc_per_node=2", cwd=tmp_path)
+    # refused before any rank starts, so in this process (conftest.dprun_in_process); a started rank would say "rank"
+    proc = dprun_in_process(f"resume={one_process_run}", "method=jl", "distributed.nproc_per_node=2", cwd=tmp_path)
     assert proc.returncode == 2
     assert len(dprun_lines(proc)) == 1 and "method=jl would change the run" in proc.stderr, proc.stderr
     assert "rank" not in proc.stderr
@@ -103,7 +104,8 @@ def test_the_launcher_prints_one_line_for_the_job():
 
 # -- 3. out_dir: nothing outside it ------------------------------------------------------------------------------
 def test_an_out_dir_run_writes_nothing_outside_out_dir(tmp_path):
-    proc = dprun("epochs=1", "max_steps_per_epoch=2", "progress=false", f"out_dir={tmp_path / 'run'}", cwd=tmp_path)
+    proc = dprun_in_process("epochs=1", "max_steps_per_epoch=2", "progress=false", f"out_dir={tmp_path / 'run'}",
+                            cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no outputs/runs/<date>/... holding only .hydra/
     assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()  # Hydra's record of the launch is in the run

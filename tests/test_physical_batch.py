@@ -9,15 +9,13 @@ compile= with chunks padded to P, the library API's max_physical_batch_size, res
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import compose_config
+from conftest import compose_config, dprun_in_process
 from runner.errors import DprunError
 from runner.methods.features import Feature
 from runner.methods import METHODS
@@ -182,8 +180,7 @@ def test_the_cli_run_with_physical_batches_equals_the_run_without(tmp_path):
     dtype=float64 epochs=1` ends with the same weights, loss and epsilon as the same run without chunks."""
     base = ["method=reweight", "dataset=digits", "batch_size=512", "dtype=float64", "epochs=1", "progress=false"]
     for name, extra in (("one_pass", []), ("chunked", ["physical_batch_size=64"])):
-        proc = subprocess.run([sys.executable, "-m", "runner.cli", *base, *extra, f"out_dir={tmp_path / name}"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        proc = dprun_in_process(*base, *extra, f"out_dir={tmp_path / name}", cwd=tmp_path)  # the CLI, in this process
         assert proc.returncode == 0, proc.stderr
     one, chunked = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("one_pass", "chunked"))
     assert chunked["config"]["physical_batch_size"] == 64 and one["config"]["physical_batch_size"] is None

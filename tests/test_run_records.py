@@ -13,7 +13,7 @@ import time
 import pandas as pd
 import pytest
 
-from conftest import compose_config
+from conftest import compose_config, dprun_in_process
 from test_report import make_run
 
 TINY = ["dataset=digits", "epochs=1", "max_steps_per_epoch=2", "progress=false"]
@@ -23,6 +23,10 @@ ENDLESS = ["dataset=digits", "epochs=100000", "max_steps_per_epoch=2", "progress
 def dprun(*args, cwd):
     return subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300)
+
+
+# Which folders a run keeps or refuses is checked in this process (conftest.dprun_in_process: the same code from argv
+# to the exit status); a stopped run and a sweep's report of its failed job start `python -m runner.cli`.
 
 
 def strict_json(text: str):
@@ -41,10 +45,10 @@ def tmp_files(folder):
 @pytest.mark.parametrize("key", ["out_dir", "hydra.run.dir"])
 def test_reusing_a_run_folder_is_refused(tmp_path, key):
     folder = tmp_path / "myrun"
-    first = dprun(*TINY, f"{key}={folder}", cwd=tmp_path)  # hydra.run.dir: Hydra's .hydra/ alone is a fresh folder
+    first = dprun_in_process(*TINY, f"{key}={folder}", cwd=tmp_path)  # hydra.run.dir: .hydra/ alone is a fresh folder
     assert first.returncode == 0, first.stderr
     before = (folder / "summary.json").read_text(), (folder / "metrics.csv").read_text()
-    second = dprun(*TINY, "seed=1", f"{key}={folder}", cwd=tmp_path)
+    second = dprun_in_process(*TINY, "seed=1", f"{key}={folder}", cwd=tmp_path)
     assert second.returncode == 2
     lines = second.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dprun: ") and str(folder) in lines[0] and "fresh" in lines[0]
@@ -55,12 +59,12 @@ def test_reusing_a_sweep_folder_is_refused(tmp_path):
     """A second sweep into the same hydra.sweep.dir: Hydra would rewrite each job's .hydra/ (and multirun.yaml)
     before the job refused its folder, so the earlier runs' config records would no longer match their results."""
     sweep = tmp_path / "sweep"
-    first = dprun("-m", "seed=choice(0)", *TINY, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    first = dprun_in_process("-m", "seed=choice(0)", *TINY, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     records = {p: p.read_text() for p in sweep.rglob("*.yaml")}
     assert sweep / "0_seed=0" / ".hydra" / "config.yaml" in records
     # the same job folder (named by the swept key), another lr: the old .hydra/config.yaml would say lr=0.1
-    second = dprun("-m", "seed=choice(0)", *TINY, "lr=0.1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    second = dprun_in_process("-m", "seed=choice(0)", *TINY, "lr=0.1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert second.returncode == 2
     lines = second.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dprun: ") and str(sweep) in lines[0] and "fresh" in lines[0]
@@ -81,14 +85,14 @@ def test_a_refused_run_leaves_no_folder(tmp_path):
     """Refused before training (a bad value; missing data files): no folder is left behind, not Hydra's run folder
     and not a new out_dir; an out_dir that existed before stays."""
     for bad in (["clip=0"], ["dataset=mnist", f"data_dir={tmp_path / 'nowhere'}"]):
-        proc = dprun(*TINY, *bad, cwd=tmp_path)
+        proc = dprun_in_process(*TINY, *bad, cwd=tmp_path)
         assert proc.returncode == 2 and proc.stderr.startswith("dprun: "), proc.stderr
         assert not [p for p in (tmp_path / "outputs").rglob("*") if p.name in (".hydra", "dprun.log")]
-    proc = dprun(*TINY, "clip=0", f"out_dir={tmp_path / 'new'}", cwd=tmp_path)
+    proc = dprun_in_process(*TINY, "clip=0", f"out_dir={tmp_path / 'new'}", cwd=tmp_path)
     assert proc.returncode == 2 and not (tmp_path / "new").exists()
     assert not list((tmp_path / "outputs").rglob(".hydra"))
     (tmp_path / "mine").mkdir()
-    assert dprun(*TINY, "clip=0", f"out_dir={tmp_path / 'mine'}", cwd=tmp_path).returncode == 2
+    assert dprun_in_process(*TINY, "clip=0", f"out_dir={tmp_path / 'mine'}", cwd=tmp_path).returncode == 2
     assert (tmp_path / "mine").is_dir()  # the user's folder; only the log of the refusal is in it
     assert not (tmp_path / "mine" / ".hydra").exists()
 
@@ -264,7 +268,7 @@ def test_report_does_not_list_the_hydra_folder_of_an_out_dir_run(tmp_path):
     """With out_dir=, Hydra's .hydra/ record is in out_dir (nothing outside it): no second folder, no failed start."""
     from runner.report import collect
 
-    proc = dprun(*TINY, f"out_dir={tmp_path / 'mine'}", cwd=tmp_path)
+    proc = dprun_in_process(*TINY, f"out_dir={tmp_path / 'mine'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "outputs").exists() and (tmp_path / "mine" / ".hydra" / "config.yaml").is_file()
     assert list(collect(tmp_path)["status"]) == ["finished"]

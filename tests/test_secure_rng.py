@@ -11,8 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from scipy.special import ndtr
 
-from conftest import compose_config
+from conftest import compose_config, dprun_in_process
 from runner import randomness
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
@@ -247,8 +245,8 @@ def test_a_bad_rng_is_one_line_naming_the_accepted_values(tmp_path):
         dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                            (torch.randn(8, 3), torch.randint(0, 2, (8,))), batch_size=2, rng="secure",
                            generator=torch.Generator())
-    out = subprocess.run([sys.executable, "-m", "runner.cli", "rng=crypto", f"out_dir={tmp_path / 'x'}"],
-                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    # the command line's one line, in this process (test_validation.py starts `python -m runner.cli` for one)
+    out = dprun_in_process("rng=crypto", f"out_dir={tmp_path / 'x'}", cwd=Path(__file__).resolve().parent.parent)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert lines[0] == "dprun: rng='crypto' is not valid: rng must be one of: seeded, secure"

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from conftest import compose_config
+from conftest import compose_config, dprun_in_process
 from test_cli import dprun, one_line_error
 
 import runner.train
@@ -157,7 +157,7 @@ def test_a_mechanism_that_is_not_a_probability_or_noise_level_is_refused(bad):
 @pytest.mark.parametrize("sweep,expected", [("method=choice(nonprivate,reweight)", {"nonprivate", "reweight"}),
                                             ("model=glob(mlp*)", {"mlp"})])
 def test_hydra_sweep_functions_run(tmp_path, sweep, expected):
-    proc = dprun("-m", sweep, *TINY, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    proc = dprun_in_process("-m", sweep, *TINY, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     summaries = [json.loads(p.read_text()) for p in (tmp_path / "sweep").rglob("summary.json")]
     key = sweep.split("=")[0]
