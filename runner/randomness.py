@@ -107,7 +107,7 @@ class SecureRandom:
 
     def _draw(self, key: tuple) -> torch.Tensor:
         n, device, dtype = key
-        return secure_standard_normal(self, n, device).to(dtype)
+        return secure_standard_normal(self, n, device, dtype).to(dtype)
 
     # the checkpoint's view (runner/checkpoint.py): nothing is saved, nothing restored; a resume draws a fresh key
     def get_state(self) -> torch.Tensor:
@@ -166,11 +166,14 @@ def box_muller(u: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
 PAIR_BYTES = 12  # one Box-Muller pair: 8 bytes (52 bits) for the radius's uniform, 4 (23 bits) for the angle's
 
 
-def secure_standard_normal(rng: SecureRandom, n: int, device: torch.device) -> torch.Tensor:
-    """(n,) float32 N(0, 1) on `device`: GAUSSIAN_SUMMANDS Box-Muller draws per value, added and divided by their
-    standard deviation (2, exactly). The keystream and the uniforms are made on the CPU, in blocks that stay in the
-    cache (2^15 values: 768 KiB of keystream); the Box-Muller math runs on `device` (one block on a GPU)."""
-    out = torch.empty(n, dtype=torch.float32, device=device)
+def secure_standard_normal(rng: SecureRandom, n: int, device: torch.device,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(n,) N(0, 1) on `device`: GAUSSIAN_SUMMANDS Box-Muller draws per value, added and divided by their standard
+    deviation (2, exactly). The sum is float32, or float64 for float64 noise: a float64 gradient plus noise rounded
+    to the float32 grid would show the gradient's low bits (Mironov's attack), while a float64 sum of four float32
+    summands is not confined to one grid. The keystream and the uniforms are made on the CPU, in blocks that stay in
+    the cache (2^15 values: 768 KiB of keystream); the Box-Muller math runs on `device` (one block on a GPU)."""
+    out = torch.empty(n, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=device)
     block = n if device.type != "cpu" else 2**15
     pairs_per_value = GAUSSIAN_SUMMANDS // 2
     for start in range(0, n, block):
@@ -180,7 +183,7 @@ def secure_standard_normal(rng: SecureRandom, n: int, device: torch.device) -> t
         u = torch.from_numpy(uniform_open(raw[:8 * m].view(np.int64))).to(device)  # (m,) float64
         angle = torch.from_numpy(uniform_open_float32(raw[8 * m:].view(np.uint32))).to(device)  # (m,) float32
         z = box_muller(u, angle).view(GAUSSIAN_SUMMANDS, b)
-        torch.sum(z, 0, out=out[start:start + b])
+        torch.sum(z, 0, dtype=out.dtype, out=out[start:start + b])
     return out.mul_(1.0 / math.sqrt(GAUSSIAN_SUMMANDS))
 
 

@@ -185,3 +185,20 @@ def test_a_recurrent_cells_calls_are_kept_as_one_sequence():
     cell = next(m for name, m in model.named_modules() if name.endswith("h_proj"))
     (a, g), = rec.kept[id(cell)]
     assert a.shape == (3, 28, cell.in_features) and g.shape == (3, 28, cell.out_features)
+
+
+def test_an_in_place_relu_after_a_linear_is_exact_under_lean_book_keeping():
+    """Recorder refused it (the recorded output changed); the tensor hook gets the gradient of the value the layer
+    produced, so the lean step is exact: nxBP's clipped sum."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 3)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
+    grads, norms, method = clipped_step(model, x, y, lean=True, clip=0.2)
+    assert method._lean
+    oracle = METHODS.build("nxbp", clip=0.2, sigma=0.0)
+    oracle.privacy_check = False
+    ref = oracle.attach(copy.deepcopy(model))
+    out = oracle.privatize(ref, loss_fn, x, y)
+    torch.testing.assert_close(norms, out.norms, rtol=1e-6, atol=0)
+    for g, p in zip(grads, ref.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-9, atol=1e-12)

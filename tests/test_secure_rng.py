@@ -145,6 +145,10 @@ def test_the_noise_uses_the_keystream_bytes_it_accounts_for(monkeypatch):
     monkeypatch.setattr(rng, "bytes", lambda size: flipped[:size].copy())
     b = secure_standard_normal(rng, 1000, torch.device("cpu"))
     assert (a != b).sum() == 1 and a.dtype == torch.float32
+    monkeypatch.setattr(rng, "bytes", lambda size: fixed[:size].copy())
+    wide = secure_standard_normal(rng, 1000, torch.device("cpu"), torch.float64)
+    assert wide.dtype == torch.float64  # float64 noise: the four float32 summands added in float64, not rounded
+    assert (wide.float() - a).abs().max() < 1e-5 and (wide != wide.float().double()).any()
 
 
 # -- two ranks ---------------------------------------------------------------------------------------------------

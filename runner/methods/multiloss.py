@@ -20,7 +20,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from runner.errors import DprunError
-from runner.norms.certify import finite_rows, upper_sqnorm
+from runner.norms.certify import certified_norms, finite_rows, upper_sqnorm
 from runner.methods.base import METHODS, Method, Privatized
 
 
@@ -57,7 +57,7 @@ class MultiLoss(Method):
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise DprunError(f"method=multiloss: torch.func.vmap cannot trace {type(model).__name__}: {msg}; "
                                  f"try method=nxbp") from e
-            norm = torch.sqrt(sum(upper_sqnorm(g) for g in grads.values()))  # (b,) certified (norms/certify.py)
+            norm = certified_norms(sum(upper_sqnorm(g) for g in grads.values()), len(grads))  # (b,) certified (norms/certify.py)
             factor = self.clip_factors(norm)  # (b,); 0 for a non-finite gradient, whose rows are zeroed
             for n, g in grads.items():
                 g = finite_rows(g, factor > 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from runner.methods.base import METHODS, Method, Privatized, trainable
-from runner.norms.certify import upper_sqnorm
+from runner.norms.certify import certified_norms, upper_sqnorm
 
 
 @METHODS.register("nxbp")
@@ -27,7 +27,7 @@ class NxBP(Method):
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
             # certified: an upper bound of the float32 sum of squares (runner/norms/certify.py), whatever the input
-            norm = torch.sqrt(sum(upper_sqnorm(g.unsqueeze(0))[0] for g in grads))
+            norm = certified_norms(sum(upper_sqnorm(g.unsqueeze(0))[0] for g in grads), len(grads))
             factor = float(self.clip_factors(norm))
             if factor > 0:  # 0: a non-finite gradient (inf or nan), which must add nothing (no 0 * nan)
                 for s, g in zip(sums, grads):

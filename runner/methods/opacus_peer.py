@@ -30,7 +30,7 @@ import torch
 
 from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized, trainable
-from runner.norms.certify import finite_rows, upper_sqnorm
+from runner.norms.certify import certified_norms, finite_rows, upper_sqnorm
 from runner.methods.features import Feature
 
 MODES = ("hooks", "ghost", "functorch")
@@ -178,7 +178,7 @@ class OpacusPeer(Method):
             if not torch.is_tensor(p.grad_sample):  # None: unused parameter; list: an un-cleared earlier backward
                 raise AttributeError(f"Opacus computed no grad_sample for a parameter of shape {tuple(p.shape)}")
             samples.append(p.grad_sample.to(p.dtype))  # (B, *p.shape); bf16: norms and sum from the same upcast
-        norms = torch.sqrt(sum(upper_sqnorm(g) for g in samples))  # (B,) certified (runner/norms/certify.py)
+        norms = certified_norms(sum(upper_sqnorm(g) for g in samples), len(samples))  # (B,) certified (norms/certify.py)
         factor = self.clip_factors(norms)  # (B,); 0 for a non-finite gradient, whose rows are zeroed
         for p, g in zip(params, samples):
             p.grad = torch.einsum("i,i...", factor.to(g.dtype), finite_rows(g, factor > 0))  # sum_i f_i g_i
