@@ -12,9 +12,10 @@ both runs and the released model equals exactly one of them.
 secure: the masks, the shuffles/partitions and the Gaussian noise come from SecureRandom, the AES-256-CTR keystream
 of the `cryptography` package (OpenSSL) under a 256-bit key from os.urandom (`secrets`). The key lives only inside the
 cipher object: it is never written (not summary.json, not the log, not the checkpoint); a resumed run draws a fresh
-key. The Gaussian is Box-Muller on 52-bit uniforms for the radius (its logarithm in float64) and 23-bit ones for the angle, four draws summed and
-halved (Holohan & Braghin, arXiv 2107.10138, as Opacus's secure_mode) against the floating-point attacks on Gaussian
-samplers (docs/privacy.md); the next step's noise is drawn ahead on a worker thread. On several ranks rank 0 draws
+key. The Gaussian is the sum of two independent Box-Muller draws of N(0, 1/2) (the cosine output only; 52-bit
+uniforms for the radius, its logarithm in float64, 23-bit ones for the angle) per value, Holohan & Braghin's
+n = 2 (arXiv 2107.10138; Opacus's secure_mode sums four torch.normal draws whose pairs share uniforms) against the
+floating-point attacks on Gaussian samplers (docs/privacy.md); the next step's noise is drawn ahead on a worker thread. On several ranks rank 0 draws
 and broadcasts, so every rank samples the same batch and adds the same noise.
 """
 from __future__ import annotations
@@ -33,7 +34,6 @@ RNGS = ("seeded", "secure")
 REKEY_BYTES = 2**36  # a fresh key every 64 GiB of keystream (far below AES-CTR's 2^64-block limit for one key)
 CHUNK_BYTES = 2**22  # keystream made in blocks of 4 MiB: big enough for OpenSSL's vector code, a small zero buffer
 _ZEROS = memoryview(bytes(CHUNK_BYTES))
-GAUSSIAN_SUMMANDS = 4  # N(0,1) = (z1 + z2 + z3 + z4) / 2: Holohan & Braghin's n = 2, as Opacus's secure_mode
 
 
 def check_rng(rng: str) -> str:
@@ -96,7 +96,7 @@ class SecureRandom:
         z = pending.result() if pending is not None else self._draw(key)
         if self.ahead:
             if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="dprun-secure-noise")
+                self._worker = single_threaded_worker()
             self._pending[key] = self._worker.submit(self._draw, key)
         return z
 
@@ -127,6 +127,19 @@ class SecureRandom:
         return out
 
 
+def single_threaded_worker() -> ThreadPoolExecutor:
+    """A one-thread pool whose torch ops run on that thread alone. A new thread's first parallel op would start its
+    own OpenMP team beside the main thread's: both spin on the same cores and stall each other (the draw ahead then
+    slows the step it should hide behind). torch.set_num_threads sets the calling thread's team size and the default
+    for threads not yet started, so the worker sets 1 for itself and the default is put back afterwards."""
+    default = torch.get_num_threads()
+    worker = ThreadPoolExecutor(1, thread_name_prefix="dprun-secure-noise",
+                                initializer=lambda: (torch.set_num_threads(1), torch.get_num_threads()))
+    worker.submit(lambda: None).result()  # the initializer has run
+    torch.set_num_threads(default)  # this thread's team and later threads' default, as before
+    return worker
+
+
 def uniform_open(words: np.ndarray) -> np.ndarray:
     """int64 random words (n,), overwritten -> float64 (n,) in (0, 1): 52 random bits as the mantissa of a float in
     [1, 2), minus 1 - 2^-53, so the values are the centres of 2^52 equal cells: never 0 or 1 (log(u) is finite),
@@ -150,41 +163,46 @@ def uniform_open_float32(words: np.ndarray) -> np.ndarray:
     return u
 
 
-def box_muller(u: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
-    """(m,) float64 uniforms u in (0, 1) (52 bits) and (m,) float32 uniforms for the angle -> (2m,) independent
-    N(0, 1), float32: r cos(theta), r sin(theta) of each pair. ln u in float64 (u near 1, where r is small, has all
-    its bits there), then rounded to float32: the radius r = sqrt(-2 ln u) and everything after it in float32, the
-    precision of the noise that is added (float64 roots and trigonometry cost 2-2.5x)."""
-    r = u.log_().to(torch.float32).mul_(-2.0).sqrt_()  # (m,), overwrites u
-    theta = angle.mul_(2.0 * math.pi)  # (m,)
-    z = torch.empty(2 * len(r), dtype=torch.float32, device=r.device)
-    torch.cos(theta, out=z[:len(r)])
-    torch.sin(theta, out=z[len(r):])
-    return z.view(2, -1).mul_(r).view(-1)
+def box_muller_cosine(u: torch.Tensor, angle: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """(m,) float64 uniforms u in (0, 1) (52 bits) and (m,) float32 uniforms for the angle (23 bits), both
+    overwritten -> `out`, (m,) float32: sqrt(-ln u) cos(2 pi angle), each N(0, 1/2) (Box-Muller's first output over
+    sqrt 2; its second, the sine, is not used: see secure_standard_normal). ln u in float64 (u near 1, where the
+    radius is small, has all its bits there), then rounded to float32: the root, the cosine and the product in
+    float32, the precision of the noise that is added (float64 roots and trigonometry cost 2-2.5x)."""
+    out.copy_(u.log_()).neg_()  # -ln u >= 0, rounded once to float32 (copy_ then neg_: 2x a mixed-dtype mul's speed)
+    return out.sqrt_().mul_(angle.mul_(2.0 * math.pi).cos_())
 
 
-PAIR_BYTES = 12  # one Box-Muller pair: 8 bytes (52 bits) for the radius's uniform, 4 (23 bits) for the angle's
+SAMPLE_BYTES = 12  # one Box-Muller draw: 8 bytes (52 bits) for the radius's uniform, 4 (23 bits) for the angle's
+SAMPLES = 2  # per noise value: Holohan & Braghin's n = 2 draws with no uniforms shared between values
 
 
 def secure_standard_normal(rng: SecureRandom, n: int, device: torch.device,
                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(n,) N(0, 1) on `device`: GAUSSIAN_SUMMANDS Box-Muller draws per value, added and divided by their standard
-    deviation (2, exactly). The sum is float32, or float64 for float64 noise: a float64 gradient plus noise rounded
-    to the float32 grid would show the gradient's low bits (Mironov's attack), while a float64 sum of four float32
-    summands is not confined to one grid. The keystream and the uniforms are made on the CPU, in blocks that stay in
-    the cache (2^15 values: 768 KiB of keystream); the Box-Muller math runs on `device` (one block on a GPU)."""
-    out = torch.empty(n, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=device)
+    """(n,) N(0, 1) on `device`: each value the sum of SAMPLES = 2 independent Box-Muller draws of N(0, 1/2),
+    sqrt(-ln u) cos(theta), each from its own uniforms (Holohan & Braghin, arXiv 2107.10138: n draws suffice when no
+    uniform is shared between draws; Box-Muller's sine would share the cosine's, so it is not used. The previous
+    r (cos + sin) per pair equals sqrt 2 r cos(theta - pi/4): the same one draw, at twice the trigonometry). The sum
+    is float32, or float64 for float64 noise: a float64 gradient plus noise rounded to the float32 grid would show
+    the gradient's low bits (Mironov's attack), while a float64 sum of two float32 draws is not confined to one grid.
+    The keystream and the uniforms are made on the CPU, in blocks that stay in the cache (2^15 values: 768 KiB of
+    keystream); the Box-Muller math runs on `device` (one block on a GPU)."""
+    wide = dtype == torch.float64
+    out = torch.empty(n, dtype=torch.float64 if wide else torch.float32, device=device)
     block = n if device.type != "cpu" else 2**15
-    pairs_per_value = GAUSSIAN_SUMMANDS // 2
+    draws = torch.empty(SAMPLES * min(block, n), dtype=torch.float32, device=device)  # reused by every block
     for start in range(0, n, block):
         b = min(block, n - start)
-        m = pairs_per_value * b  # Box-Muller pairs for this block
-        raw = rng.bytes(PAIR_BYTES * m)  # (12 m,) uint8
+        m = SAMPLES * b  # Box-Muller draws for this block: the first b are the values' first summands
+        raw = rng.bytes(SAMPLE_BYTES * m)  # (12 m,) uint8
         u = torch.from_numpy(uniform_open(raw[:8 * m].view(np.int64))).to(device)  # (m,) float64
         angle = torch.from_numpy(uniform_open_float32(raw[8 * m:].view(np.uint32))).to(device)  # (m,) float32
-        z = box_muller(u, angle).view(GAUSSIAN_SUMMANDS, b)
-        torch.sum(z, 0, dtype=out.dtype, out=out[start:start + b])
-    return out.mul_(1.0 / math.sqrt(GAUSSIAN_SUMMANDS))
+        z = box_muller_cosine(u, angle, draws[:m])  # (m,) float32, each N(0, 1/2)
+        if wide:
+            torch.sum(z.view(SAMPLES, b), 0, dtype=torch.float64, out=out[start:start + b])
+        else:
+            torch.add(z[:b], z[b:], out=out[start:start + b])
+    return out
 
 
 # -- what noise.py and sampler.py call: seeded keeps torch's draws exactly as they were ------------------------------

@@ -129,7 +129,7 @@ def test_angle_uniforms_are_open_centred_float32_cells():
 
 
 def test_the_noise_uses_the_keystream_bytes_it_accounts_for(monkeypatch):
-    """12 bytes per Box-Muller pair, two pairs per value: a draw of n values takes 24 n bytes (none wasted, none
+    """12 bytes per Box-Muller draw, two draws per value: a draw of n values takes 24 n bytes (none wasted, none
     reused), and the values change when any of those bytes does."""
     rng = SecureRandom(ahead=False)
     taken = []
@@ -147,8 +147,33 @@ def test_the_noise_uses_the_keystream_bytes_it_accounts_for(monkeypatch):
     assert (a != b).sum() == 1 and a.dtype == torch.float32
     monkeypatch.setattr(rng, "bytes", lambda size: fixed[:size].copy())
     wide = secure_standard_normal(rng, 1000, torch.device("cpu"), torch.float64)
-    assert wide.dtype == torch.float64  # float64 noise: the four float32 summands added in float64, not rounded
+    assert wide.dtype == torch.float64  # float64 noise: the two float32 draws added in float64, not rounded
     assert (wide.float() - a).abs().max() < 1e-5 and (wide != wide.float().double()).any()
+
+
+def test_each_value_is_two_draws_of_its_own_bytes_as_documented(monkeypatch):
+    """An independent float64 reference from the keystream bytes: value j = sqrt(-ln u_j) cos(2 pi a_j) +
+    sqrt(-ln u_{n+j}) cos(2 pi a_{n+j}), with u the 52-bit radius uniforms (first 16 n bytes) and a the 23-bit angle
+    uniforms (the last 8 n): no uniform shared between values or draws (Holohan & Braghin's n counts draws with
+    their own variates), so every byte moves exactly one value."""
+    n = 257
+    fixed = np.frombuffer(np.random.default_rng(1).bytes(24 * n), dtype=np.uint8)
+    rng = SecureRandom(ahead=False)
+    monkeypatch.setattr(rng, "bytes", lambda size: fixed[:size].copy())
+    got = secure_standard_normal(rng, n, torch.device("cpu")).double().numpy()
+    words = fixed[:16 * n].view(np.uint64)
+    u = ((words >> np.uint64(12)).astype(np.float64) + 0.5) / 2.0**52  # the centres of 2^52 cells
+    a = ((fixed[16 * n:].view(np.uint32) >> np.uint32(9)).astype(np.float64) + 0.5) / 2.0**23  # of 2^23 cells
+    draws = np.sqrt(-np.log(u)) * np.cos(2 * np.pi * a)  # (2n,) each N(0, 1/2)
+    np.testing.assert_allclose(got, draws[:n] + draws[n:], rtol=0, atol=4e-6)
+    for position in np.random.default_rng(2).choice(24 * n, 64, replace=False):  # any byte: one value moves
+        flipped = fixed.copy()
+        flipped[position] ^= 0xFF
+        monkeypatch.setattr(rng, "bytes", lambda size, f=flipped: f[:size].copy())
+        moved = secure_standard_normal(rng, n, torch.device("cpu")).double().numpy() != got
+        assert moved.sum() <= 1, position  # (0 only if the flip hit a dropped low bit of a radius or angle word)
+        value = position // 8 % n if position < 16 * n else (position - 16 * n) // 4 % n
+        assert not moved[np.arange(n) != value].any(), position
 
 
 # -- two ranks ---------------------------------------------------------------------------------------------------
@@ -254,3 +279,19 @@ def test_a_bad_rng_is_one_line_naming_the_accepted_values(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert lines[0] == "dprun: rng='crypto' is not valid: rng must be one of: seeded, secure"
+
+
+def test_the_noise_worker_runs_its_torch_ops_on_one_thread_and_leaves_the_default():
+    """The draw ahead must not start a second OpenMP team beside the step's (both would spin on the same cores)."""
+    import threading
+
+    default = torch.get_num_threads()
+    worker = randomness.single_threaded_worker()
+    assert worker.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == default
+    seen = []
+    later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    later.start()
+    later.join()
+    assert seen == [default]  # threads started afterwards get the default back
+    worker.shutdown()
