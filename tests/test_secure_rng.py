@@ -285,6 +285,8 @@ def test_the_noise_worker_runs_its_torch_ops_on_one_thread_and_leaves_the_defaul
     """The draw ahead must not start a second OpenMP team beside the step's (both would spin on the same cores)."""
     import threading
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team of 2 even where the suite runs single-threaded: the check must be able to fail
     default = torch.get_num_threads()
     worker = randomness.single_threaded_worker()
     assert worker.submit(torch.get_num_threads).result() == 1
@@ -295,3 +297,4 @@ def test_the_noise_worker_runs_its_torch_ops_on_one_thread_and_leaves_the_defaul
     later.join()
     assert seen == [default]  # threads started afterwards get the default back
     worker.shutdown()
+    torch.set_num_threads(before)
