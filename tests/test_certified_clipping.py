@@ -182,3 +182,21 @@ def test_a_non_finite_record_cannot_poison_the_release(name, cfg, record, act, v
     with_record, without = release(x, y), release(x[keep], y[keep])
     assert torch.isfinite(with_record).all(), f"one record ({record}) turned the release into nan/inf"
     assert float((with_record - without).norm()) <= C * (1 + 1e-4)
+
+
+def test_row_norms_of_a_strided_view_and_finite_rows():
+    """certify.vector_norms on a conv output-gradient's (B, L, o) view (the CPU's fast route: squares summed)
+    equals torch's norm, overflows alike; finite_rows zeroes exactly the dropped rows, and on the CPU returns the
+    tensor itself when every row is kept."""
+    from runner.norms.certify import finite_rows, vector_norms
+
+    grad_out = torch.randn(5, 16, 49)  # (B, C_out, L)
+    g = grad_out.permute(0, 2, 1)  # (B, L, C_out), feature dim strided
+    torch.testing.assert_close(vector_norms(g, -1), torch.linalg.vector_norm(g, dim=-1), rtol=1e-6, atol=0)
+    grad_out[2, 3, 4] = 3e19  # its square overflows float32: the row's norm must not come out finite
+    assert torch.isinf(vector_norms(grad_out.permute(0, 2, 1), -1)[2, 4])
+    t = torch.randn(4, 3)
+    assert finite_rows(t, torch.ones(4, dtype=torch.bool)) is t
+    t[1] = float("nan")
+    kept = finite_rows(t, torch.tensor([True, False, True, True]))
+    assert torch.equal(kept[1], torch.zeros(3)) and torch.equal(kept[[0, 2, 3]], t[[0, 2, 3]])

@@ -70,6 +70,16 @@ def upper_sqnorm(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(rows, dim=1).square().mul_(1 + gamma(width + m // width + 6, unit(t)))
 
 
+def vector_norms(t: torch.Tensor, dim) -> torch.Tensor:
+    """torch.linalg.vector_norm(t, dim=dim). On the CPU, for a t that is not contiguous (a conv's output-gradient
+    seen as (B, L, G, o): a view of (B, C_out, L), its feature dim strided by L), as the root of a sum of squares:
+    the CPU norm kernel reduces a strided dim ~30x slower. Both are d squares, a d-term sum and a root, rounded alike
+    (norm_factor); both overflow to inf for squares past float32's range."""
+    if t.device.type == "cpu" and not t.is_contiguous():
+        return t.square().sum(dim).sqrt_()
+    return torch.linalg.vector_norm(t, dim=dim)
+
+
 def norm_factor(d: int, u: float) -> float:
     """vector_norm of d entries, rounded: the true norm is at most the computed one times this (d squares, a root).
     A row whose squares overflow float32 (|t| > ~1e19) comes out inf: its example is then dropped (nu = 0)."""
@@ -97,5 +107,8 @@ def certified_norms(upper_sq: torch.Tensor, terms: int = 1) -> torch.Tensor:
 
 def finite_rows(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """t (N, ...) with the rows of examples not kept (keep (N,) bool: a non-finite norm) set to 0, so that a NaN or
-    inf of one record cannot reach the sum through 0 * inf (it contributes nothing)."""
+    inf of one record cannot reach the sum through 0 * inf (it contributes nothing). On the CPU, where asking costs
+    no device sync, t itself when every row is kept (the common case: no copy of t)."""
+    if t.device.type == "cpu" and bool(keep.all()):
+        return t
     return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))

@@ -16,7 +16,8 @@ from torch import nn
 
 from runner.norms import outer
 from runner.norms.base import NormRule, register, trains
-from runner.norms.certify import finite_rows, gamma, norm_factor, summed_vector, unit, upper_sqnorm
+from runner.norms.certify import (finite_rows, gamma, norm_factor, summed_vector, unit, upper_sqnorm,
+                                  vector_norms)
 
 
 def unfold(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +71,7 @@ class ConvRule(NormRule):
             if stash is not None:  # book-keeping adds these very sums (one (1, B) x (B, C_out) product)
                 stash["bias"] = sums
                 return total + upper_sqnorm(sums)
-            mass = torch.linalg.vector_norm(g, dim=(2, 3)).sum(1).mul_(
+            mass = vector_norms(g, (2, 3)).sum(1).mul_(
                 norm_factor(G * g.shape[3], unit(g)) * (1 + gamma(L + 2, unit(g))))
             total = total + summed_vector(sums, mass, L)
         return total

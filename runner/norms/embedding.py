@@ -15,7 +15,7 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.norms.base import NormRule, register, trains
-from runner.norms.certify import finite_rows, gamma, norm_factor, unit
+from runner.norms.certify import finite_rows, gamma, norm_factor, unit, vector_norms
 from runner.norms.outer import summed_vector_sq
 
 
@@ -50,7 +50,7 @@ class EmbeddingRule(NormRule):
         g = g * keep_mask(layer, a).unsqueeze(-1).to(g.dtype)  # (B, T, d): padding positions give nothing
         d = g.shape[-1]
         # (B,) S_i >= sum_t ||g_t|| >= ||G_i|| (the triangle inequality), rounded up
-        mass = torch.linalg.vector_norm(g, dim=-1).sum(1).mul_(norm_factor(d, u) * (1 + gamma(T + 2, u)))
+        mass = vector_norms(g, -1).sum(1).mul_(norm_factor(d, u) * (1 + gamma(T + 2, u)))
         if how == "ghost":
             same = (a.unsqueeze(2) == a.unsqueeze(1)).to(g.dtype)  # (B, T, T) same token
             value = same.mul_(torch.bmm(g, g.transpose(1, 2))).sum(2).sum(1)  # depth 2T; may cancel: +- err

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.norms.base import NormRule, register, trains
-from runner.norms.certify import finite_rows, gamma, norm_factor, summed_vector, unit, upper_sqnorm
+from runner.norms.certify import finite_rows, gamma, norm_factor, summed_vector, unit, upper_sqnorm, vector_norms
 
 
 class AffineRule(NormRule):
@@ -66,7 +66,7 @@ def per_example_sum(w: torch.Tensor, stash: dict | None, key: str) -> torch.Tens
         stash[key] = sums
         return upper_sqnorm(sums)
     T, u = w.shape[1], unit(w)
-    mass = torch.linalg.vector_norm(w, dim=-1).sum(1).mul_(norm_factor(w.shape[-1], u) * (1 + gamma(T + 2, u)))
+    mass = vector_norms(w, -1).sum(1).mul_(norm_factor(w.shape[-1], u) * (1 + gamma(T + 2, u)))
     return summed_vector(sums, mass, T)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.norms.certify import finite_rows, gamma, norm_factor, summed_vector, unit, upper_sqnorm
+from runner.norms.certify import finite_rows, gamma, norm_factor, summed_vector, unit, upper_sqnorm, vector_norms
 
 BK_GHOST = 16  # book-keeping: ghost when T^2*(k+o) < 16*k*o
 
@@ -69,7 +69,7 @@ def norm_sq(a: torch.Tensor, g: torch.Tensor, how: str = "auto", stash: dict | N
     o = g.shape[-1]
     u = unit(a)
     if T == 1:  # rank-one per-example gradient: ||G_i|| = ||g_i|| ||a_i||
-        norm = torch.linalg.vector_norm(a[:, 0], dim=1).mul_(torch.linalg.vector_norm(g[:, 0], dim=1))  # (N,)
+        norm = vector_norms(a[:, 0], 1).mul_(vector_norms(g[:, 0], 1))  # (N,)
         return norm.square_().mul_((norm_factor(k, u) * norm_factor(o, u)) ** 2 * (1 + 5 * u))
     if stash is not None and not keeps(T, k, o, getattr(stash, "keep", KEEP)):
         stash = None  # memory: do not keep G_i for the clipped sum (clipped_sum falls back to one GEMM)
@@ -92,7 +92,7 @@ def norm_sq(a: torch.Tensor, g: torch.Tensor, how: str = "auto", stash: dict | N
         stash[key] = per_example
         return value
     # the clipped sum is one GEMM over the rows, so the certificate is for the exact G_i: the computed one + slack
-    mass = (torch.linalg.vector_norm(a, dim=-1) * torch.linalg.vector_norm(g, dim=-1)).sum(1)  # (N,) S_i / f
+    mass = (vector_norms(a, -1) * vector_norms(g, -1)).sum(1)  # (N,) S_i / f
     f = norm_factor(k, u) * norm_factor(o, u) * (1 + gamma(T + 2, u))
     return summed_vector_sq(value, mass.mul_(f), T, u)
 
@@ -126,7 +126,7 @@ def bias_norm_sq(g: torch.Tensor, stash: dict | None = None) -> torch.Tensor:
         if stash is not None:
             stash["bias"] = sums
         return upper_sqnorm(sums)
-    mass = torch.linalg.vector_norm(g, dim=-1).sum(1).mul_(norm_factor(o, unit(g)) * (1 + gamma(T + 2, unit(g))))
+    mass = vector_norms(g, -1).sum(1).mul_(norm_factor(o, unit(g)) * (1 + gamma(T + 2, unit(g))))
     return summed_vector(sums, mass, T)
 
 
