@@ -225,7 +225,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         noise from a cryptographic generator keyed by the OS, never stored; no generator=; runner/randomness.py).
     max_physical_batch_size: process each Poisson batch in chunks of at most this many examples (the same step:
         one noise draw and one update per batch; Opacus's BatchMemoryManager without a second loop). None: one pass.
-    precision: "fp32" | "bf16" (forward/backward under autocast; norms, clipping, noise in float32).
+    precision: "fp32" | "bf16" (forward/backward under autocast) | "tf32" (their CUDA matmuls and convolutions with
+        TF32 products: method="reweight" bk and nonprivate); norms, clipping, noise in float32 (docs/precision.md).
     torch.distributed: in a program that initialised the default process group, every rank passes the same data
         and seed; each trains on its share of every global Poisson batch, the clipped sums are added over the ranks
         and one noise draw is added (runner/distributed.py). step() takes the rank's share from batches().

@@ -1,4 +1,5 @@
-"""`precision=fp32|bf16`: the forward and backward under torch.autocast; what makes the guarantee stays in float32.
+"""`precision=fp32|bf16|tf32`: the forward and backward under torch.autocast (bf16) or with TF32 products on CUDA
+(tf32, matmul_precision below); what makes the guarantee stays in float32.
 
     with autocast(device, "bf16"):            # the model's forward and the loss (methods wrap only these)
         losses = loss_fn(model(x), y)
@@ -24,16 +25,16 @@ import contextlib
 
 import torch
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "tf32")
 AUTOCAST_DTYPE = {"bf16": torch.bfloat16}
 # relative margin on the norm in the clip factor: covers float32 rounding of a norm formed from bf16-rounded
 # tensors (measured < 1e-5; see above); 0 in fp32, where the factor is the DESIGN's min(1, C / (norm + 1e-6))
-ROUNDING_MARGIN = {"fp32": 0.0, "bf16": 1e-3}
+ROUNDING_MARGIN = {"fp32": 0.0, "bf16": 1e-3, "tf32": 0.0}  # tf32: norms and sums stay exact float32
 
 
 def autocast(device: torch.device | str, precision: str):
     """torch.autocast for a reduced precision on `device` (CUDA or CPU); a no-op context for fp32."""
-    if precision == "fp32":
+    if precision != "bf16":
         return contextlib.nullcontext()
     device_type = torch.device(device).type
     return torch.autocast(device_type=device_type, dtype=AUTOCAST_DTYPE[precision])
@@ -44,3 +45,22 @@ def to_float32(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point() and t.dtype in (torch.bfloat16, torch.float16):
         return t.float()
     return t
+
+
+@contextlib.contextmanager
+def matmul_precision(device: torch.device, precision: str):
+    """The products of a step's matmuls and convolutions on CUDA: TF32 (10-bit mantissas, float32 accumulation) under
+    precision=tf32, float32's under fp32. torch's own default lets cuDNN convolutions use TF32 even in "fp32",
+    and twopass/recompute's second backward would then round ~1e-3 away from the pass that measured the norms, so fp32
+    turns it off. The norms and clipped sums run inside with TF32 off whatever the setting (certify.exact_float32).
+    bf16 (autocast) and the CPU: unchanged."""
+    if device.type != "cuda" or precision == "bf16":
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved

@@ -171,6 +171,9 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     device = resolve_device(str(cfg.device), world.local_rank)
     if device.type == "cpu":
         retain_freed_memory()  # a step's freed blocks serve the next step: no page faults (runner/heap.py)
+    if str(cfg.get("precision", "fp32")) == "tf32" and device.type != "cuda":
+        log.warning("precision=tf32 changes nothing on %s (TF32 is a CUDA tensor-core format): the step is fp32",
+                    device.type)
     dtype = {"float32": torch.float32, "float64": torch.float64}[str(cfg.dtype)]
     torch.manual_seed(int(cfg.seed))
     # the sampler's (the same global batches on every rank) and, rng=secure, the noise's (runner/randomness.py)

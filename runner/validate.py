@@ -126,7 +126,7 @@ RULES: dict[str, Rule] = {
     "calibration_accountant": optional(one_of("auto", "pld", "rdp", "gdp", "jl")),  # null: a certified one
     "device": device,
     "dtype": one_of("float32", "float64"),
-    "precision": one_of("fp32", "bf16"),  # fp16 (loss scaling) is not supported: refused here
+    "precision": one_of("fp32", "bf16", "tf32"),  # fp16 (loss scaling) is not supported: refused here
     "physical_batch_size": optional(integer(1)),
     "distributed.backend": one_of("auto", "gloo", "nccl"),
     "distributed.nproc_per_node": integer(1),

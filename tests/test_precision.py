@@ -55,7 +55,7 @@ def test_the_methods_that_refuse_bf16_say_why_in_one_line():
 
 
 @pytest.mark.parametrize("bad,message", [
-    (["precision=fp16"], r"^precision='fp16' is not valid: precision must be one of: fp32, bf16"),
+    (["precision=fp16"], r"^precision='fp16' is not valid: precision must be one of: fp32, bf16, tf32"),
     (["precision=bf16", "dtype=float64"], r"^precision=bf16 needs dtype=float32"),
 ])
 def test_fp16_and_bf16_on_float64_are_refused_before_any_data(bad, message):

@@ -39,7 +39,7 @@ from runner.errors import DprunError
 from runner.accountants.mechanisms import Mechanism, NoPrivacy, SubsampledGaussian
 from runner.methods.features import Feature
 from runner.methods.noise import add_noise_and_scale
-from runner.precision import PRECISIONS, ROUNDING_MARGIN, autocast
+from runner.precision import PRECISIONS, ROUNDING_MARGIN, autocast, matmul_precision
 from runner.registry import Registry
 
 METHODS = Registry("method")
@@ -153,7 +153,8 @@ class Method:
                              f"scaling is not supported)")
         world = world or World()
         for asked, feature in ((physical_batch_size is not None, Feature.PHYSICAL_BATCH),
-                               (precision == "bf16", Feature.BF16), (world.size > 1, Feature.DISTRIBUTED)):
+                               (precision == "bf16", Feature.BF16), (precision == "tf32", Feature.TF32),
+                               (world.size > 1, Feature.DISTRIBUTED)):
             why = self.why_not(feature) if asked else None
             if why:
                 raise DprunError(f"method={self.name} cannot run with {feature}: {why}")
@@ -166,7 +167,17 @@ class Method:
         if not isinstance(feature, Feature):
             raise TypeError(f"method capabilities are Feature members ({', '.join(f.name for f in Feature)}), "
                             f"not {feature!r}")
+        if feature is Feature.TF32 and not self.exact_under_tf32():
+            return ("its per-example gradients, norms or clipped sums would be formed with TF32's 10-bit products, "
+                    "up to ~1e-3 away from what was measured (an example could exceed C); precision=tf32 is for "
+                    "method=reweight with method.mode=bk, and nonprivate")
         return self.unsupported(feature)
+
+    def exact_under_tf32(self) -> bool:
+        """precision=tf32 puts TF32 products in the step's forward and backward (CUDA). Certified only for a method
+        that forms every norm and clipped sum with TF32 off, from the very tensors it recorded (reweight bk:
+        runner/norms/certify.py exact_float32), or that has no privacy to lose (nonprivate). Opt-in."""
+        return not self.private
 
     def unsupported(self, feature: Feature) -> str | None:
         """The subclass hook behind why_not. The default supports every Feature: the shared step chunks, autocasts
@@ -267,7 +278,7 @@ class Method:
         parts: list[Privatized] = []
         total = None
         try:
-            with self.world.forward_rng(x.device):
+            with self.world.forward_rng(x.device), matmul_precision(x.device, self.precision):
                 for xc, yc in chunks(x, y, self.physical_batch_size):
                     if parts:  # the earlier chunks' sum is in `total`; this chunk's privatize writes p.grad afresh
                         for p in params:

@@ -13,6 +13,7 @@ class Feature(Enum):
 
     PHYSICAL_BATCH = "physical_batch_size"  # chunks of a logical batch (runner/methods/base.py chunks)
     BF16 = "precision=bf16"  # forward/backward under bfloat16 autocast (runner/precision.py)
+    TF32 = "precision=tf32"  # forward/backward with TF32 products on CUDA (runner/precision.py matmul_precision)
     DISTRIBUTED = "distributed"  # several ranks, the clipped sums all-reduced (runner/distributed.py)
 
     def __str__(self) -> str:

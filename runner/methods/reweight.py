@@ -82,6 +82,11 @@ class ReweightGP(Method):
         self.plan(model)
         return model
 
+    def exact_under_tf32(self) -> bool:
+        """bk: the records carry TF32's rounding, but the norms and the clipped sums are formed from them in float32
+        (exact_float32). twopass/recompute: the second backward's TF32 products would differ from the first's."""
+        return self.mode == "bk"
+
     def unsupported(self, feature: Feature) -> str | None:
         if feature is Feature.BF16 and self.mode != "bk":
             return (f"method.mode={self.mode}'s second backward rounds differently from the pass that measured the "

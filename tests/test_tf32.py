@@ -1,0 +1,77 @@
+"""precision=tf32: TF32 products in the step's forward and backward on CUDA, the norms and clipped sums still exact
+float32 (runner/precision.py matmul_precision, runner/norms/certify.py exact_float32); precision=fp32 turns cuDNN's
+default TF32 off for the step. No GPU is needed: the switches are torch.backends flags, set by device type."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runner.errors import DprunError
+from runner.methods import METHODS
+from runner.methods.features import Feature
+from runner.norms.certify import exact_float32
+from runner.precision import matmul_precision
+from tests.test_precision import ALL, case_id
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.fixture
+def flags():
+    """torch.backends' TF32 flags, put back after the test."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32
+    yield lambda: (matmul.allow_tf32, cudnn.allow_tf32)
+    matmul.allow_tf32, cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("before", [(False, True), (True, False)])
+def test_the_step_context_sets_tf32_by_precision_and_the_norms_turn_it_off(flags, before):
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    with matmul_precision(CUDA, "tf32"):
+        assert flags() == (True, True)
+        with exact_float32(CUDA):  # what every norm and clipped sum runs under
+            assert flags() == (False, False)
+        assert flags() == (True, True)
+    assert flags() == before
+    with matmul_precision(CUDA, "fp32"):
+        assert flags() == (False, False)  # torch's default cuDNN TF32 is off for an fp32 step
+    assert flags() == before
+    for device, precision in ((CUDA, "bf16"), (CPU, "tf32"), (CPU, "fp32")):
+        with matmul_precision(device, precision):
+            assert flags() == before
+
+
+def test_only_reweight_bk_and_nonprivate_accept_tf32_the_others_say_why_in_one_line():
+    accepted = {case_id(n, c) for n, c in ALL if METHODS.build(n, cfg=c).why_not(Feature.TF32) is None}
+    assert accepted == {case_id(n, c) for n, c in ALL if n == "reweight" and c["mode"] == "bk"}  # any norm choice
+    assert "reweight-bk" in accepted
+    assert METHODS.build("nonprivate").why_not(Feature.TF32) is None
+    for name, cfg in ALL:
+        if case_id(name, cfg) not in accepted:
+            with pytest.raises(DprunError, match=rf"^method={name} cannot run with precision=tf32: [^\n]+$"):
+                METHODS.build(name, cfg=cfg).configure(precision="tf32")
+
+
+def test_the_step_runs_its_chunks_under_the_methods_precision(monkeypatch):
+    """Method.clipped_sum enters matmul_precision(device, precision) around the chunks; on the CPU tf32 changes
+    nothing: the same released sum as fp32, bit for bit."""
+    import runner.methods.base as base
+
+    seen = []
+    real = base.matmul_precision
+    monkeypatch.setattr(base, "matmul_precision", lambda d, p: seen.append((d.type, p)) or real(d, p))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
+    sums = {}
+    for precision in ("fp32", "tf32"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        method = METHODS.build("reweight", cfg={"mode": "bk"}, clip=0.5, sigma=0.0).configure(
+            precision=precision, physical_batch_size=5)
+        model = method.attach(model)
+        method.clipped_sum(model, lambda o, t: F.cross_entropy(o, t, reduction="none"), x, y)
+        sums[precision] = [p.grad.clone() for p in model.parameters()]
+    assert seen == [("cpu", "fp32"), ("cpu", "tf32")]
+    assert all(torch.equal(a, b) for a, b in zip(sums["fp32"], sums["tf32"]))
