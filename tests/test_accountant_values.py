@@ -57,3 +57,30 @@ def test_gdp_formula_and_approximation():
     assert eps("gdp") == pytest.approx(e)
     assert ACCOUNTANTS.get("gdp").approximate and not ACCOUNTANTS.get("pld").approximate
     assert eps("gdp") == pytest.approx(eps("pld"), rel=0.1)  # the CLT is close here, and below the exact value
+
+
+def test_pld_with_cached_one_step_plds_equals_dp_accountings_own_accountant():
+    """runner/accountants/pld.py composes the events itself around cached one-step PLDs: the very same epsilon as
+    dp-accounting's PLDAccountant fed the same events (bit for bit), also for mixed and unsampled steps, and a
+    second run of the same mechanism reuses the cache."""
+    from dp_accounting.pld import pld_privacy_accountant
+
+    from runner.accountants.pld import gaussian_events, one_step_pld
+
+    histories = [{SubsampledGaussian(256 / 60000, 1.1): 2340},
+                 {SubsampledGaussian(0.01, 0.8): 100, SubsampledGaussian(0.02, 1.5): 50},
+                 {SubsampledGaussian(0.0, 1.0): 3, SubsampledGaussian(0.1, 2.0): 7}]
+    for history in histories:
+        ours = ACCOUNTANTS.build("pld")
+        for mechanism, count in history.items():
+            ours.step(mechanism, count=count)
+        reference = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+        for event in gaussian_events(history):
+            reference.compose(event)
+        for delta in (1e-5, 1e-3):
+            assert ours.epsilon(delta) == reference.get_epsilon(delta)
+    hits = one_step_pld.cache_info().hits
+    again = ACCOUNTANTS.build("pld")
+    again.step(SubsampledGaussian(256 / 60000, 1.1), count=10)
+    again.epsilon(1e-5)
+    assert one_step_pld.cache_info().hits == hits + 1

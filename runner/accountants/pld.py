@@ -14,10 +14,11 @@ whose grid exceeds MAX_GRID_POINTS (sigma below ~0.028 at the 1e-4 grid) and poi
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import dp_accounting
-from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.pld import privacy_loss_distribution
 
 from runner.accountants.base import ACCOUNTANTS, Accountant
 from runner.accountants.mechanisms import SubsampledGaussian
@@ -60,7 +61,20 @@ class PLDAccountant(Accountant):
                              f"{smallest_sigma(self.discretization):.3g} or accountant=rdp")
 
     def _epsilon(self, delta: float) -> float:
-        acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=self.discretization)
-        for event in gaussian_events(self.history):
-            acc.compose(event)
-        return float(acc.get_epsilon(delta))
+        """As dp-accounting's PLDAccountant composes the same events (identity, then each mechanism's one-step PLD
+        self-composed count times; the same numbers, tested), with the one-step PLDs cached: a run asks for epsilon
+        every epoch, and building the subsampled Gaussian's PLD was ~60% of each call (0.4 of 0.7 s)."""
+        pld = privacy_loss_distribution.identity(value_discretization_interval=self.discretization)
+        for m, count in self.history.items():
+            if m.sample_rate == 0:  # nobody sampled: nothing released (dp-accounting skips it too)
+                continue
+            pld = pld.compose(one_step_pld(m.noise_multiplier, m.sample_rate, self.discretization).self_compose(count))
+        return float(pld.get_epsilon_for_delta(delta))
+
+
+@functools.lru_cache(maxsize=32)
+def one_step_pld(sigma: float, sample_rate: float, discretization: float):
+    """The Poisson-subsampled Gaussian's PLD (add-or-remove neighbours, pessimistic), as dp-accounting builds it for
+    PoissonSampledDpEvent(GaussianDpEvent); immutable, so shared by every accountant and call."""
+    return privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=sigma, value_discretization_interval=discretization, sampling_prob=sample_rate)
