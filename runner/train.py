@@ -36,7 +36,7 @@ from runner.evaluation import eval_subset, evaluate
 from runner.metrics import (StepTimer, device_name, package_versions, peak_memory_bytes, reset_peak_memory,
                             synchronize, write_csv, write_json, write_json_last_resort)
 from runner.optimizers import build_optimizer
-from runner.methods.compiled import build_step, physical_batch
+from runner.methods.compiled import buckets, build_step
 from runner.progress import format_eta, progress_bar
 from runner.run_dir import ensure_fresh
 from runner.validate import validate_config
@@ -235,10 +235,12 @@ def request_from(cfg: DictConfig) -> Request:
 
 
 def build_run_step(cfg: DictConfig, private: PrivateRun, device: torch.device, world: distributed.World):
-    """The step callable for compile= (runner/methods/compiled.py), padded to a fixed physical batch."""
+    """The step callable for compile= (runner/methods/compiled.py): each chunk padded to physical_batch_size, or
+    (one chunk per batch) each rank's share of the Poisson batch to the smallest of a few sizes that holds it."""
     expected = private.sampler.sample_rate * private.sampler.n  # the expected GLOBAL batch size
-    physical = cfg.get("physical_batch_size") or physical_batch(expected / world.size)
-    return build_step(private.method, cfg.get("compile", "off"), device, int(physical))
+    physical = cfg.get("physical_batch_size")
+    return build_step(private.method, cfg.get("compile", "off"), device,
+                      int(physical) if physical else buckets(expected / world.size))
 
 
 def resume(run: Run, run_config: dict[str, Any]) -> None:

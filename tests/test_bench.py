@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runner.bench import clip
-from runner.bench.common import interleaved_times, step_memory_bytes
+from runner.bench.common import interleaved_times, step_memory_bytes, synthetic_batch
 from runner.data.base import DataInfo
 from runner.errors import DprunError
 
@@ -109,6 +109,31 @@ def test_the_compile_path_times_a_compiled_step(monkeypatch):
     for name, options in (("nonprivate", {}), ("reweight", {"mode": "bk"})):
         made, note = contender(name, options, base, x, y, lambda ps: torch.optim.SGD(ps, lr=0.1), 0.04, 4.0,
                                compile_mode="default")
+        assert made is not None and note == "", note
+        made.step()
+
+
+def test_the_gpt2_small_workloads_build_and_step():
+    """--suite gpu's GPT-2-small-shaped stack (issue 31): 12 blocks of d 768 at T=128, B=32 and T=512, B=8; --quick's
+    2 blocks of d 64 build through the workload's own builder and take a nonprivate and a reweight-bk step through
+    the bench's contender code (the full 91M-parameter model is not built here)."""
+    from runner.models import MODELS
+
+    full = {w.name: w for w in clip.gpu_workloads()}
+    for name, T, B in (("gpt2small_t128", 128, 32), ("gpt2small_t512", 512, 8)):
+        w = full[name]
+        assert (w.model, w.info.input_shape, w.batch, w.info.vocab_size, w.info.num_classes) == \
+            ("transformer", (T,), B, 8192, 2)
+        assert w.model_kwargs == {"layers": 12, "d_model": 768, "heads": 12, "ff": 3072, "dropout": 0.0}
+    w = clip.gpt2_small(128, 32, quick=True)
+    assert w.name == "gpt2small_t128" and w.info.input_shape == (16,) and w.batch == 4
+    assert w in clip.gpu_workloads(quick=True)
+    torch.manual_seed(0)
+    base = MODELS.build(w.model, w.info, **w.model_kwargs)
+    assert len(base.encoder) == 2
+    x, y = synthetic_batch(w.info, w.batch, CPU)
+    for label in ("nonprivate", "reweight-bk"):
+        made, note = clip.method_contender(label, base, x, y, float(w.batch), w.info.train_size)
         assert made is not None and note == "", note
         made.step()
 

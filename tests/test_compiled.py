@@ -2,11 +2,14 @@
 every fallback is taken with one logged line, never silently.
 
 Default suite: Dynamo traces the whole step (backend="eager": graph capture and graph breaks, eager kernels), for
-nonprivate, reweight and jl. -m slow: TorchInductor (compile=default) itself, minutes of compilation on a small CPU.
+nonprivate, reweight and jl; the padded sizes (buckets) get one graph each, never more, none sent to eager by
+Dynamo's recompile limit; CUDA graphs' output reuse, emulated on the CPU, leaves a chunked step's sum unchanged.
+-m slow: TorchInductor (compile=default) itself, minutes of compilation on a small CPU.
 """
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -15,7 +18,9 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.methods import METHODS
-from runner.methods.compiled import CompiledStep, build_step, check_mode, physical_batch
+from runner.methods.base import Privatized
+from runner.methods.compiled import CompiledStep, buckets, build_step, check_mode
+from runner.methods.padding import bucket
 
 CPU = torch.device("cpu")
 CASES = [("nonprivate", {}), ("reweight", {"mode": "bk"}), ("reweight-twopass", {"mode": "twopass"}),
@@ -53,9 +58,9 @@ def assert_close_params(a, b):
         torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
 
 
-def check_equal(method_name, cfg, **compile_kwargs):
+def check_equal(method_name, cfg, physical=8, **compile_kwargs):
     ref, ref_outs, _ = train(method_name, cfg, lambda m: m.step)
-    got, outs, step = train(method_name, cfg, lambda m: CompiledStep(m, "default", CPU, physical=8, **compile_kwargs))
+    got, outs, step = train(method_name, cfg, lambda m: CompiledStep(m, "default", CPU, physical, **compile_kwargs))
     assert step.compiled is not None, "the step fell back to eager"
     assert_close_params(got, ref)
     for o, r in zip(outs, ref_outs):
@@ -67,6 +72,12 @@ def check_equal(method_name, cfg, **compile_kwargs):
 def test_traced_step_equals_eager_step(method_name, cfg):
     torch._dynamo.reset()
     check_equal(method_name, cfg, backend="eager")
+
+
+def test_traced_step_with_buckets_equals_eager_step():
+    """Batches of 5 and 6 rows padded to 8, the one of 4 to 4 (no padding): two graphs, the eager step's numbers."""
+    torch._dynamo.reset()
+    check_equal("reweight", {"mode": "bk"}, physical=(4, 8), backend="eager")
 
 
 @pytest.mark.slow
@@ -120,10 +131,155 @@ def test_a_failing_compilation_falls_back_to_eager_once(caplog):
     assert [len(o.losses) for o in outs] == [4, 5, 6]
 
 
-def test_modes_and_physical_batch():
+def test_modes():
     assert check_mode(False) == "off" and check_mode("default") == "default"
     with pytest.raises(DprunError, match="unknown compile"):
         check_mode("max-autotune-ish")
     _, method, _ = setup("nonprivate", {})
     assert build_step(method, "off", CPU) == method.step
-    assert physical_batch(256) == 320 and physical_batch(64) % 8 == 0 and physical_batch(64) >= 64 + 4 * 8
+
+
+def test_the_cli_step_pads_each_ranks_share_to_buckets():
+    """runner/train.py: buckets around each rank's expected share of the Poisson batch; physical_batch_size: one size."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from runner.train import build_run_step
+
+    _, method, _ = setup("nonprivate", {})
+    private = SimpleNamespace(method=method, sampler=SimpleNamespace(sample_rate=0.01, n=25_600))  # B = 256
+    made = lambda world, **cfg: build_run_step(OmegaConf.create({"compile": "default", **cfg}), private, CPU,  # noqa: E731
+                                               SimpleNamespace(size=world))
+    assert made(1).physical == buckets(256) == (240, 256, 272, 288, 320)
+    assert made(2).physical == buckets(128)
+    assert made(2, physical_batch_size=64).physical == (64,)
+    assert build_run_step(OmegaConf.create({"compile": False}), private, CPU, SimpleNamespace(size=1)) == method.step
+
+
+def poisson_overhead(B, sizes):
+    """E[padded rows] / E[rows] - 1 for a Poisson(B) batch size."""
+    pmf = lambda n: math.exp(n * math.log(B) - B - math.lgamma(n + 1))  # noqa: E731
+    ns = range(int(B + 12 * math.sqrt(B) + 20))
+    return sum(pmf(n) * bucket(n, sizes) for n in ns) / B - 1
+
+
+@pytest.mark.parametrize("B", [1, 3, 8, 32, 100, 256, 4096])
+def test_buckets_bound_the_padding(B):
+    sizes = buckets(B)
+    s = math.sqrt(B)
+    assert 1 <= len(sizes) <= 5 and list(sizes) == sorted(set(sizes)) and all(b % 8 == 0 for b in sizes)
+    assert sizes[-1] >= B + 4 * s  # the top: where a Poisson batch rarely goes (the one size before buckets)
+    before = 0
+    for n in range(sizes[-1] + 1):
+        P = bucket(n, sizes)
+        assert n <= P in sizes and P >= before  # holds the batch; monotone in n
+        before = P
+        assert P - n < 2 * s + 8 if n > B - s else P <= B - s + 8  # compiled.buckets' worst cases
+    assert bucket(sizes[-1] + 3, sizes) == sizes[-1] + 3  # above the top: its own size, not truncated
+    assert bucket(5, 8) == 8  # one size (physical_batch_size)
+
+
+def test_buckets_pad_far_less_than_one_size():
+    """The docstring's averages: 13% more rows at B = 32 and 3% at 256, where one size B + 4 sqrt(B) padded 75%
+    and 25% (issue 31)."""
+    assert buckets(32) == (32, 40, 48, 56) and buckets(256) == (240, 256, 272, 288, 320)
+    assert poisson_overhead(32, buckets(32)) < 0.14 and poisson_overhead(32, (56,)) > 0.74
+    assert poisson_overhead(256, buckets(256)) < 0.035 and poisson_overhead(256, (320,)) > 0.24
+
+
+def test_each_size_compiles_once(caplog):
+    """Four sizes, one graph each, with Dynamo's recompile limit set below four: CompiledStep raises it (past it torch
+    would run the later sizes eager). Another batch size in a size already seen compiles nothing (the padding runs
+    eager, outside the compiled function: a graph per batch size before). The sizes are logged once."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model, method, opt = setup("nonprivate", {})
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+
+    def frames_after(n):
+        step(model, loss_fn, x[:n], y[:n], opt, sample_rate=0.01, expected_batch_size=20.0)
+        return counter.frame_count
+
+    with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level(logging.INFO, logger="dprun"):
+        step = CompiledStep(method, "default", CPU, physical=(8, 16, 24, 32), backend=counter)
+        frames_after(32)  # the first step: eager
+        frames = [frames_after(n) for n in (5, 12, 20, 30)]  # sizes 8, 16, 24, 32
+        assert frames[0] > 0 and frames == [frames[0] * k for k in (1, 2, 3, 4)]
+        assert [frames_after(n) for n in (7, 13, 24, 31, 1)] == [frames[-1]] * 5  # sizes seen: no new graph
+    one_line(caplog, "padded to the smallest of 4 sizes (8, 16, 24, 32 rows), one graph each")
+
+
+def test_no_norm_hook_runs_eager_past_the_recompile_limit(caplog):
+    """reweight's norm hooks compile once per module and size: with the limit below that, CompiledStep raises it and
+    torch never reports running a function eager past it."""
+    torch._dynamo.reset()
+    model, method, opt = setup("reweight", {"mode": "bk"})
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING):
+        step = CompiledStep(method, "default", CPU, physical=(8, 16), backend="eager")
+        for n in (16, 5, 12):  # eager, then sizes 8 and 16: each hook twice per module
+            step(model, loss_fn, x[:n], y[:n], opt, sample_rate=0.01, expected_batch_size=20.0)
+    assert step.compiled is not None
+    assert not [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
+
+
+class ReplayedGraph:
+    """Emulates a CUDA graph's replay (compile=reduce-overhead|cudagraphs) on the CPU: the same output tensors every
+    call, overwritten in place by the next, and the chunk's gradients left in p.grad as the same static tensors (what
+    the autograd engine keeps when the graph's backward returns them). Each call must follow a
+    cudagraph_mark_step_begin."""
+
+    def __init__(self, fn, marks):
+        self.fn, self.marks, self.seen = fn, marks, len(marks)
+        self.static = {}  # padded size -> (the gradients, losses, outputs, norms): one graph's memory per size
+
+    def __call__(self, model, loss_fn, xp, yp, mask):
+        assert len(self.marks) > self.seen, "a replay without cudagraph_mark_step_begin"
+        self.seen = len(self.marks)
+        out = self.fn(model, loss_fn, xp, yp, mask)
+        params = [p for p in model.parameters() if p.grad is not None]
+        fresh = [p.grad for p in params] + [out.losses, out.outputs, out.norms]
+        static = self.static.setdefault(len(yp), [t.clone() for t in fresh])
+        for s, t in zip(static, fresh):
+            s.copy_(t)
+        for p, s in zip(params, static):
+            p.grad = s
+        return Privatized(*static[len(params):])
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "cudagraphs"])
+def test_cuda_graph_output_reuse_leaves_the_chunked_sum_unchanged(mode, monkeypatch):
+    """Chunks of 2 (physical_batch_size=2) of a batch of 5 under a CUDA-graph mode equal the eager unchunked step:
+    the first chunk's gradients and every chunk's losses and norms are copied before the next replay (issue 31: the
+    running total kept the first chunk's static outputs, which the next replay overwrote)."""
+    import runner.methods.compiled as compiled
+
+    marks = []
+    monkeypatch.setattr(compiled.torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    monkeypatch.setattr(compiled.torch, "compile", lambda fn, **kw: ReplayedGraph(fn, marks))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+    def two_steps(chunked):
+        model, method, opt = setup("reweight", {"mode": "bk"})
+        if chunked:
+            method.configure(physical_batch_size=2)
+            step = CompiledStep(method, mode, torch.device("cuda"), physical=2)  # a CUDA-graph mode (no CUDA used)
+            assert step.mode == mode
+        else:
+            step = method.step
+        noise = torch.Generator().manual_seed(3)
+        outs = [step(model, loss_fn, x, y, opt, sample_rate=0.05, expected_batch_size=4.0, generator=noise)
+                for _ in range(2)]
+        return [p.detach() for p in model.parameters()], outs[-1]
+
+    want, want_out = two_steps(chunked=False)
+    got, got_out = two_steps(chunked=True)
+    assert len(marks) == 3  # the second step's chunks of 2, 2, 1 (the first step runs eager)
+    assert_close_params(got, want)
+    torch.testing.assert_close(got_out.losses, want_out.losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_out.norms, want_out.norms, rtol=1e-5, atol=1e-6)

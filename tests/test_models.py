@@ -242,6 +242,24 @@ def test_transformer_pools_only_real_tokens():
     torch.testing.assert_close(longer(torch.tensor([[3, 4, 5, 0, 0, 0, 0, 0, 0]])), model(x), atol=1e-6, rtol=0)
 
 
+def test_transformer_layers_stack_encoder_blocks():
+    """layers=k: k blocks in sequence, each the paper's block (the GPT-2-small-shaped bench: layers=12)."""
+    info = DataInfo("text", (6,), 2, "text", 20)
+    torch.manual_seed(0)
+    deep = models.build("transformer", info, d_model=8, heads=2, ff=16, dropout=0.0, layers=3).eval()
+    one = count(models.build("transformer", info, d_model=8, heads=2, ff=16))
+    block = count(deep.encoder[0])
+    assert len(deep.encoder) == 3 and count(deep) == one + 2 * block
+    x = torch.tensor([[3, 4, 5, 0, 0, 0]])
+    h, pad = deep.positions(deep.embed(x)), x == 0
+    for b in deep.encoder:
+        h = b(h, pad)
+    keep = (~pad).unsqueeze(-1).float()
+    torch.testing.assert_close(deep(x), deep.head((h * keep).sum(1) / keep.sum(1)))
+    with pytest.raises(DprunError, match=r"^model.layers=0 must be an integer >= 1"):
+        models.build("transformer", info, layers=0)
+
+
 def test_images_as_rows_and_larger_inputs():
     with torch.no_grad():  # 32x32: the cifar stem, no max-pool
         assert models.build("resnet18", CIFAR)(torch.randn(1, 3, 32, 32)).shape == (1, 10)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.methods import METHODS
-from runner.methods.padding import pad_batch, padded_step
+from runner.methods.padding import bucket, pad_batch, padded_step
 from tests.test_exact_methods import ConvGroupNormNet, SharedEmbeddingNet
 
 DT = torch.float64
@@ -38,7 +38,7 @@ def test_the_cases_are_every_method_that_compiles():
     assert {name for name, _ in CASES} == {name for name, m in METHODS.items() if m.compiles}
 
 
-def run(method_name, cfg, family, n, padded, sigma=0.0, clip=0.5, r=3):
+def run(method_name, cfg, family, n, padded, sigma=0.0, clip=0.5, r=3, physical=PHYSICAL):
     build, inputs = FAMILIES[family]
     torch.manual_seed(0)
     model = build().to(DT)
@@ -50,7 +50,7 @@ def run(method_name, cfg, family, n, padded, sigma=0.0, clip=0.5, r=3):
     kw = dict(sample_rate=0.01, expected_batch_size=4.0, generator=torch.Generator().manual_seed(7))
     torch.manual_seed(123)  # jl's projection directions: the same draw padded or not
     if padded:
-        out = padded_step(method, model, loss_fn, x, y, opt, physical=PHYSICAL, **kw)
+        out = padded_step(method, model, loss_fn, x, y, opt, physical=physical, **kw)
     else:
         out = method.step(model, loss_fn, x, y, opt, **kw)
     grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
@@ -85,6 +85,20 @@ def test_padding_leaves_the_noise_and_expected_batch_scaling_unchanged():
     _, ref = run("reweight", {"mode": "bk"}, "mlp", 3, padded=False, sigma=1.3)
     _, got = run("reweight", {"mode": "bk"}, "mlp", 3, padded=True, sigma=1.3)
     assert_same(got, ref)
+
+
+@pytest.mark.parametrize("n", [1, 3, 6])
+def test_several_sizes_pad_to_the_smallest_that_holds_the_chunk(n, monkeypatch):
+    """compile='s buckets: a chunk of n rows runs at the smallest size >= n (n itself above them all) and releases
+    what nxBP releases on the unpadded chunk."""
+    sizes, seen = (2, 4, 5), []
+    original = METHODS.get("reweight").privatize
+    monkeypatch.setattr(METHODS.get("reweight"), "privatize",
+                        lambda self, model, lf, x, y: seen.append(len(y)) or original(self, model, lf, x, y))
+    _, ref = run("nxbp", {}, "mlp", n, padded=False)
+    out, got = run("reweight", {"mode": "bk"}, "mlp", n, padded=True, physical=sizes)
+    assert_same(got, ref)
+    assert seen[-1] == bucket(n, sizes) == {1: 2, 3: 4, 6: 6}[n] and out.losses.shape == (n,)
 
 
 def test_pad_batch_shapes_and_mask():

@@ -7,6 +7,8 @@
                                                       # rng=secure's cost (issue 29)
     python -m runner.bench.clip --device cuda --suite gpu --compile reduce-overhead   # issue 12's GPU workloads
                                                       # (make bench-gpu), plus compiled nonprivate / reweight-bk rows
+    python -m runner.bench.clip --device cuda --suite gpu --workloads gpt2small_t128,gpt2small_t512 --compile default
+                                                      # the GPT-2-small-shaped stack (issue 31)
 
 One process, one model per workload (a fresh copy per method, same seed), the same warm-up for every method,
 interleaved repeats; a step is Method.step (privatize + noise + optimizer step). Columns: median step time,
@@ -88,7 +90,8 @@ def workloads(quick: bool = False) -> list[Workload]:
 
 def gpu_workloads(quick: bool = False) -> list[Workload]:
     """Issue 12's GPU table: the JL paper's CNNs, transformer and BiLSTM at B=256, VGG-11 and ResNet-18 on CIFAR-10
-    at B=128, ResNet-101 at 256 px, B=32; non-private, reweight and the Opacus modes (no nxBP: minutes a step)."""
+    at B=128, ResNet-101 at 256 px, B=32; non-private, reweight and the Opacus modes (no nxBP: minutes a step).
+    Issue 31: a GPT-2-small-shaped stack at T=128, B=32 and T=512, B=8 (gpt2_small)."""
     scale = (lambda b: max(2, b // 8)) if quick else (lambda b: b)
     return [Workload("cnn_mnist", "bu_cnn", MNIST, scale(256), GPU),
             Workload("papernot_cifar10", "papernot_cnn", CIFAR10, scale(256), GPU),
@@ -96,7 +99,22 @@ def gpu_workloads(quick: bool = False) -> list[Workload]:
             Workload("bilstm_imdb", "bilstm", IMDB, scale(256), GPU),
             Workload("vgg11_cifar10", "vgg11", CIFAR10, scale(128), GPU),
             Workload("resnet18_cifar10", "resnet18", CIFAR10, scale(128), GPU),
-            Workload("resnet101_256px", "resnet101", IMAGENET256, scale(32), GPU)]
+            Workload("resnet101_256px", "resnet101", IMAGENET256, scale(32), GPU),
+            gpt2_small(128, 32, quick), gpt2_small(512, 8, quick)]
+
+
+def gpt2_small(T: int, batch: int, quick: bool = False) -> Workload:
+    """A GPT-2-small-shaped stack: 12 of dprun's post-norm encoder blocks (runner/models/transformer.py), d 768,
+    12 heads, feed-forward 3072, a learned vocabulary of 8,192 with sinusoidal positions, mean-pool, 2 classes, fp32:
+    91,347,458 parameters. Inputs: T token ids, zero-padded after a random length (synthetic_batch). --quick: the same
+    code paths on 2 blocks of d 64 (4 heads, feed-forward 256) at T/8 and B/8."""
+    name = f"gpt2small_t{T}"
+    kwargs = {"layers": 12, "d_model": 768, "heads": 12, "ff": 3072, "dropout": 0.0}
+    if quick:
+        kwargs.update(layers=2, d_model=64, heads=4, ff=256)
+        T, batch = max(8, T // 8), max(2, batch // 8)
+    info = DataInfo(f"tokens{T}", (T,), 2, "text", 8192, 25000, 25000)  # IMDB's split sizes: the sample rate
+    return Workload(name, "transformer", info, batch, GPU, kwargs)
 
 
 def method_contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n: int,

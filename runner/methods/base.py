@@ -283,6 +283,10 @@ class Method:
                     if parts:  # the earlier chunks' sum is in `total`; this chunk's privatize writes p.grad afresh
                         for p in params:
                             p.grad = None
+                        if len(parts) == 1 and getattr(privatize, "overwrites_outputs", False):
+                            # CUDA graphs (compile=reduce-overhead|cudagraphs): the first chunk's gradients are the
+                            # graph's static outputs, which this chunk's replay overwrites: the sum owns a copy
+                            total = torch._foreach_add(total, 0.0)
                     parts.append(privatize(model, loss_fn, xc, yc))
                     total = add_into(total, params)
         finally:

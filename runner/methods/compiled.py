@@ -1,13 +1,16 @@
 """`compile=off|default|reduce-overhead|cudagraphs`: each chunk's private work (forward, per-example norms, clipping,
-backward: Method.privatize) run under torch.compile, on chunks padded to one physical size (runner/methods/padding.py)
-so that one graph serves every chunk of every Poisson batch; the chunks' sum, the all-reduce over ranks, the noise
+backward: Method.privatize) run under torch.compile, on chunks padded (runner/methods/padding.py, eager) to one of a
+few fixed physical sizes, one graph per size (dynamic=False); the chunks' sum, the all-reduce over ranks, the noise
 and the optimizer update (a few foreach kernels) run eager around it, in Method.step.
 
-    step = build_step(method, mode="default", device=torch.device("cpu"), physical=320)
+    step = build_step(method, mode="default", device=torch.device("cpu"), physical=buckets(B))
     out = step(model, loss_fn, x, y, optimizer, sample_rate=q, expected_batch_size=B)    # as Method.step
 
-The physical size: physical_batch_size when it is set (every chunk padded to it), else B + 4 sqrt(B) (the whole
-Poisson batch is one chunk; physical_batch()).
+The physical sizes: physical_batch_size when it is set (every chunk padded to it: one graph), else buckets(B): the
+whole Poisson batch is one chunk, padded to the smallest of at most 5 sizes B + k sqrt(B) (k = -1, 0, 1, 2, 4,
+rounded up to multiples of 8) that holds it: one graph per size, fewer than 2 sqrt(B) + 8 padded rows for a batch
+above B - sqrt(B), on average 13% more rows at B = 32, 3% at B = 256 (one size B + 4 sqrt(B) padded 75% and 25%).
+The padding runs eager, outside the compiled function, whose inputs then have one shape per size.
 
     off              Method.step, eager (the default)
     default          torch.compile(mode="default"): TorchInductor, CPU or CUDA
@@ -18,22 +21,28 @@ Poisson batch is one chunk; physical_batch()).
 Never silent: a mode that needs CUDA on another device runs compile=default instead, a method that is not
 compiled (Method.compiles) runs eager, and a step whose compilation fails runs eager from then on; each logs ONE line.
 Dynamo may split the chunk's work into several graphs (graph breaks, e.g. at the norm hooks); every part still
-runs, compiled or eager, and gives the eager step's numbers to float rounding (tests/test_compiled.py).
+runs, compiled or eager, and gives the eager step's numbers to float rounding (tests/test_compiled.py). Dynamo's
+recompile limits are raised to hold one graph per size (else sizes past the limit would run eager, logged by torch).
+The CUDA-graph modes return their outputs (losses, norms, the chunk's gradients in p.grad) in the graph's static
+memory, which the next replay overwrites: the losses, outputs and norms are copied after each replay, and
+Method.clipped_sum copies the running sum of the chunks' gradients before a second chunk runs (GraphOutputs).
 The first step runs eager: it validates the model (e.g. reweight's in-place check, which cannot be made inside a
 compiled graph). Random draws inside the graph (dropout) come from torch's own generator, as eager
 (torch._inductor.config.fallback_random); JL's directions and the noise are drawn eagerly, once per logical step.
-NOT YET MEASURED ON CUDA: reduce-overhead and cudagraphs are written for a GPU session (make bench-gpu).
+NOT YET MEASURED ON CUDA: reduce-overhead and cudagraphs are written for a GPU session (make bench-gpu); the CPU
+tests emulate CUDA graphs' output reuse (tests/test_compiled.py).
 """
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 
 import torch
 
 from runner.errors import DprunError
-from runner.methods.base import METHODS
-from runner.methods.padding import padded
+from runner.methods.base import METHODS, Privatized
+from runner.methods.padding import masked, padded
 
 log = logging.getLogger("dprun")
 
@@ -41,11 +50,20 @@ MODES = ("off", "default", "reduce-overhead", "cudagraphs")
 CUDA_ONLY = ("reduce-overhead", "cudagraphs")
 
 
-def physical_batch(expected_batch_size: float) -> int:
-    """A fixed physical size a Poisson batch of mean B rarely exceeds: B + 4 sqrt(B), rounded up to a multiple of 8
-    (a larger batch runs at its own size: one more graph)."""
-    b = expected_batch_size + 4 * math.sqrt(max(expected_batch_size, 1.0))
-    return int(8 * math.ceil(b / 8))
+# the sizes' offsets from the expected batch size B in standard deviations sqrt(B) of a Poisson batch's size: a batch
+# is above B - sqrt(B) 84% of the time, above B + 4 sqrt(B) less than once in 10^4
+SPREAD = (-1, 0, 1, 2, 4)
+
+
+def buckets(expected_batch_size: float) -> tuple[int, ...]:
+    """The physical sizes for Poisson batches of mean B: B + k sqrt(B) for k in SPREAD, rounded up to multiples of 8,
+    the same ones merged (1 to 5 sizes: 4 or 5 from B = 24 on). A batch of n rows runs at the smallest size >= n
+    (padding.bucket): with n > B - sqrt(B), fewer than 2 sqrt(B) + 8 padded rows (two sizes lie at most
+    2 sqrt(B) + 8 apart); a smaller batch at the lowest size, <= B - sqrt(B) + 8; a batch above the top size
+    B + 4 sqrt(B) at its own size (not truncated: one more graph). On average 13% more rows at B = 32, 6% at 64,
+    3% at 256, 1.7% at 1024."""
+    B = max(float(expected_batch_size), 1.0)
+    return tuple(sorted({8 * math.ceil(max(B + k * math.sqrt(B), 1.0) / 8) for k in SPREAD}))
 
 
 def check_mode(mode: str) -> str:
@@ -57,11 +75,46 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-class CompiledStep:
-    """Callable like Method.step; compiles on the first call, falls back to eager (one log line) on failure."""
+class GraphOutputs:
+    """A CUDA-graph-compiled core(model, loss_fn, xp, yp, mask): each call is marked as a new replay
+    (torch.compiler.cudagraph_mark_step_begin) and returns copies of its (P,) losses, (P, classes) outputs and (P,)
+    norms, which live in the graph's static memory until the next replay overwrites them (cudagraph trees then raise
+    "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"). The chunk's gradients
+    (p.grad) live there too: Method.clipped_sum copies the running sum before a second chunk runs when the chunk's
+    privatize says so (overwrites_outputs)."""
 
-    def __init__(self, method, mode: str, device: torch.device, physical: int | None, backend: str | None = None):
-        self.method, self.physical = method, physical
+    def __init__(self, core):
+        self.core = core
+
+    def __call__(self, model, loss_fn, xp, yp, mask) -> Privatized:
+        torch.compiler.cudagraph_mark_step_begin()  # a new replay: the previous one's outputs may be overwritten
+        out = self.core(model, loss_fn, xp, yp, mask)
+        copy = lambda t: None if t is None else t.clone()  # noqa: E731
+        return Privatized(copy(out.losses), copy(out.outputs), copy(out.norms))
+
+
+def raise_recompile_limit(sizes: int, modules: int) -> None:
+    """Room in Dynamo's caches for every graph the step compiles, so that none runs eager past a limit (which torch
+    only logs): a function compiles once per physical size, and a per-module norm hook (reweight's, compiled with the
+    step) once per size and module, plus the default's 8 others (a batch above the top size, a changed guard)."""
+    import torch._dynamo.config as dynamo_config
+
+    per_function = sizes * (modules + 8)
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    setattr(dynamo_config, name, max(int(getattr(dynamo_config, name)), per_function))
+    if hasattr(dynamo_config, "accumulated_recompile_limit"):  # over all functions: several hooks per module
+        dynamo_config.accumulated_recompile_limit = max(int(dynamo_config.accumulated_recompile_limit),
+                                                        8 * per_function)
+
+
+class CompiledStep:
+    """Callable like Method.step; compiles on the first call, falls back to eager (one log line) on failure.
+    physical: the chunk's padded size, or several (buckets(): the smallest that holds the chunk)."""
+
+    def __init__(self, method, mode: str, device: torch.device, physical: int | Sequence[int],
+                 backend: str | None = None):
+        self.method = method
+        self.physical = (int(physical),) if isinstance(physical, int) else tuple(sorted(int(p) for p in physical))
         self.requested = mode = check_mode(mode)
         if mode in CUDA_ONLY and device.type != "cuda":
             log.warning("compile=%s needs CUDA (CUDA graphs); on %s using compile=default", mode, device.type)
@@ -81,7 +134,18 @@ class CompiledStep:
             kwargs = {"backend": "cudagraphs"} if mode == "cudagraphs" else {"mode": mode}
             if backend is not None:  # tests: backend="eager" traces the step with Dynamo but runs eager kernels
                 kwargs = {"backend": backend}
-            self.compiled = torch.compile(padded(method.privatize, physical), dynamic=False, **kwargs)
+            # compiled: the padded chunk's work, whose inputs have one of the physical sizes (one graph each); the
+            # padding and the slicing back to the real rows run eager around it (padding.padded)
+            core = torch.compile(masked(method.privatize), dynamic=False, **kwargs)
+            if mode in CUDA_ONLY:
+                core = GraphOutputs(core)
+            self.compiled = padded(method.privatize, self.physical, core)
+            self.compiled.overwrites_outputs = mode in CUDA_ONLY  # read by Method.clipped_sum
+            model = method.model  # attached: its modules' norm hooks compile with the step
+            raise_recompile_limit(len(self.physical), len(list(model.modules())) if model is not None else 0)
+            if len(self.physical) > 1:
+                log.info("compile=%s: each Poisson batch padded to the smallest of %d sizes (%s rows), one graph each",
+                         mode, len(self.physical), ", ".join(map(str, self.physical)))
 
     def __call__(self, model, loss_fn, x, y, optimizer, **kw):
         if self.compiled is None or not self.validated:
@@ -100,8 +164,9 @@ class CompiledStep:
             return self.method.step(model, loss_fn, x, y, optimizer, **kw)
 
 
-def build_step(method, mode: str, device: torch.device, physical: int | None = None):
-    """The step callable for compile=`mode`: method.step itself when off (no padding), else a CompiledStep."""
+def build_step(method, mode: str, device: torch.device, physical: int | Sequence[int] | None = None):
+    """The step callable for compile=`mode`: method.step itself when off (no padding), else a CompiledStep (which
+    needs `physical`)."""
     if check_mode(mode) == "off":
         return method.step
     return CompiledStep(method, mode, device, physical)

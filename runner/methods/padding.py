@@ -1,8 +1,9 @@
-"""Masked padding: a chunk of any size as a chunk of one fixed physical size, so that one compiled graph (or one
-captured CUDA graph) serves every chunk of every Poisson batch.
+"""Masked padding: a chunk of any size as a chunk of one of a few fixed physical sizes, so that one compiled graph
+(or one captured CUDA graph) per size serves every chunk of every Poisson batch.
 
     xp, yp, mask = pad_batch(x, y, physical=320)          # (P, ...), (P,), mask (P,) 1 for real rows, 0 for padding
     privatize = padded(method.privatize, physical=320)     # privatize(model, loss_fn, x, y) on the padded chunk
+    privatize = padded(method.privatize, physical=(240, 256, 320))   # the smallest of these sizes that holds it
     out = padded_step(method, model, loss_fn, x, y, optimizer, physical=320, sample_rate=q, expected_batch_size=B)
 
 The loss of row i is multiplied by mask_i, so a padded row has zero loss, and hence zero output-gradient, zero
@@ -12,13 +13,16 @@ noise (sigma*C on the sum) and the division by the EXPECTED batch size (runner/m
 step releases exactly what the unpadded step releases (tests/test_padding.py checks it against nxBP). Every method
 sums (non-private too: it divides the summed gradient by the real batch size in its update), so the weights are
 the mask itself. Padded rows repeat the first real row (finite losses: 0 * loss stays 0). A chunk larger than
-`physical` is not truncated: it runs at its own size (a new graph). Dropout draws masks for the padded rows too,
-so with dropout the random stream (not the distribution) differs.
+every size is not truncated: it runs at its own size (a new graph). Dropout draws masks for the padded rows too,
+so with dropout the random stream (not the distribution) differs. The padding runs eager, outside what compile=
+compiles (`masked`): the compiled graph's inputs have the padded size, so a new chunk size needs no new graph.
 
 Methods that call loss_fn once on the whole chunk support it (Method.compiles: nonprivate, reweight, jl; nxbp and
 multiloss call it on slices of the chunk); others run unpadded.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -48,14 +52,32 @@ def masked_loss(loss_fn, mask: torch.Tensor):
     return fn
 
 
-def padded(privatize, physical: int):
-    """privatize(model, loss_fn, x, y) run on the chunk padded to `physical` rows with masked losses; the result
-    sliced back to the real rows."""
+def bucket(n: int, sizes: int | Sequence[int]) -> int:
+    """The smallest of `sizes` that holds n rows; n itself when none does (not truncated: a new graph)."""
+    sizes = (sizes,) if isinstance(sizes, int) else sizes
+    return min((int(s) for s in sizes if s >= n), default=n)
+
+
+def masked(privatize):
+    """privatize on an already padded chunk, (model, loss_fn, xp, yp, mask): the padded rows' losses masked to zero.
+    What compile= compiles: its inputs have the padded size (P rows), so one graph serves every chunk of size P."""
+
+    def run(model, loss_fn, xp, yp, mask) -> Privatized:
+        return privatize(model, masked_loss(loss_fn, mask), xp, yp)
+
+    return run
+
+
+def padded(privatize, physical: int | Sequence[int], core=None):
+    """privatize(model, loss_fn, x, y) run on the chunk padded to `physical` rows (one size, or several: the smallest
+    that holds the chunk) with masked losses; the result sliced back to the real rows. `core(model, loss_fn, xp, yp,
+    mask)` runs the padded chunk (default masked(privatize); compile= passes it compiled); the padding runs eager."""
+    core = core or masked(privatize)
 
     def run(model, loss_fn, x, y) -> Privatized:
         n = len(y)
-        xp, yp, mask = pad_batch(x, y, physical)
-        out = privatize(model, masked_loss(loss_fn, mask), xp, yp)
+        xp, yp, mask = pad_batch(x, y, bucket(n, physical))
+        out = core(model, loss_fn, xp, yp, mask)
         if len(mask) == n:
             return out
         return Privatized(out.losses[:n], out.outputs[:n] if out.outputs is not None else None,
@@ -64,6 +86,6 @@ def padded(privatize, physical: int):
     return run
 
 
-def padded_step(method, model, loss_fn, x, y, optimizer, *, physical: int, **step_kwargs) -> StepOutput:
-    """method.step with every chunk padded to `physical` rows (masked losses)."""
+def padded_step(method, model, loss_fn, x, y, optimizer, *, physical: int | Sequence[int], **step_kwargs) -> StepOutput:
+    """method.step with every chunk padded to `physical` rows, or to the smallest of several sizes (masked losses)."""
     return method.step(model, loss_fn, x, y, optimizer, privatize=padded(method.privatize, physical), **step_kwargs)

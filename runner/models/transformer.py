@@ -1,12 +1,14 @@
-"""Lee & Kifer's Transformer classifier: embedding -> sinusoidal positions -> one encoder block -> mean-pool -> Linear.
+"""Lee & Kifer's Transformer classifier: embedding -> sinusoidal positions -> encoder block(s) -> mean-pool -> Linear.
 
 Defaults (L&K section 6.1.1, IMDB): embedding width 200 (learned, or GloVe 6B-200d vectors when `glove_path`
-is given), 8 heads, feed-forward 800, dropout 0.1, post-norm encoder block (torch.nn.TransformerEncoderLayer's
-layout), mean over non-padding tokens. Text input is (B, T) int64 ids with 0 = padding. Images are read as
-sequences of rows, each row (C*W) projected to d by a Linear. With vocabulary 8,185: 2,120,002 parameters.
+is given), 8 heads, feed-forward 800, dropout 0.1, one post-norm encoder block (torch.nn.TransformerEncoderLayer's
+layout; `layers` stacks several), mean over non-padding tokens. Text input is (B, T) int64 ids with 0 = padding;
+the vocabulary and T come from the dataset (DataInfo). Images are read as sequences of rows, each row (C*W)
+projected to d by a Linear. With vocabulary 8,185: 2,120,002 parameters.
 
     MODELS.build("transformer", info)                                        # learned embedding
     MODELS.build("transformer", info, glove_path="glove.6B.200d.txt", vocab_path="vocab.txt")
+    MODELS.build("transformer", info, layers=12, d_model=768, heads=12, ff=3072, dropout=0.0)   # GPT-2-small-shaped
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ class EncoderLayer(nn.Module):
 
 class TransformerClassifier(nn.Module):
     def __init__(self, info, d_model: int, heads: int, ff: int, dropout: float, embedding: torch.Tensor | None,
-                 freeze_embedding: bool):  # defaults: build_transformer below
+                 freeze_embedding: bool, layers: int):  # defaults: build_transformer below
         super().__init__()
         self.text = info.kind == "text"
         if self.text:
@@ -72,7 +74,7 @@ class TransformerClassifier(nn.Module):
             max_len = h
         self.positions = SinusoidalPositions(d_model, max_len)
         self.drop = nn.Dropout(dropout)
-        self.encoder = EncoderLayer(d_model, heads, ff, dropout)
+        self.encoder = nn.ModuleList([EncoderLayer(d_model, heads, ff, dropout) for _ in range(layers)])
         self.head = nn.Linear(d_model, info.num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +84,9 @@ class TransformerClassifier(nn.Module):
         else:  # (B, C, H, W) -> (B, H, C*W)
             x = x.permute(0, 2, 1, 3).flatten(2)
             pad = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
-        h = self.encoder(self.drop(self.positions(self.embed(x))), pad if self.text else None)  # (B, T, d)
+        h = self.drop(self.positions(self.embed(x)))  # (B, T, d)
+        for block in self.encoder:
+            h = block(h, pad if self.text else None)  # (B, T, d)
         keep = (~pad).unsqueeze(-1).to(h.dtype)  # (B, T, 1)
         pooled = (h * keep).sum(1) / keep.sum(1)  # (B, d): mean over non-padding tokens
         return self.head(pooled)
@@ -90,11 +94,14 @@ class TransformerClassifier(nn.Module):
 
 @MODELS.register("transformer")
 def build_transformer(info, d_model: int = 200, heads: int = 8, ff: int = 800, dropout: float = 0.1,
-                      glove_path: str | None = None, vocab_path: str | None = None, freeze_embedding: bool = False):
+                      glove_path: str | None = None, vocab_path: str | None = None, freeze_embedding: bool = False,
+                      layers: int = 1):
+    if isinstance(layers, bool) or int(layers) < 1:
+        raise DprunError(f"model.layers={layers} must be an integer >= 1 (encoder blocks)")
     embedding = None
     if glove_path:
         if info.kind != "text":
             raise DprunError(f"model.glove_path is for text datasets; {info.name} is {info.kind}; set model.glove_path=null")
         embedding = load_glove(glove_path, vocab_path, info.vocab_size, int(d_model))
     return TransformerClassifier(info, int(d_model), int(heads), int(ff), float(dropout), embedding,
-                                 bool(freeze_embedding))
+                                 bool(freeze_embedding), int(layers))
