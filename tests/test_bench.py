@@ -52,6 +52,15 @@ def test_rejected_model_is_a_row_with_a_note_and_an_unknown_model_one_line():
         clip.bench_workload(w, CPU, 1, 1, 60.0)
 
 
+def test_precision_rows_and_a_method_that_refuses_it():
+    """--precision sets every row's precision=; reweight twopass refuses tf32 in its note, bk runs (CPU: no effect)."""
+    w = clip.Workload("tiny", "mlp", TINY, 4, ["nonprivate", "reweight-bk", "reweight-twopass"], {"widths": (5, 6)})
+    df = clip.table(clip.bench_workload(w, CPU, 1, 1, 60.0, precision="tf32")).set_index("method")
+    assert set(df.precision) == {"tf32"}
+    assert df.note["reweight-twopass"].startswith("n/a: method=reweight cannot run with precision=tf32: ")
+    assert df.step_ms["reweight-bk"] > 0 and not df.note["reweight-bk"]
+
+
 def test_cli_quick_subset_writes_the_csv(tmp_path, capsys):
     df = clip.main(["--quick", "--device", "cpu", "--workloads", "fig6_b16", "--out", str(tmp_path)])
     assert list(df.method) == clip.FIG6 and list(df.batch) == [2] * len(clip.FIG6)

@@ -5,6 +5,7 @@
     python -m runner.bench.clip --quick               # every code path, small batches, 2 repeats (a smoke run)
     python -m runner.bench.clip --device cpu --methods nonprivate,reweight-bk,reweight-bk-secure,noise-seeded,noise-secure
                                                       # rng=secure's cost (issue 29)
+    python -m runner.bench.clip --device cuda --suite gpu --precision tf32            # every row with precision=tf32
     python -m runner.bench.clip --device cuda --suite gpu --compile reduce-overhead   # issue 12's GPU workloads
                                                       # (make bench-gpu), plus compiled nonprivate / reweight-bk rows
     python -m runner.bench.clip --device cuda --suite gpu --workloads gpt2small_t128,gpt2small_t512 --compile default
@@ -66,7 +67,7 @@ FIG6 = ["nonprivate", "nxbp", "reweight-twopass", "reweight-bk"] + SECURE  # L&K
 IMAGENET256 = DataInfo("imagenet256", (3, 256, 256), 1000, "image", None, 1281167, 50000)
 GPU = ["nonprivate", "reweight-twopass", "reweight-bk", "reweight-recompute", "opacus-hooks", "opacus-ghost",
        "opacus-functorch"] + SECURE
-COLUMNS = ["workload", "model", "batch", "method", "step_ms", "x_nonprivate", "x_nonprivate_compiled",
+COLUMNS = ["workload", "model", "batch", "method", "precision", "step_ms", "x_nonprivate", "x_nonprivate_compiled",
            "x_opacus_best", "x_seeded", "step_mem_mb", "mem_x_nonprivate", "faults_per_step", "aten_ops", "leaf_ops",
            "steps_timed", "note"]
 
@@ -118,16 +119,17 @@ def gpt2_small(T: int, batch: int, quick: bool = False) -> Workload:
 
 
 def method_contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n: int,
-                     compile_mode: str = ""):
+                     compile_mode: str = "", precision: str = "fp32"):
     """One method variant's Contender (runner/bench/common.py), or None and a note why there is none. A label
-    ending in "+compile" steps through runner/methods/compiled.py with `compile_mode`."""
+    ending in "+compile" steps through runner/methods/compiled.py with `compile_mode`; `precision` as the run's
+    (a method that refuses it is a row with the one-line reason)."""
     if label.startswith("noise-"):
         return noise_contender(label.removeprefix("noise-"), base, x.device), ""
     variant, _, compiled = label.partition("+")
     name, options = METHOD_VARIANTS[variant.removesuffix("-secure")]
     return contender(name, options, base, x, y, lambda ps: torch.optim.SGD(ps, lr=0.01, foreach=True),
                      expected_batch / n, expected_batch, compile_mode=compile_mode if compiled else "",
-                     rng="secure" if variant.endswith("-secure") else "seeded")
+                     configure={"precision": precision}, rng="secure" if variant.endswith("-secure") else "seeded")
 
 
 def noise_contender(rng: str, base: torch.nn.Module, device: torch.device) -> common.Contender:
@@ -142,18 +144,18 @@ def noise_contender(rng: str, base: torch.nn.Module, device: torch.device) -> co
 
 
 def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int, budget_s: float,
-                   compile_mode: str = "") -> list[dict]:
+                   compile_mode: str = "", precision: str = "fp32") -> list[dict]:
     labels = list(w.methods)
     if compile_mode:
         labels += [f"{m}+compile" for m in ("nonprivate", "reweight-bk") if m in w.methods]
-    rows = [dict(workload=w.name, model=w.model, batch=w.batch, method=label) for label in labels]
+    rows = [dict(workload=w.name, model=w.model, batch=w.batch, method=label, precision=precision) for label in labels]
     torch.manual_seed(0)
     base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
     x, y = synthetic_batch(w.info, w.batch, device)
     contenders, notes = {}, {}
     for label in labels:
         contenders[label], notes[label] = method_contender(label, base, x, y, float(w.batch), w.info.train_size,
-                                                           compile_mode)
+                                                           compile_mode, precision)
         if notes[label]:
             print(f"[bench-clip] {w.name} {label}: {notes[label]}")
     contenders = {k: c for k, c in contenders.items() if c is not None}
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                     help="default: the CPU workloads; gpu: issue 12's GPU table (make bench-gpu)")
     ap.add_argument("--methods", default="", help="comma-separated subset of each workload's rows, e.g. "
                     "nonprivate,reweight-bk,reweight-bk-secure,noise-seeded,noise-secure (rng=secure's cost)")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "tf32"],
+                    help="every row's precision= (runner/precision.py; tf32 and bf16 change the CUDA step)")
     ap.add_argument("--compile", default="", help="also time nonprivate and reweight-bk under compile=MODE "
                     "(default | reduce-overhead | cudagraphs; runner/methods/compiled.py)")
     args = ap.parse_args(argv)
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows: list[dict] = []
     for w in chosen:
         print(f"[bench-clip] {w.name}: model={w.model} B={w.batch} ...", flush=True)
-        rows += bench_workload(w, device, repeats, args.warmup, args.budget, args.compile)
+        rows += bench_workload(w, device, repeats, args.warmup, args.budget, args.compile, args.precision)
     df = table(rows)
     path = Path(args.out) / f"clip_{device.type}{'_quick' if args.quick else ''}.csv"
     write_csv(path, df.to_dict("records"))
