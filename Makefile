@@ -98,6 +98,21 @@ bench-gpu: ## the GPU tables: bench-clip (+ Opacus, + compile rows), bench-jl, b
 	n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); [ "$$n" -gt 1 ] 2>/dev/null || n=1; \
 	$(PY) -m runner.bench.distributed --device cuda --nproc $$( [ $$n -gt 1 ] && echo 1,$$n || echo 1)
 
+.PHONY: bench-gpu-open
+bench-gpu-open: ## the open issues' GPU rows in one short command (certified/lean step in fp32, tf32, bf16; secure noise; GPT-2-small) -> $(BENCH_OUT)/*/clip_cuda.csv
+	mkdir -p $(BENCH_OUT)/fp32 && $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu --precision fp32 \
+	  --workloads cnn_mnist,transformer_imdb,resnet18_cifar10,gpt2small_t128,gpt2small_t512 $(OPEN_RUNS) \
+	  --methods nonprivate,reweight-bk,reweight-twopass,reweight-recompute,opacus-ghost --out $(BENCH_OUT)/fp32 $(BENCH_ARGS)
+	for p in tf32 bf16; do mkdir -p $(BENCH_OUT)/$$p && $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu \
+	  --precision $$p --workloads cnn_mnist,transformer_imdb,resnet18_cifar10,gpt2small_t128,gpt2small_t512 $(OPEN_RUNS) \
+	  --methods nonprivate,reweight-bk --out $(BENCH_OUT)/$$p $(BENCH_ARGS) || exit 1; done
+	mkdir -p $(BENCH_OUT)/secure && $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu \
+	  --workloads cnn_mnist,transformer_imdb,resnet18_cifar10 $(OPEN_RUNS) \
+	  --methods nonprivate,reweight-bk,reweight-bk-secure,noise-seeded,noise-secure --out $(BENCH_OUT)/secure $(BENCH_ARGS)
+OPEN_RUNS = --repeats 10 --warmup 3 --budget 2
+BENCH_OUT ?= outputs/bench/open
+BENCH_DEVICE ?= cuda
+
 # --- figures and tables ---
 # make figures SCALE=smoke (default; CPU minutes) | SCALE=paper (the papers' hyperparameters, for a GPU).
 # Each fig-<name>: the preset's Hydra sweeps (runner/figures/sweep.py), dprun-report, then the plot (docs/figures.md).
