@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import DprunError
 from runner.interrupt import interrupted_exit, sigterm_as_interrupt
-from runner.overrides import CONFIG_GROUPS, check_group_choices
+from runner.overrides import CONFIG_GROUPS, check_group_choices, check_group_keys
 from runner.paths import CONF_DIR, register_resolvers
 from runner.randomness import end_line
 from runner.registry import unknown_name_message
@@ -238,6 +238,7 @@ def main() -> None:
         check_group_choices(argv)
         check_launcher_extra(argv)
         check_keys(argv)
+        check_group_keys(argv)  # method.r=3 under method=nonprivate: one line, not Hydra's "not in struct"
         check_reused_dirs(argv)
         # resume=<dir>: that run's own config (summary.json), continued in its folder; checked before Hydra writes
         hydra_argv = run_dir_in_out_dir(resume_argv(argv))  # out_dir=X: Hydra's .hydra/ record inside X too

@@ -54,3 +54,77 @@ def check_group_choices(argv: list[str]) -> None:
         for choice in chosen:
             if choice not in valid:
                 raise DprunError(unknown_name_message(override.key_or_group, choice, valid))
+
+
+NESTED_GROUPS = ("method", "model", "optimizer", "dataset")  # groups whose own keys are set as `group.key=value`
+
+
+def default_choices() -> dict[str, str]:
+    """conf/config.yaml's defaults list: group -> the option used when the command line names none."""
+    import yaml
+
+    defaults = yaml.safe_load((Path(CONF_DIR) / "config.yaml").read_text())["defaults"]
+    return {k: str(v) for d in defaults if isinstance(d, dict) for k, v in d.items() if k in CONFIG_GROUPS}
+
+
+def option_file(group: str, option: str) -> tuple[dict, bool]:
+    """conf/<group>/<option>.yaml, parsed, and whether it is a global package (`# @package _global_`)."""
+    import yaml
+
+    text = (Path(CONF_DIR) / group / f"{option}.yaml").read_text()
+    return yaml.safe_load(text) or {}, "@package _global_" in text
+
+
+def option_keys(group: str, option: str) -> set[str]:
+    """The keys conf/<group>/<option>.yaml sets for `group.` (a global file, as every dataset's: its `group:` block)."""
+    data, is_global = option_file(group, option)
+    return set((data.get(group) or {}) if is_global else data) - {"defaults"}
+
+
+def group_overrides(group: str, option: str) -> dict[str, str]:
+    """The other groups an option chooses in its defaults list (`- override /optimizer: adam`, dataset=imdb)."""
+    data, _ = option_file(group, option)
+    return {k.removeprefix("override /"): str(v) for d in data.get("defaults") or [] if isinstance(d, dict)
+            for k, v in d.items() if k.startswith("override /")}
+
+
+def check_group_keys(argv: list[str]) -> None:
+    """`method.r=3` under method=nonprivate (a key the chosen option does not have) in one line naming the option's
+    keys and the options that have it, before Hydra's multi-line "Key 'r' is not in struct". `+method.x=` (append)
+    is the user's explicit choice and passes; an experiment preset may change the groups: left to Hydra; model=auto
+    takes the dataset's model: left to Hydra."""
+    parser = OverridesParser.create()
+    overrides = []
+    for arg in argv:
+        if arg.startswith("-"):
+            continue
+        try:
+            overrides.append(parser.parse_override(arg))
+        except HydraException:
+            continue
+    chosen = {g: [c] for g, c in default_choices().items()}
+    named = set()
+    for o in overrides:
+        if o.key_or_group in CONFIG_GROUPS and not o.package:
+            chosen[o.key_or_group] = chosen_options(o, group_options(o.key_or_group))
+            named.add(o.key_or_group)
+    for group in ("dataset", "method"):  # their defaults lists may choose other groups the command line did not
+        for option in chosen.get(group, []) if len(chosen.get(group, [])) == 1 else []:
+            if option in group_options(group):
+                chosen.update({g: [c] for g, c in group_overrides(group, option).items() if g not in named})
+    if any(c not in ("null", "None") for c in chosen.get("experiment", [])):
+        return
+    for o in overrides:
+        group, dot, key = o.key_or_group.partition(".")
+        if not dot or group not in NESTED_GROUPS or o.is_add() or o.is_delete() or o.is_force_add():
+            continue
+        key = key.split(".")[0]
+        for option in chosen.get(group, []):
+            if (group == "model" and option == "auto") or option not in group_options(group):
+                continue
+            keys = option_keys(group, option)
+            if key not in keys:
+                having = [c for c in group_options(group) if key in option_keys(group, c)]
+                where = f"; {key} belongs to {group}={'|'.join(having)}" if having else ""
+                raise DprunError(f"{group}.{key} is not an option of {group}={option}; its options: "
+                                 f"{', '.join(sorted(keys))}{where}")

@@ -173,6 +173,40 @@ def test_bad_sweep_choices_are_one_line(arg, bad):
         check_group_choices(["-m", arg])
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["method.r=3"], r"^method\.r is not an option of method=nonprivate; its options: name; r belongs to method=jl$"),
+    (["method=sbcd", "method.mode=bk"], r"^method\.mode is not an option of method=sbcd; .*mode belongs to "
+                                        r"method=reweight$"),
+    (["optimizer.betas=[0.9,0.99]"], r"optimizer=sgd; its options: impl, momentum, name, weight_decay; betas belongs "
+                                     r"to optimizer=adam$"),
+    (["dataset=mnist", "dataset.seq_len=8"], r"^dataset\.seq_len is not an option of dataset=mnist"),
+    (["-m", "method=reweight,jl", "method.mode=bk"], r"^method\.mode is not an option of method=jl"),
+])
+def test_a_key_the_chosen_option_lacks_is_one_line(argv, message):
+    from runner.overrides import check_group_keys
+
+    with pytest.raises(DprunError, match=message):
+        check_group_keys(argv)
+
+
+@pytest.mark.parametrize("argv", [
+    ["method=jl", "method.r=3"], ["dataset=imdb", "optimizer.betas=[0.9,0.99]"],  # imdb's defaults choose adam
+    ["method=sbcd", "model.widths=[3]"], ["+method.extra=1"], ["experiment=jl_fig3", "method.anything=1"],
+    ["dataset=synthetic", "dataset.train_size=64"], ["model.hidden=3"],  # model=auto: the dataset's, left to Hydra
+])
+def test_keys_the_chosen_options_have_pass(argv):
+    from runner.overrides import check_group_keys
+
+    check_group_keys(argv)
+
+
+def test_the_command_line_refuses_a_missing_nested_key_in_one_line(tmp_path):
+    proc = dprun_in_process("method.mode=twopass", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["dprun: method.mode is not an option of method=nonprivate; its "
+                                                "options: name; mode belongs to method=reweight"]
+
+
 @pytest.mark.parametrize("overrides", [["method=jl"], ["method=reweight", "accountant=gdp"]])
 def test_no_noise_runs_and_reports_epsilon_inf(tmp_path, overrides):
     """sigma=0 is allowed (timing the clipping alone) and its epsilon is inf, never a traceback (docs/privacy.md)."""
