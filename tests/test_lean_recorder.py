@@ -172,6 +172,57 @@ def test_a_bad_keep_is_one_line_naming_what_is_accepted():
             METHODS.build("reweight", cfg={"keep": bad}, clip=1.0, sigma=1.0)
 
 
+def test_keep_mb_keeps_the_layers_saving_most_time_per_byte_within_the_budget():
+    """method.keep_mb: at B=4, T=40 the attention projections cost 0.37 MB each to keep and save 65 multiply-adds per
+    extra byte, the feed-forward layers 1.83 MB and 52: a 1.5 MB budget keeps the four projections; 2 MB keeps the
+    feed-forward layer the first backward reaches (the others are not seen yet), then, every shape known, the four
+    projections; the step's admitted bytes never exceed the budget, and every budget gives the same clipped sums."""
+    from runner.norms.keep_budget import KeepBudget
+
+    torch.manual_seed(3)
+    model = MODELS.build("transformer", IMDB_SMALL, dropout=0.0)
+    x, y = synthetic_batch(IMDB_SMALL, 4, torch.device("cpu"))
+    plan = plan_model(model)
+    names = {id(m): n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+    def kept_layers(budget):
+        budget.begin_step()
+        stashes: dict = {}
+        with LeanRecorder(plan, "direct", stashes, budget) as rec:
+            losses = loss_fn(model(x), y)
+        rec.backward(losses.sum(), len(y))
+        assert budget.used <= budget.limit
+        return {names[key] for key, stash in stashes.items() if key in names and "weight" in stash}
+
+    attention = {"q", "k", "v", "out"}
+    assert kept_layers(KeepBudget(0)) == set()
+    assert kept_layers(KeepBudget(1.5)) == attention
+    two = KeepBudget(2.0)
+    assert kept_layers(two) == {"linear2"}  # the first backward: linear2 is offered first and fits
+    assert kept_layers(two) == attention  # then the best per byte, from every layer's shape
+    assert kept_layers(KeepBudget(100)) == attention | {"linear1", "linear2"}
+    sums = {}
+    for mb in (0, 1.5, 100):
+        method = METHODS.build("reweight", cfg={"mode": "bk", "keep_mb": mb}, clip=0.5, sigma=0.0)
+        method.privacy_check = False
+        m = method.attach(copy.deepcopy(model))
+        method.privatize(m, loss_fn, x, y)
+        sums[mb] = [p.grad.clone() for p in m.parameters()]
+    for mb in (1.5, 100):
+        for a, b in zip(sums[0], sums[mb]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_bad_keep_mb_is_one_line():
+    import pytest
+
+    from runner.errors import DprunError
+    for bad in ("lots", -1, True):
+        with pytest.raises(DprunError, match=r"^method\.keep_mb=.* is not valid: null \(method\.keep decides per "
+                                             r"layer\) or a number of megabytes >= 0"):
+            METHODS.build("reweight", cfg={"keep_mb": bad}, clip=1.0, sigma=1.0)
+
+
 def test_a_recurrent_cells_calls_are_kept_as_one_sequence():
     """h_proj is called once per time step: its T records become the one (B, T, h) / (B, T, 4h) pair the norm was
     formed from, so the clipped sum is one GEMM over B*T rows (the exactness: the first test, on the LSTM)."""

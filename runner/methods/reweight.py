@@ -31,6 +31,7 @@ from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.features import Feature
 from runner.norms import Recorder, plan_model
 from runner.norms.lean import LeanRecorder
+from runner.norms.keep_budget import KeepBudget, keep_budget
 from runner.norms.outer import KEEP, Stash
 from runner.norms.streaming import StreamingNorms
 from runner.norms.base import HOW
@@ -74,7 +75,8 @@ class ReweightGP(Method):
         super().__init__(*args, **kwargs)
         self.mode = self.choice("mode", "bk", MODES)
         self.how = self.choice("norm", "auto", HOW)
-        self.keep = keep_ratio(self.option("keep", KEEP))
+        budget = keep_budget(self.option("keep_mb", None))  # method.keep_mb replaces method.keep's ratio
+        self.keep = budget if budget is not None else keep_ratio(self.option("keep", KEEP))
         self._plan, self._model_id = None, None
         self._lean = True  # book-keeping's lean recorder, until a model needs Recorder (book_kept)
 
@@ -132,6 +134,8 @@ class ReweightGP(Method):
         this model keeps Recorder from then on. Compiled (runner/methods/compiled.py): Recorder (no tensor hooks
         in the traced graph)."""
         stashes: dict[int, dict] = {}
+        if isinstance(self.keep, KeepBudget):
+            self.keep.begin_step()
         if self._lean and not torch.compiler.is_compiling():
             state = rng_state(x.device)
             with LeanRecorder(plan, self.how, stashes, self.keep) as rec, self.autocast(x):
@@ -160,7 +164,7 @@ class ReweightGP(Method):
             layers = 0
             for _, module, rule, a, g in rec.layers():
                 norms_sq = norms_sq + rule.norm_sq(module, a, g, self.how,
-                                                      stashes.setdefault(id(module), Stash(self.keep)))
+                                                      stashes.setdefault(id(module), Stash(self.keep, id(module))))
                 layers += 1
                 del a, g
             norms = certified_norms(norms_sq, layers)  # (B,)

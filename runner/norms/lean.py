@@ -37,10 +37,10 @@ from runner.precision import to_float32
 
 
 class LeanRecorder(StreamingNorms):
-    def __init__(self, plan: Plan, how: str, stashes: dict, keep: float = KEEP):
+    def __init__(self, plan: Plan, how: str, stashes: dict, keep=KEEP):
         super().__init__(plan, how)
         self.stashes = stashes  # id(module) -> the rule's stash (kept per-example gradients or sums)
-        self.keep = keep  # method.keep: a per-example gradient up to keep x the records it replaces is kept
+        self.keep = keep  # method.keep's ratio or method.keep_mb's budget (Stash.keeps)
         self.kept: dict[int, list] = {}  # id(module) -> [(input, output-gradient)] for its clipped sum ([] if stash)
 
     def _add(self, key: int) -> None:
@@ -49,7 +49,7 @@ class LeanRecorder(StreamingNorms):
         seq = [rule.sequence(module, to_float32(i), to_float32(g)) for i, g in zip(inputs, grads)]
         a = torch.cat([s[0] for s in seq], 1) if len(seq) > 1 else seq[0][0]  # (B, T, ...): calls along T
         g = torch.cat([s[1] for s in seq], 1) if len(seq) > 1 else seq[0][1]
-        stash = self.stashes.setdefault(key, Stash(self.keep))
+        stash = self.stashes.setdefault(key, Stash(self.keep, key))
         with exact_float32(g.device):
             self._accumulate(rule.norm_sq(module, a, g, self.how, stash).detach())  # (B,) certified upper bounds
         if rule.stash_only(module, stash):

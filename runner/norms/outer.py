@@ -42,11 +42,17 @@ KEEP = 1.1  # method.keep's default: keep G_i up to 1.1x the records it replaces
 
 
 class Stash(dict):
-    """A layer's book-keeping stash (what norm_sq keeps for the clipped sum), with the method's keep ratio."""
+    """A layer's book-keeping stash (what norm_sq keeps for the clipped sum), with the method's keep rule: a ratio
+    (method.keep) or a per-step budget (method.keep_mb, runner/norms/keep_budget.py), and the layer's key."""
 
-    def __init__(self, keep: float = KEEP):
+    def __init__(self, keep=KEEP, key=None):
         super().__init__()
-        self.keep = keep
+        self.keep, self.key = keep, key
+
+    def keeps(self, N: int, T: int, k: int, o: int, itemsize: int) -> bool:
+        if isinstance(self.keep, (int, float)):
+            return keeps(T, k, o, self.keep)
+        return self.keep.admits(self.key, N, T, k, o, itemsize)
 
 
 def keeps(T: int, k: int, o: int, ratio: float = KEEP) -> bool:
@@ -71,7 +77,8 @@ def norm_sq(a: torch.Tensor, g: torch.Tensor, how: str = "auto", stash: dict | N
     if T == 1:  # rank-one per-example gradient: ||G_i|| = ||g_i|| ||a_i||
         norm = vector_norms(a[:, 0], 1).mul_(vector_norms(g[:, 0], 1))  # (N,)
         return norm.square_().mul_((norm_factor(k, u) * norm_factor(o, u)) ** 2 * (1 + 5 * u))
-    if stash is not None and not keeps(T, k, o, getattr(stash, "keep", KEEP)):
+    if stash is not None and not (stash.keeps(N, T, k, o, a.element_size()) if isinstance(stash, Stash)
+                                  else keeps(T, k, o)):
         stash = None  # memory: do not keep G_i for the clipped sum (clipped_sum falls back to one GEMM)
     if use_ghost(T, k, o, how, stash is not None):
         aa = torch.bmm(a, a.transpose(1, 2))  # (N, T, T)
