@@ -145,7 +145,8 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
     if row["r"] is None:
         row["r"] = dig(cfg, "r")  # runs before r moved into method=jl's config
     method = cfg.get("method") if isinstance(cfg.get("method"), dict) else {}
-    row["method_options"] = " ".join(f"{k}={v}" for k, v in method.items() if k != "name")  # e.g. mode=bk norm=auto
+    # e.g. mode=bk norm=auto keep=1.1; an option left null (keep_mb: unset) is not a setting of the run
+    row["method_options"] = " ".join(f"{k}={v}" for k, v in method.items() if k != "name" and v is not None)
     row["config_key"] = config_key(cfg)
     versions = summary.get("versions") if isinstance(summary.get("versions"), dict) else {}
     row["sigma_configured"] = row["sigma"]
