@@ -108,7 +108,8 @@ def certified_norms(upper_sq: torch.Tensor, terms: int = 1) -> torch.Tensor:
 def finite_rows(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """t (N, ...) with the rows of examples not kept (keep (N,) bool: a non-finite norm) set to 0, so that a NaN or
     inf of one record cannot reach the sum through 0 * inf (it contributes nothing). On the CPU, where asking costs
-    no device sync, t itself when every row is kept (the common case: no copy of t)."""
-    if t.device.type == "cpu" and bool(keep.all()):
+    no device sync, t itself when every row is kept (the common case: no copy of t); not inside a compiled graph,
+    where that branch on the data would break the graph."""
+    if t.device.type == "cpu" and not torch.compiler.is_compiling() and bool(keep.all()):
         return t
     return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
