@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from runner.accountants.mechanisms import Mechanism
-from runner.errors import DprunError
+from runner.errors import DprunError, RunComplete  # noqa: F401  (RunComplete: raised here, defined with the errors)
 from runner.metrics import atomic_replace
 from runner.randomness import is_secure
 
@@ -122,10 +122,6 @@ def saved_summary(run_dir: str | Path) -> dict[str, Any]:
     if not isinstance(summary, dict) or not isinstance(summary.get("config"), dict):
         raise DprunError(f"resume={run_dir}: its summary.json holds no run config")
     return summary
-
-
-class RunComplete(Exception):
-    """resume= of a run that already has the epochs asked for: nothing to train, nothing written (exit status 0)."""
 
 
 def nothing_to_train(run_dir: str | Path, done: int, epochs: int) -> bool:

@@ -16,11 +16,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner.errors import DprunError
+from runner.errors import DprunError, RunComplete
 from runner.interrupt import interrupted_exit, sigterm_as_interrupt
 from runner.overrides import CONFIG_GROUPS, check_group_choices, check_group_keys
 from runner.paths import CONF_DIR, register_resolvers
-from runner.randomness import end_line
 from runner.registry import unknown_name_message
 from runner.run_dir import check_reused_dirs, discard_hydra_record, discard_unstarted, run_dir_in_out_dir
 from runner.speaker import Speaker
@@ -97,6 +96,8 @@ def print_result(summary: dict, out_dir, table: bool = True) -> None:
 
 def print_guarantee(summary: dict) -> None:
     """A private run's last line: whether its guarantee assumes a secret seed (runner/randomness.py)."""
+    from runner.randomness import end_line  # (torch: imported when a run has ended, not for --help)
+
     note = end_line(summary)
     if note:
         print(f"dprun: {note}")
@@ -231,7 +232,6 @@ def main() -> None:
     if note:
         print(note, file=sys.stderr)
     from runner import launch
-    from runner.checkpoint import RunComplete, resume_argv
 
     argv = sys.argv[1:]
     try:  # every check before any process starts or any file is written: refused in one line
@@ -241,7 +241,13 @@ def main() -> None:
         check_group_keys(argv)  # method.r=3 under method=nonprivate: one line, not Hydra's "not in struct"
         check_reused_dirs(argv)
         # resume=<dir>: that run's own config (summary.json), continued in its folder; checked before Hydra writes
-        hydra_argv = run_dir_in_out_dir(resume_argv(argv))  # out_dir=X: Hydra's .hydra/ record inside X too
+        if any(a.lstrip("+").startswith("resume=") for a in argv):
+            from runner.checkpoint import resume_argv  # (dp-accounting, scipy: only to resume)
+
+            argv_run = resume_argv(argv)
+        else:
+            argv_run = argv
+        hydra_argv = run_dir_in_out_dir(argv_run)  # out_dir=X: Hydra's .hydra/ record inside X too
         NEW_DIRS.update(Path(a.partition("=")[2]).resolve() for a in hydra_argv
                         if a.startswith("hydra.run.dir=") and not Path(a.partition("=")[2]).exists())
         nproc = launch.processes(argv)  # distributed.nproc_per_node=N, or what a resumed run recorded

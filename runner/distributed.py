@@ -29,29 +29,11 @@ import torch
 import torch.distributed as dist
 
 from runner.errors import DprunError
+from runner.speaker import launched_rank, launched_world_size  # noqa: F401  (the launcher's environment)
 
 log = logging.getLogger("dprun")
 
 BUCKET_BYTES = 64 * 2**20  # all_reduce_ sends gradients in flat buckets of at most this size (one copy of each)
-
-
-def launched_world_size() -> int:
-    """The number of processes the launcher started (torchrun: WORLD_SIZE; srun: SLURM_NTASKS; submitit: its
-    task count), read from the environment without starting anything."""
-    if os.environ.get("WORLD_SIZE"):
-        return int(os.environ["WORLD_SIZE"])
-    if os.environ.get("SUBMITIT_EXECUTOR") == "local":
-        return int(os.environ.get("SUBMITIT_LOCAL_NTASKS", "1"))
-    if os.environ.get("SLURM_PROCID") is not None and os.environ.get("SLURM_NTASKS"):
-        return int(os.environ["SLURM_NTASKS"])
-    return 1
-
-
-def launched_rank() -> int:
-    for key in ("RANK", "SUBMITIT_LOCAL_GLOBALID", "SLURM_PROCID"):
-        if os.environ.get(key):
-            return int(os.environ[key])
-    return 0
 
 
 def first_host(nodelist: str) -> str:

@@ -27,6 +27,8 @@ def processes(argv: list[str]) -> int:
     n = requested(argv)
     if n is not None:
         return n
+    if not any(a.lstrip("+").startswith("resume=") for a in argv):
+        return 1  # (no need to import runner.checkpoint, and dp-accounting with it, for every start)
     from runner.checkpoint import resume_folder, saved_summary
 
     run_dir = resume_folder(argv)

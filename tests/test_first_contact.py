@@ -148,3 +148,15 @@ def test_a_garbage_checkpoint_is_named_in_whole_words(tmp_path):
     whole = reason.removesuffix(" ...")
     assert torch_says.startswith(whole) and torch_says[len(whole):len(whole) + 1] in ("", " ", "."), reason
     assert first_sentence("word " * 40).endswith("word ...") and len(first_sentence("word " * 40)) <= 104
+
+
+def test_dprun_help_starts_without_torch_or_the_accountants(tmp_path):
+    """`dprun --help` (and every start, before a run begins) imports neither torch nor dp-accounting/scipy: they
+    took 5 of its 7 seconds. A module imported at the top of the CLI's path that pulls them in fails this."""
+    code = "import sys; sys.argv = ['dprun', '--help']; from runner.cli import main; main()"
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "dprun" in proc.stdout, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    assert "hydra" in imported  # the check can see imports
+    assert not {"torch", "dp_accounting", "scipy"} & imported, sorted({"torch", "dp_accounting", "scipy"} & imported)

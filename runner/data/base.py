@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from runner.paths import default_data_dir  # noqa: F401  (where the data lives: a path concept)
+
 from runner.registry import Registry
 
 DATASETS = Registry("dataset")
@@ -48,14 +50,6 @@ class Dataset:
     def to(self, device: torch.device | str) -> "Dataset":
         return replace(self, train_x=self.train_x.to(device), train_y=self.train_y.to(device),
                        test_x=self.test_x.to(device), test_y=self.test_y.to(device))
-
-
-def default_data_dir() -> str:
-    """Per-user cache: $DPRUN_DATA_DIR, else $XDG_CACHE_HOME/dprun, else ~/.cache/dprun."""
-    if os.environ.get("DPRUN_DATA_DIR"):
-        return os.environ["DPRUN_DATA_DIR"]
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "dprun")
 
 
 def load_dataset(cfg: Any, data_dir: str | os.PathLike | None, device: torch.device | str = "cpu") -> Dataset:
