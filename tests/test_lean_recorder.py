@@ -136,22 +136,27 @@ def test_lean_book_keeping_peaks_lower_than_recorder_on_a_transformer():
     assert peaks[True] < 0.85 * peaks[False], peaks
 
 
+def assert_same_sums(model, x, y, options: list[dict]) -> None:
+    """reweight bk's clipped sums under each of `options` (keep rules: memory, not the step) equal the first's."""
+    sums = []
+    for option in options:
+        method = METHODS.build("reweight", cfg={"mode": "bk", **option}, clip=0.5, sigma=0.0)
+        method.privacy_check = False
+        m = method.attach(copy.deepcopy(model))
+        method.privatize(m, loss_fn, x, y)
+        sums.append([p.grad.clone() for p in m.parameters()])
+    for other in sums[1:]:
+        for a, b in zip(sums[0], other):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_keep_trades_memory_for_time_and_never_changes_the_step():
     """method.keep=0 keeps no per-example gradient, a large keep keeps every one it can: the same clipped sums
     (both exact), and the kept per-example gradients show in the stashes."""
     torch.manual_seed(3)
     model = MODELS.build("transformer", IMDB_SMALL, dropout=0.0)
     x, y = synthetic_batch(IMDB_SMALL, 4, torch.device("cpu"))
-    results = {}
-    for keep in (0.0, 1.1, 100.0):
-        method = METHODS.build("reweight", cfg={"mode": "bk", "keep": keep}, clip=0.5, sigma=0.0)
-        method.privacy_check = False
-        m = method.attach(copy.deepcopy(model))
-        method.privatize(m, loss_fn, x, y)
-        results[keep] = [p.grad.clone() for p in m.parameters()]
-    for keep in (1.1, 100.0):
-        for a, b in zip(results[0.0], results[keep]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert_same_sums(model, x, y, [{"keep": keep} for keep in (0.0, 1.1, 100.0)])
     plan = plan_model(model)
     kept = {}
     for keep in (0.0, 100.0):
@@ -201,16 +206,7 @@ def test_keep_mb_keeps_the_layers_saving_most_time_per_byte_within_the_budget():
     assert kept_layers(two) == {"linear2"}  # the first backward: linear2 is offered first and fits
     assert kept_layers(two) == attention  # then the best per byte, from every layer's shape
     assert kept_layers(KeepBudget(100)) == attention | {"linear1", "linear2"}
-    sums = {}
-    for mb in (0, 1.5, 100):
-        method = METHODS.build("reweight", cfg={"mode": "bk", "keep_mb": mb}, clip=0.5, sigma=0.0)
-        method.privacy_check = False
-        m = method.attach(copy.deepcopy(model))
-        method.privatize(m, loss_fn, x, y)
-        sums[mb] = [p.grad.clone() for p in m.parameters()]
-    for mb in (1.5, 100):
-        for a, b in zip(sums[0], sums[mb]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert_same_sums(model, x, y, [{"keep_mb": mb} for mb in (0, 1.5, 100)])
 
 
 def test_a_bad_keep_mb_is_one_line():
