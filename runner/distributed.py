@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from runner.errors import DprunError
-from runner.speaker import launched_rank, launched_world_size  # noqa: F401  (the launcher's environment)
+from runner.launcher_env import launched_rank, launched_world_size  # noqa: F401  (the launcher's environment)
 
 log = logging.getLogger("dprun")
 

@@ -11,7 +11,6 @@ where a checkout has no links).
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 import uuid
@@ -19,14 +18,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from runner.data_dir import default_data_dir
 
-
-def default_data_dir() -> str:
-    """Per-user cache: $DPRUN_DATA_DIR, else $XDG_CACHE_HOME/dprun, else ~/.cache/dprun."""
-    if os.environ.get("DPRUN_DATA_DIR"):
-        return os.environ["DPRUN_DATA_DIR"]
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "dprun")
 
 
 def find_conf_dir() -> str:

@@ -19,27 +19,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.launcher_env import launched_rank, launched_world_size
+
 
 REPORT_DIR = "DPRUN_REPORT_DIR"  # set by runner/launch.py for the ranks it starts
-
-
-def launched_world_size() -> int:
-    """The number of processes the launcher started (torchrun: WORLD_SIZE; srun: SLURM_NTASKS; submitit: its
-    task count), read from the environment without starting anything."""
-    if os.environ.get("WORLD_SIZE"):
-        return int(os.environ["WORLD_SIZE"])
-    if os.environ.get("SUBMITIT_EXECUTOR") == "local":
-        return int(os.environ.get("SUBMITIT_LOCAL_NTASKS", "1"))
-    if os.environ.get("SLURM_PROCID") is not None and os.environ.get("SLURM_NTASKS"):
-        return int(os.environ["SLURM_NTASKS"])
-    return 1
-
-
-def launched_rank() -> int:
-    for key in ("RANK", "SUBMITIT_LOCAL_GLOBALID", "SLURM_PROCID"):
-        if os.environ.get(key):
-            return int(os.environ[key])
-    return 0
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ FLOORS = [
     #    precision policy, the ranks of a distributed run, test-set evaluation, the C heap's settings
     ["runner.data", "runner.models", "runner.norms", "runner.accountants", "runner.optimizers", "runner.metrics",
      "runner.progress", "runner.interrupt", "runner.precision", "runner.distributed", "runner.evaluation",
-     "runner.randomness", "runner.heap"],
+     "runner.randomness", "runner.heap", "runner.launcher_env", "runner.data_dir"],
     # 2: the clipping methods (Method.attach / Method.step: norms, clipping, noise, the optimizer step)
     ["runner.methods"],
     # 3: one run's surroundings: where conf/ is and its resolvers, knob checks, run folders, overrides, checkpoints,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from runner.paths import default_data_dir  # noqa: F401  (where the data lives: a path concept)
+from runner.data_dir import default_data_dir  # noqa: F401  (re-exported: runner.data's public name)
 
 from runner.registry import Registry
 
