@@ -45,6 +45,20 @@ def models():
     return [(text, xt, yt), (lstm, xi, yi), (cnn, xi, yi)]
 
 
+def assert_lean_equals_nxbp(model, x, y, clip: float):
+    """reweight bk's step (lean recorder asked for) equals the nxBP oracle's norms and clipped sums (float64);
+    returns the method (whether it kept the lean recorder)."""
+    grads, norms, method = clipped_step(model, x, y, lean=True, clip=clip)
+    oracle = METHODS.build("nxbp", clip=clip, sigma=0.0)
+    oracle.privacy_check = False
+    ref = oracle.attach(copy.deepcopy(model))
+    out = oracle.privatize(ref, loss_fn, x, y)
+    torch.testing.assert_close(norms, out.norms, rtol=1e-6, atol=0)
+    for g, p in zip(grads, ref.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-9, atol=1e-12)
+    return method
+
+
 def test_lean_and_recorder_give_the_same_clipped_sums_and_norms():
     for model, x, y in models():
         lean, norms_lean, method = clipped_step(model, x, y, lean=True)
@@ -71,15 +85,8 @@ def test_a_call_the_source_backward_misses_falls_back_to_recorder_exactly():
     torch.manual_seed(1)
     model = InputNeedsGrad().double()
     x, y = torch.randn(4, 4, dtype=torch.float64, requires_grad=True), torch.tensor([0, 1, 2, 1])
-    grads, norms, method = clipped_step(model, x, y, lean=True, clip=0.3)
+    method = assert_lean_equals_nxbp(model, x, y, clip=0.3)
     assert not method._lean
-    oracle = METHODS.build("nxbp", clip=0.3, sigma=0.0)
-    oracle.privacy_check = False
-    ref = oracle.attach(copy.deepcopy(model))
-    out = oracle.privatize(ref, loss_fn, x, y)
-    torch.testing.assert_close(norms, out.norms, rtol=1e-6, atol=0)
-    for g, p in zip(grads, ref.parameters()):
-        torch.testing.assert_close(g, p.grad, rtol=1e-9, atol=1e-12)
 
 
 class AddAfterLinear(nn.Module):
@@ -240,12 +247,5 @@ def test_an_in_place_relu_after_a_linear_is_exact_under_lean_book_keeping():
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 3)).double()
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
-    grads, norms, method = clipped_step(model, x, y, lean=True, clip=0.2)
+    method = assert_lean_equals_nxbp(model, x, y, clip=0.2)
     assert method._lean
-    oracle = METHODS.build("nxbp", clip=0.2, sigma=0.0)
-    oracle.privacy_check = False
-    ref = oracle.attach(copy.deepcopy(model))
-    out = oracle.privatize(ref, loss_fn, x, y)
-    torch.testing.assert_close(norms, out.norms, rtol=1e-6, atol=0)
-    for g, p in zip(grads, ref.parameters()):
-        torch.testing.assert_close(g, p.grad, rtol=1e-9, atol=1e-12)
