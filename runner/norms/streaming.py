@@ -38,6 +38,9 @@ from runner.norms.hooks import CallHooks
 
 
 TRANSIENT_BUDGET = 1.0  # a chunk's norm transients: at most this fraction of the layer's input + output-gradient
+# ... or up to this many bytes: below it chunks save too little memory to pay for their kernels (L&K's fig. 6 CNN at
+# B=16 cut its conv norms into 6 chunks of 3 examples, ~1 MB saved for 5 more rounds of ~20 small kernels each)
+TRANSIENT_FLOOR_BYTES = 2**20
 
 
 @dataclass
@@ -165,9 +168,11 @@ class StreamingNorms(CallHooks):
         return self.norms_sq
 
 
-def chunk_size(rule, module, inputs: list, grads: list) -> int:
+def chunk_size(rule, module, inputs: list, grads: list, floor_bytes: int | None = None) -> int:
     """Examples per chunk so that one chunk's norm transients are at most the layer's own recorded input and
-    output-gradient (all calls); the whole batch when they already fit."""
+    output-gradient (all calls), or floor_bytes (default TRANSIENT_FLOOR_BYTES) if more; the whole batch when they
+    already fit."""
+    floor_bytes = TRANSIENT_FLOOR_BYTES if floor_bytes is None else floor_bytes
     B = inputs[0].shape[0]
     own = sum(t[0].numel() for t in inputs) + sum(g[0].numel() for g in grads)  # per example
     transient = 0
@@ -176,7 +181,7 @@ def chunk_size(rule, module, inputs: list, grads: list) -> int:
         T = a1.shape[1] if a1.dim() > 1 else 1
         k, o = a1.numel() // T, g1.numel() // T
         transient += a1.numel() + g1.numel() + min(2 * T * T, o * k)  # (a, g), then a Gram or a per-example grad
-    budget = own * TRANSIENT_BUDGET
+    budget = max(own * TRANSIENT_BUDGET, floor_bytes / inputs[0].element_size() / B)  # elements per example
     if transient <= budget:
         return B
     return max(1, int(B * budget // transient))
