@@ -86,6 +86,10 @@ bench-jl: ## DP-SGD-JL step time vs r (forward-mode vs double-vjp) vs non-privat
 bench-logical: ## a logical batch of 2,048 in chunks of 128 vs one pass of 128, and bf16 vs fp32, side by side -> outputs/bench/logical_<device>.csv
 	$(PY) -m runner.bench.logical $(BENCH_ARGS)
 
+.PHONY: bench-compare
+bench-compare: ## this tree's steps vs another commit's (BASE=<commit>), interleaved step by step -> outputs/bench/compare_<device>.csv
+	$(PY) -m runner.bench.compare --base $(or $(BASE),HEAD) $(BENCH_ARGS)
+
 .PHONY: bench-dist
 bench-dist: ## data-parallel steps/s and bytes all-reduced per step, 1 vs 2 processes (gloo on CPU) -> outputs/bench/distributed_cpu.csv
 	$(PY) -m runner.bench.distributed --device cpu --nproc 1,2 $(BENCH_ARGS)

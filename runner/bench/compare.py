@@ -1,0 +1,171 @@
+"""`make bench-compare BASE=<commit>`: this tree's steps against another tree's, interleaved step by step.
+
+    python -m runner.bench.compare --base 0c009e4 --workloads fig6_b16,transformer_imdb
+    python -m runner.bench.compare --base 0c009e4 --methods nonprivate,reweight-bk --repeats 40
+    python -m runner.bench.compare --base .                 # A/A: this tree against itself, the noise floor
+
+"Costs at most 3% more than before" needs before and after timed alike. Timed in two processes minutes apart, the
+same step moved by +-10% on this project's shared 2-core machine, more than the effects in question. Here each tree
+runs in its own process (runner/bench/compare_worker.py, importing that tree's own `runner`), both built before any
+timing, and the parent asks them for one step at a time, alternating (base, this, base, this, ... over every
+method), so a slow patch of the machine hits both trees alike; one process computes while the other waits on a pipe.
+Both processes get the same heap settings (MALLOC_*_THRESHOLD_ = 1 GiB, as runner/heap.py) and, unless the
+environment sets it, OMP_WAIT_POLICY=PASSIVE: otherwise the waiting process's OpenMP threads spin after its last
+step and compete with the other's (two 2-thread teams on 2 cores: every step ~1.7x slower, the non-private one too).
+Measured here (A/A, --base .): this / base within 0.98-1.00 on fig6_b16 over 30 steps.
+
+--base: a git commit (exported with `git archive` into a temporary folder) or a folder holding a tree. The base tree
+must have the bench API compare_worker.py uses (runner.bench.clip.method_contender, there since the certified
+clipping work). Columns: the median step of each tree, this / base, and each tree's ratio to its own non-private
+step. Saves outputs/bench/compare_<device>.csv.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from runner.bench.common import arguments, bench_device, median, select_workloads
+from runner.bench.clip import ALL, workloads
+from runner.errors import DprunError
+from runner.heap import RETAIN_BYTES
+from runner.metrics import write_csv
+
+HERE = Path(__file__).resolve().parents[2]  # this tree's root
+WORKER = Path(__file__).resolve().with_name("compare_worker.py")
+COLUMNS = ["workload", "model", "batch", "method", "base_ms", "this_ms", "this_over_base", "base_x_nonprivate",
+           "this_x_nonprivate", "steps_timed", "note"]
+
+
+def export_commit(commit: str, repo: Path, into: Path) -> Path:
+    """The tree of `commit` in `repo`, written under `into` (git archive: tracked files only, no .git)."""
+    archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", commit], capture_output=True)
+    if archive.returncode != 0:
+        raise DprunError(f"--base {commit!r}: not a commit of {repo} ({archive.stderr.decode().strip()})")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def resolve_tree(base: str, scratch: Path) -> Path:
+    """--base as a tree folder: a folder with runner/ as is, else a commit of this repository exported."""
+    folder = Path(base)
+    if (folder / "runner").is_dir():
+        return folder.resolve()
+    return export_commit(base, HERE, scratch)
+
+
+class Tree:
+    """One tree's worker process: build a workload's contenders, time one step of a contender."""
+
+    def __init__(self, root: Path, device: str):
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(RETAIN_BYTES), MALLOC_TRIM_THRESHOLD_=str(RETAIN_BYTES))
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the idle worker's threads sleep, not spin
+        env.pop("PYTHONPATH", None)  # the worker puts its tree first; nothing of this tree may come before it
+        self.root = root
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), str(root), device], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+
+    def ask(self, **request) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise DprunError(f"the benchmark worker for {self.root} stopped (its error is printed above)")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool, repeats: int, warmup: int,
+                     gap_s: float) -> list[dict]:
+    built = {name: t.ask(build=w.name, methods=methods, quick=quick) for name, t in trees.items()}
+    for name, b in built.items():  # each worker must have imported its own tree (not an installed copy)
+        if "runner" in b and not Path(b["runner"]).resolve().is_relative_to(trees[name].root):
+            raise DprunError(f"the {name} worker imported runner from {b['runner']}, not from {trees[name].root}")
+    rows, labels = [], []
+    for label in methods:
+        notes = [f"{name}: {b['error'] if 'error' in b else b['notes'].get(label, '')}" for name, b in built.items()
+                 if "error" in b or label not in b.get("built", [])]
+        rows.append(dict(workload=w.name, model=w.model, batch=w.batch, method=label, note="; ".join(notes)))
+        if not notes:
+            labels.append(label)
+    times = {(name, label): [] for name in trees for label in labels}
+    for r in range(warmup + repeats):
+        for label in labels:
+            for name, tree in trees.items():
+                time.sleep(gap_s)
+                answer = tree.ask(step=label)
+                if "error" in answer:
+                    raise DprunError(f"{name} tree, {w.name} {label}: {answer['error']}")
+                if r >= warmup:
+                    times[(name, label)].append(answer["s"])
+    t = {key: median(ts) for key, ts in times.items()}
+    for row in rows:
+        label = row["method"]
+        if label not in labels:
+            continue
+        base, this = t[("base", label)], t[("this", label)]
+        row.update(base_ms=1e3 * base, this_ms=1e3 * this, this_over_base=this / base, steps_timed=repeats)
+        if "nonprivate" in labels:
+            row.update(base_x_nonprivate=base / t[("base", "nonprivate")],
+                       this_x_nonprivate=this / t[("this", "nonprivate")])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    ap = arguments("python -m runner.bench.compare", __doc__, repeats=20, warmup=3, budget=0.0,
+                   quick="batches / 8 and 2 repeats: a smoke run", workloads=[w.name for w in workloads()],
+                   out="compare_<device>.csv")
+    ap.add_argument("--base", required=True, help="a commit of this repository, or a folder holding a tree ('.': "
+                    "this tree against itself, the measurement's noise)")
+    ap.add_argument("--methods", default="nonprivate,reweight-twopass,reweight-recompute,reweight-bk",
+                    help=f"comma-separated rows of bench-clip, each timed in both trees; valid: {', '.join(ALL)}")
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="pause before each step")
+    args = ap.parse_args(argv)
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in ALL]
+    if unknown:
+        raise DprunError(f"bench-compare: unknown method row {unknown[0]!r}; valid: {', '.join(ALL)}")
+    device = bench_device(args.device)
+    repeats = 2 if args.quick else args.repeats
+    chosen = select_workloads(workloads(args.quick), args.workloads, "bench-compare")
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="dprun-base-") as scratch:
+        base_root = resolve_tree(args.base, Path(scratch))
+        trees = {"base": Tree(base_root, str(device)), "this": Tree(HERE, str(device))}
+        try:
+            print(f"[bench-compare] base {args.base} ({base_root}) vs this tree ({HERE}); {device}, {repeats} "
+                  f"interleaved steps each, median")
+            for w in chosen:
+                print(f"[bench-compare] {w.name}: model={w.model} B={w.batch} ...", flush=True)
+                rows += compare_workload(trees, w, [m for m in methods if m in w.methods], args.quick, repeats,
+                                         args.warmup, args.gap_ms / 1e3)
+        finally:
+            for tree in trees.values():
+                tree.close()
+    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    path = Path(args.out) / f"compare_{device.type}{'_quick' if args.quick else ''}.csv"
+    write_csv(path, df.to_dict("records"))
+    with pd.option_context("display.max_rows", None, "display.width", 250, "display.float_format", "{:.3f}".format):
+        print(df.to_string(index=False))
+    print(f"[bench-compare] saved {path}")
+    return df
+
+
+if __name__ == "__main__":
+    from runner.entry import run_entry
+
+    sys.exit(run_entry(main, "python -m runner.bench.compare"))

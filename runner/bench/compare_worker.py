@@ -1,0 +1,64 @@
+"""One tree's side of `python -m runner.bench.compare` (runner/bench/compare.py starts one per tree, as a script).
+
+    python runner/bench/compare_worker.py TREE DEVICE      # then JSON lines on stdin, one answer per line on stdout
+
+Imports nothing of the tree it lives in: TREE's own `runner` (its models, methods and bench) builds the contenders,
+so each tree is timed with its own code, in its own process, and no module of one tree can reach the other's.
+Requests: {"build": workload, "methods": [...], "quick": bool} -> {"built": [labels], "notes": {label: why not}};
+{"step": label} -> {"s": seconds of one step}; {"quit": true}. The tree's bench API: runner.bench.clip's workloads()
+and method_contender(), runner.bench.common's synthetic_batch() and timed() (there since the certified-clipping
+work began; an older tree answers {"error": ...}).
+"""
+import json
+import sys
+
+
+def serve(tree: str, device_name: str) -> None:
+    sys.path[0] = tree  # this script's folder (the current tree's runner/bench) out, TREE's root in
+    import torch
+
+    from runner.bench import clip, common
+    from runner.models import MODELS
+
+    device = torch.device(device_name)
+    steps: dict = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "quit" in request:
+            break
+        try:
+            if "build" in request:
+                answer = build(clip, common, MODELS, device, request, steps)
+            else:
+                answer = {"s": common.timed(steps[request["step"]], device)}
+        except Exception as e:  # the parent prints it as the row's note and goes on
+            answer = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
+        print(json.dumps(answer), flush=True)
+
+
+def build(clip, common, MODELS, device, request: dict, steps: dict) -> dict:
+    """One workload's contenders, as runner.bench.clip builds them (same seed, a fresh model copy per method)."""
+    import torch
+
+    workload = [w for w in clip.workloads(request["quick"]) if w.name == request["build"]]
+    if not workload:
+        return {"error": f"this tree has no workload {request['build']!r}"}
+    w = workload[0]
+    torch.manual_seed(0)
+    base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
+    x, y = common.synthetic_batch(w.info, w.batch, device)
+    steps.clear()
+    notes = {}
+    for label in request["methods"]:
+        c, note = clip.method_contender(label, base, x, y, float(w.batch), w.info.train_size)
+        if c is None:
+            notes[label] = note
+        else:
+            steps[label] = c.step
+    import runner
+
+    return {"built": list(steps), "notes": notes, "runner": runner.__file__}
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2])

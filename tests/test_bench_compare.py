@@ -1,0 +1,67 @@
+"""`python -m runner.bench.compare` (runner/bench/compare.py): two trees timed step by step, each with its own code."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from runner.bench import compare
+from runner.errors import DprunError
+
+SLOWER = '''
+
+import time as _time
+
+_method_contender = method_contender
+
+
+def method_contender(label, *args, **kwargs):  # this copy's non-private step is 60 ms slower
+    c, note = _method_contender(label, *args, **kwargs)
+    if c is not None and label == "nonprivate":
+        step = c.step
+        c = type(c)(lambda: (_time.sleep(0.06), step()), c.zero_grad)
+    return c, note
+'''
+
+
+def slower_copy(tmp_path: Path) -> Path:
+    """This tree's runner/ copied, its bench's non-private step made 60 ms slower."""
+    root = tmp_path / "base"
+    shutil.copytree(compare.HERE / "runner", root / "runner", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    clip = root / "runner" / "bench" / "clip.py"
+    clip.write_text(clip.read_text().replace('\nif __name__ == "__main__":', SLOWER + '\nif __name__ == "__main__":'))
+    return root
+
+
+def test_each_tree_is_timed_with_its_own_code_in_its_own_process(tmp_path):
+    base = slower_copy(tmp_path)
+    df = compare.main(["--base", str(base), "--quick", "--workloads", "fig6_b16", "--methods",
+                       "nonprivate,reweight-bk", "--warmup", "1", "--out", str(tmp_path)])
+    rows = df.set_index("method")
+    assert rows.loc["nonprivate", "base_ms"] - rows.loc["nonprivate", "this_ms"] > 50  # the copy's sleep, there only
+    assert abs(rows.loc["reweight-bk", "this_over_base"] - 1) < 0.9  # the same code otherwise: both timed
+    assert rows.loc["nonprivate", "this_over_base"] < 0.5
+    assert rows.loc["reweight-bk", "this_x_nonprivate"] > rows.loc["reweight-bk", "base_x_nonprivate"]
+    assert (tmp_path / "compare_cpu_quick.csv").exists()
+
+
+def test_a_commit_is_exported_and_a_bad_one_is_one_line(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "runner").mkdir(parents=True)
+    (repo / "runner" / "__init__.py").write_text("MARK = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    out = compare.export_commit("HEAD", repo, tmp_path / "out")
+    assert (out / "runner" / "__init__.py").read_text() == "MARK = 1\n" and not (out / ".git").exists()
+    with pytest.raises(DprunError, match=r"--base 'nope': not a commit of"):
+        compare.export_commit("nope", repo, tmp_path / "out2")
+
+
+def test_unknown_method_row_names_the_valid_ones():
+    with pytest.raises(DprunError, match=r"unknown method row 'fast'; valid: nonprivate, nxbp"):
+        compare.main(["--base", ".", "--methods", "nonprivate,fast"])
