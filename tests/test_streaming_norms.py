@@ -71,6 +71,8 @@ def test_conv_norms_are_chunked_over_the_batch_and_stay_exact():
     grad = torch.randn(6, 3, 8, 8, dtype=DT)
     assert chunk_size(rule_for(conv), conv, [x], [grad]) == 6  # a few KB of transients: one chunk
     assert chunk_size(rule_for(conv), conv, [x], [grad], floor_bytes=0) < 6  # the unfolded input is 9x the input
+    big_x, big_grad = torch.randn(200, 2, 8, 8, dtype=DT), torch.randn(200, 3, 8, 8, dtype=DT)  # ~2 MB of transients
+    assert chunk_size(rule_for(conv), conv, [big_x], [big_grad]) < 200  # past the floor: chunks again
     for how in ("auto", "direct", "ghost"):
         with mock.patch("runner.norms.streaming.TRANSIENT_FLOOR_BYTES", 0):  # chunks, as a large batch would
             torch.testing.assert_close(streamed_norms(model, x, y, how), per_example_norms(model, x, y))
