@@ -45,6 +45,8 @@ def test_each_tree_is_timed_with_its_own_code_in_its_own_process(tmp_path):
     assert abs(rows.loc["reweight-bk", "this_over_base"] - 1) < 0.9  # the same code otherwise: both timed
     assert rows.loc["nonprivate", "this_over_base"] < 0.5
     assert rows.loc["reweight-bk", "this_x_nonprivate"] > rows.loc["reweight-bk", "base_x_nonprivate"]
+    bk = rows.loc["reweight-bk"]  # the same step in both trees: the same peak memory, above the non-private one's
+    assert bk["base_mem_mb"] == bk["this_mem_mb"] > rows.loc["nonprivate", "this_mem_mb"] > 0
     assert (tmp_path / "compare_cpu_quick.csv").exists()
 
 

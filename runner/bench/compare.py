@@ -16,13 +16,14 @@ Measured here (A/A, --base .): this / base within 0.98-1.00 on fig6_b16 over 30 
 
 --base: a git commit (exported with `git archive` into a temporary folder) or a folder holding a tree. The base tree
 must have the bench API compare_worker.py uses (runner.bench.clip.method_contender, there since the certified
-clipping work). Columns: the median step of each tree, this / base, and each tree's ratio to its own non-private
-step. Saves outputs/bench/compare_<device>.csv.
+clipping work). Columns: the median step of each tree, this / base, each tree's ratio to its own non-private
+step, and each tree's peak step memory (bench-clip's measure, one step each). Saves outputs/bench/compare_<device>.csv.
 """
 from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -42,7 +43,7 @@ from runner.metrics import write_csv
 HERE = Path(__file__).resolve().parents[2]  # this tree's root
 WORKER = Path(__file__).resolve().with_name("compare_worker.py")
 COLUMNS = ["workload", "model", "batch", "method", "base_ms", "this_ms", "this_over_base", "base_x_nonprivate",
-           "this_x_nonprivate", "steps_timed", "note"]
+           "this_x_nonprivate", "base_mem_mb", "this_mem_mb", "steps_timed", "note"]
 
 
 def export_commit(commit: str, repo: Path, into: Path) -> Path:
@@ -113,12 +114,18 @@ def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool,
                 if r >= warmup:
                     times[(name, label)].append(answer["s"])
     t = {key: median(ts) for key, ts in times.items()}
+    memory = {}  # one step each, after the timing (bench-clip's measure: peak tensor bytes above the step's start)
+    for label in labels:
+        for name, tree in trees.items():
+            answer = tree.ask(memory=label)
+            memory[(name, label)] = answer.get("bytes", math.nan) / 2**20
     for row in rows:
         label = row["method"]
         if label not in labels:
             continue
         base, this = t[("base", label)], t[("this", label)]
-        row.update(base_ms=1e3 * base, this_ms=1e3 * this, this_over_base=this / base, steps_timed=repeats)
+        row.update(base_ms=1e3 * base, this_ms=1e3 * this, this_over_base=this / base, steps_timed=repeats,
+                   base_mem_mb=memory[("base", label)], this_mem_mb=memory[("this", label)])
         if "nonprivate" in labels:
             row.update(base_x_nonprivate=base / t[("base", "nonprivate")],
                        this_x_nonprivate=this / t[("this", "nonprivate")])

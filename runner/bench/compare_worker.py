@@ -5,9 +5,10 @@
 Imports nothing of the tree it lives in: TREE's own `runner` (its models, methods and bench) builds the contenders,
 so each tree is timed with its own code, in its own process, and no module of one tree can reach the other's.
 Requests: {"build": workload, "methods": [...], "quick": bool} -> {"built": [labels], "notes": {label: why not}};
-{"step": label} -> {"s": seconds of one step}; {"quit": true}. The tree's bench API: runner.bench.clip's workloads()
-and method_contender(), runner.bench.common's synthetic_batch() and timed() (there since the certified-clipping
-work began; an older tree answers {"error": ...}).
+{"step": label} -> {"s": seconds of one step}; {"memory": label} -> {"bytes": peak bytes of one step, as bench-clip
+measures it}; {"quit": true}. The tree's bench API: runner.bench.clip's workloads() and method_contender(),
+runner.bench.common's synthetic_batch(), timed() and step_memory_bytes() (there since the certified-clipping work
+began; an older tree answers {"error": ...}).
 """
 import json
 import sys
@@ -29,8 +30,11 @@ def serve(tree: str, device_name: str) -> None:
         try:
             if "build" in request:
                 answer = build(clip, common, MODELS, device, request, steps)
+            elif "memory" in request:
+                c = steps[request["memory"]]
+                answer = {"bytes": common.step_memory_bytes(c.step, device, before=c.zero_grad)}
             else:
-                answer = {"s": common.timed(steps[request["step"]], device)}
+                answer = {"s": common.timed(steps[request["step"]].step, device)}
         except Exception as e:  # the parent prints it as the row's note and goes on
             answer = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
         print(json.dumps(answer), flush=True)
@@ -54,7 +58,7 @@ def build(clip, common, MODELS, device, request: dict, steps: dict) -> dict:
         if c is None:
             notes[label] = note
         else:
-            steps[label] = c.step
+            steps[label] = c
     import runner
 
     return {"built": list(steps), "notes": notes, "runner": runner.__file__}
