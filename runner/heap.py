@@ -12,7 +12,8 @@ resident memory, which a training loop reaches every step anyway.
     retain_freed_memory()      # True where it applied (Linux, glibc); a no-op elsewhere
     minor_page_faults()        # this process's minor page faults so far (the bench's faults_per_step)
 
-runner/cli.py's CPU runs and every bench call it (docs/bench.md).
+runner/assembly.py calls it for every run whose model is on the CPU (the CLI's and make_private's alike), and every
+bench does (docs/bench.md).
 """
 from __future__ import annotations
 

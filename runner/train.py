@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from runner.heap import retain_freed_memory
 from runner import checkpoint, distributed, methods, models, randomness
 from runner.methods import privacy_check
 from runner.audit import run as audit_run
@@ -169,8 +168,6 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     if world.main:
         out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(str(cfg.device), world.local_rank)
-    if device.type == "cpu":
-        retain_freed_memory()  # a step's freed blocks serve the next step: no page faults (runner/heap.py)
     if str(cfg.get("precision", "fp32")) == "tf32" and device.type != "cuda":
         log.warning("precision=tf32 changes nothing on %s (TF32 is a CUDA tensor-core format): the step is fp32",
                     device.type)

@@ -56,6 +56,19 @@ def test_cli_and_api_assemble_the_same_private_run(seen, tmp_path):
     assert cli.method.physical_batch_size == api.method.physical_batch_size == 8
 
 
+def test_a_cpu_run_keeps_its_freed_heap_for_the_cli_and_the_api_alike(monkeypatch, tmp_path):
+    """runner/heap.py's retain_freed_memory, asked for by the assembly both callers share (a CPU model: no page
+    faults from one step's freed blocks in the next), not by the CLI alone."""
+    calls = []
+    monkeypatch.setattr(assembly, "retain_freed_memory", lambda: calls.append(1) or True)
+    x, y = blobs()
+    model = nn.Sequential(nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 3))
+    dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=20, seed=0)
+    assert calls == [1]
+    set_up(compose_config(["dataset=digits", "model=mlp", "epochs=1", "progress=false"]), tmp_path, World())
+    assert calls == [1, 1]
+
+
 def test_errors_speak_the_callers_words():
     x, y = blobs()
     model = nn.Sequential(nn.Linear(64, 3))
