@@ -113,9 +113,21 @@ bench-gpu-open: ## the open issues' GPU rows in one short command (certified/lea
 	mkdir -p $(BENCH_OUT)/secure && $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu \
 	  --workloads cnn_mnist,transformer_imdb,resnet18_cifar10 $(OPEN_RUNS) \
 	  --methods nonprivate,reweight-bk,reweight-bk-secure,noise-seeded,noise-secure --out $(BENCH_OUT)/secure $(BENCH_ARGS)
+	if [ -d "$(BASE_TREE)/runner" ]; then mkdir -p $(BENCH_OUT)/compare && $(PY) -m runner.bench.compare \
+	  --device $(BENCH_DEVICE) --suite gpu --base $(BASE_TREE) --workloads cnn_mnist,transformer_imdb,resnet18_cifar10 \
+	  --methods nonprivate,reweight-bk,reweight-twopass,reweight-recompute $(OPEN_RUNS) --out $(BENCH_OUT)/compare \
+	  $(BENCH_ARGS); fi
 OPEN_RUNS = --repeats 10 --warmup 3 --budget 2
 BENCH_OUT ?= outputs/bench/open
 BENCH_DEVICE ?= cuda
+# the tree bench-gpu-open compares this one with, step by step, where it exists (a device machine has no .git:
+# export it first, `make base-tree`, and carry .base)
+BASE_TREE ?= .base
+BASE_COMMIT ?= 0c009e4
+
+.PHONY: base-tree
+base-tree: ## export commit BASE_COMMIT (default 0c009e4, before certified clipping) into .base/ for bench-gpu-open's before/after
+	rm -rf $(BASE_TREE) && mkdir -p $(BASE_TREE) && git archive $(BASE_COMMIT) | tar -x -C $(BASE_TREE)
 
 # --- figures and tables ---
 # make figures SCALE=smoke (default; CPU minutes) | SCALE=paper (the papers' hyperparameters, for a GPU).

@@ -67,3 +67,8 @@ def test_a_commit_is_exported_and_a_bad_one_is_one_line(tmp_path):
 def test_unknown_method_row_names_the_valid_ones():
     with pytest.raises(DprunError, match=r"unknown method row 'fast'; valid: nonprivate, nxbp"):
         compare.main(["--base", ".", "--methods", "nonprivate,fast"])
+
+
+def test_the_gpu_suite_names_its_own_workloads():
+    with pytest.raises(DprunError, match=r"unknown workload 'fig6_b16'; valid: cnn_mnist, papernot_cifar10"):
+        compare.main(["--base", ".", "--suite", "gpu", "--workloads", "fig6_b16"])

@@ -3,6 +3,8 @@
     python -m runner.bench.compare --base 0c009e4 --workloads fig6_b16,transformer_imdb
     python -m runner.bench.compare --base 0c009e4 --methods nonprivate,reweight-bk --repeats 40
     python -m runner.bench.compare --base .                 # A/A: this tree against itself, the noise floor
+    python -m runner.bench.compare --device cuda --suite gpu --base .base   # a folder: e.g. a tree exported
+                                                            # here and carried to a machine without .git
 
 "Costs at most 3% more than before" needs before and after timed alike. Timed in two processes minutes apart, the
 same step moved by +-10% on this project's shared 2-core machine, more than the effects in question. Here each tree
@@ -35,7 +37,7 @@ from pathlib import Path
 import pandas as pd
 
 from runner.bench.common import arguments, bench_device, median, select_workloads
-from runner.bench.clip import ALL, workloads
+from runner.bench.clip import ALL, gpu_workloads, workloads
 from runner.errors import DprunError
 from runner.heap import RETAIN_BYTES
 from runner.metrics import write_csv
@@ -91,8 +93,8 @@ class Tree:
 
 
 def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool, repeats: int, warmup: int,
-                     gap_s: float) -> list[dict]:
-    built = {name: t.ask(build=w.name, methods=methods, quick=quick) for name, t in trees.items()}
+                     gap_s: float, suite: str = "default") -> list[dict]:
+    built = {name: t.ask(build=w.name, methods=methods, quick=quick, suite=suite) for name, t in trees.items()}
     for name, b in built.items():  # each worker must have imported its own tree (not an installed copy)
         if "runner" in b and not Path(b["runner"]).resolve().is_relative_to(trees[name].root):
             raise DprunError(f"the {name} worker imported runner from {b['runner']}, not from {trees[name].root}")
@@ -134,8 +136,11 @@ def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool,
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap = arguments("python -m runner.bench.compare", __doc__, repeats=20, warmup=3, budget=0.0,
-                   quick="batches / 8 and 2 repeats: a smoke run", workloads=[w.name for w in workloads()],
+                   quick="batches / 8 and 2 repeats: a smoke run",
+                   workloads=[w.name for w in workloads()] + [w.name + " (--suite gpu)" for w in gpu_workloads()],
                    out="compare_<device>.csv")
+    ap.add_argument("--suite", default="default", choices=["default", "gpu"],
+                    help="default: bench-clip's CPU workloads; gpu: its --suite gpu workloads")
     ap.add_argument("--base", required=True, help="a commit of this repository, or a folder holding a tree ('.': "
                     "this tree against itself, the measurement's noise)")
     ap.add_argument("--methods", default="nonprivate,reweight-twopass,reweight-recompute,reweight-bk",
@@ -148,7 +153,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         raise DprunError(f"bench-compare: unknown method row {unknown[0]!r}; valid: {', '.join(ALL)}")
     device = bench_device(args.device)
     repeats = 2 if args.quick else args.repeats
-    chosen = select_workloads(workloads(args.quick), args.workloads, "bench-compare")
+    suite = gpu_workloads(args.quick) if args.suite == "gpu" else workloads(args.quick)
+    chosen = select_workloads(suite, args.workloads, "bench-compare")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="dprun-base-") as scratch:
         base_root = resolve_tree(args.base, Path(scratch))
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             for w in chosen:
                 print(f"[bench-compare] {w.name}: model={w.model} B={w.batch} ...", flush=True)
                 rows += compare_workload(trees, w, [m for m in methods if m in w.methods], args.quick, repeats,
-                                         args.warmup, args.gap_ms / 1e3)
+                                         args.warmup, args.gap_ms / 1e3, args.suite)
         finally:
             for tree in trees.values():
                 tree.close()

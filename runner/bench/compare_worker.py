@@ -4,9 +4,9 @@
 
 Imports nothing of the tree it lives in: TREE's own `runner` (its models, methods and bench) builds the contenders,
 so each tree is timed with its own code, in its own process, and no module of one tree can reach the other's.
-Requests: {"build": workload, "methods": [...], "quick": bool} -> {"built": [labels], "notes": {label: why not}};
+Requests: {"build": workload, "methods": [...], "quick": bool, "suite": "default" | "gpu"} -> {"built": [labels], "notes": {label: why not}};
 {"step": label} -> {"s": seconds of one step}; {"memory": label} -> {"bytes": peak bytes of one step, as bench-clip
-measures it}; {"quit": true}. The tree's bench API: runner.bench.clip's workloads() and method_contender(),
+measures it}; {"quit": true}. The tree's bench API: runner.bench.clip's workloads(), gpu_workloads() and method_contender(),
 runner.bench.common's synthetic_batch(), timed() and step_memory_bytes() (there since the certified-clipping work
 began; an older tree answers {"error": ...}).
 """
@@ -44,7 +44,8 @@ def build(clip, common, MODELS, device, request: dict, steps: dict) -> dict:
     """One workload's contenders, as runner.bench.clip builds them (same seed, a fresh model copy per method)."""
     import torch
 
-    workload = [w for w in clip.workloads(request["quick"]) if w.name == request["build"]]
+    suite = clip.gpu_workloads(request["quick"]) if request.get("suite") == "gpu" else clip.workloads(request["quick"])
+    workload = [w for w in suite if w.name == request["build"]]
     if not workload:
         return {"error": f"this tree has no workload {request['build']!r}"}
     w = workload[0]
