@@ -104,6 +104,21 @@ def gpu_workloads(quick: bool = False) -> list[Workload]:
             gpt2_small(128, 32, quick), gpt2_small(512, 8, quick)]
 
 
+def suite_workloads(suite: str, quick: bool = False) -> list[Workload]:
+    """--suite default (the CPU workloads) or gpu (gpu_workloads)."""
+    return gpu_workloads(quick) if suite == "gpu" else workloads(quick)
+
+
+def workload_names() -> list[str]:
+    """Every workload a --workloads list may name, the GPU suite's marked."""
+    return [w.name for w in workloads()] + [w.name + " (--suite gpu)" for w in gpu_workloads()]
+
+
+def add_suite_argument(ap) -> None:
+    ap.add_argument("--suite", default="default", choices=["default", "gpu"],
+                    help="default: the CPU workloads; gpu: issue 12's GPU table (make bench-gpu)")
+
+
 def gpt2_small(T: int, batch: int, quick: bool = False) -> Workload:
     """A GPT-2-small-shaped stack: 12 of dprun's post-norm encoder blocks (runner/models/transformer.py), d 768,
     12 heads, feed-forward 3072, a learned vocabulary of 8,192 with sinusoidal positions, mean-pool, 2 classes, fp32:
@@ -197,10 +212,8 @@ def table(rows: list[dict]) -> pd.DataFrame:
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap = arguments("python -m runner.bench.clip", __doc__, repeats=10, warmup=2, budget=60.0,
                    quick="batches / 8 and 2 repeats: a smoke run of every code path",
-                   workloads=[w.name for w in workloads()] + [w.name + " (--suite gpu)" for w in gpu_workloads()],
-                   out="clip_<device>.csv")
-    ap.add_argument("--suite", default="default", choices=["default", "gpu"],
-                    help="default: the CPU workloads; gpu: issue 12's GPU table (make bench-gpu)")
+                   workloads=workload_names(), out="clip_<device>.csv")
+    add_suite_argument(ap)
     ap.add_argument("--methods", default="", help="comma-separated subset of each workload's rows, e.g. "
                     "nonprivate,reweight-bk,reweight-bk-secure,noise-seeded,noise-secure (rng=secure's cost)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "tf32"],
@@ -210,8 +223,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = ap.parse_args(argv)
     device = bench_device(args.device)
     repeats = 2 if args.quick else args.repeats
-    suite = gpu_workloads(args.quick) if args.suite == "gpu" else workloads(args.quick)
-    chosen = select_workloads(suite, args.workloads, "bench-clip")
+    chosen = select_workloads(suite_workloads(args.suite, args.quick), args.workloads, "bench-clip")
     if args.methods:
         wanted = args.methods.split(",")
         unknown = [m for m in wanted if m not in ALL]

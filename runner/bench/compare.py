@@ -37,7 +37,7 @@ from pathlib import Path
 import pandas as pd
 
 from runner.bench.common import arguments, bench_device, median, select_workloads
-from runner.bench.clip import ALL, gpu_workloads, workloads
+from runner.bench.clip import ALL, add_suite_argument, suite_workloads, workload_names
 from runner.errors import DprunError
 from runner.heap import RETAIN_BYTES
 from runner.metrics import write_csv
@@ -136,11 +136,9 @@ def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool,
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap = arguments("python -m runner.bench.compare", __doc__, repeats=20, warmup=3, budget=0.0,
-                   quick="batches / 8 and 2 repeats: a smoke run",
-                   workloads=[w.name for w in workloads()] + [w.name + " (--suite gpu)" for w in gpu_workloads()],
+                   quick="batches / 8 and 2 repeats: a smoke run", workloads=workload_names(),
                    out="compare_<device>.csv")
-    ap.add_argument("--suite", default="default", choices=["default", "gpu"],
-                    help="default: bench-clip's CPU workloads; gpu: its --suite gpu workloads")
+    add_suite_argument(ap)
     ap.add_argument("--base", required=True, help="a commit of this repository, or a folder holding a tree ('.': "
                     "this tree against itself, the measurement's noise)")
     ap.add_argument("--methods", default="nonprivate,reweight-twopass,reweight-recompute,reweight-bk",
@@ -153,8 +151,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         raise DprunError(f"bench-compare: unknown method row {unknown[0]!r}; valid: {', '.join(ALL)}")
     device = bench_device(args.device)
     repeats = 2 if args.quick else args.repeats
-    suite = gpu_workloads(args.quick) if args.suite == "gpu" else workloads(args.quick)
-    chosen = select_workloads(suite, args.workloads, "bench-compare")
+    chosen = select_workloads(suite_workloads(args.suite, args.quick), args.workloads, "bench-compare")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="dprun-base-") as scratch:
         base_root = resolve_tree(args.base, Path(scratch))
