@@ -4,11 +4,11 @@
 
 Imports nothing of the tree it lives in: TREE's own `runner` (its models, methods and bench) builds the contenders,
 so each tree is timed with its own code, in its own process, and no module of one tree can reach the other's.
-Requests: {"build": workload, "methods": [...], "quick": bool, "suite": "default" | "gpu"} -> {"built": [labels], "notes": {label: why not}};
-{"step": label} -> {"s": seconds of one step}; {"memory": label} -> {"bytes": peak bytes of one step, as bench-clip
-measures it}; {"quit": true}. The tree's bench API: runner.bench.clip's workloads(), gpu_workloads() and method_contender(),
-runner.bench.common's synthetic_batch(), timed() and step_memory_bytes() (there since the certified-clipping work
-began; an older tree answers {"error": ...}).
+Requests: {"build": workload, "methods": [...], "quick": bool, "suite": "default" | "gpu"} ->
+{"built": [labels], "notes": {label: why not}}; {"step": label} -> {"s": seconds of one step}; {"memory": label} ->
+{"bytes": peak bytes of one step, as bench-clip measures it}; {"quit": true}. The tree's bench API:
+runner.bench.clip's workloads(), gpu_workloads() and method_contender(), runner.bench.common's synthetic_batch(),
+timed() and step_memory_bytes() (there since the certified-clipping work began; an older tree answers {"error": ...}).
 """
 import json
 import sys
@@ -35,7 +35,7 @@ def serve(tree: str, device_name: str) -> None:
                 answer = {"bytes": common.step_memory_bytes(c.step, device, before=c.zero_grad)}
             else:
                 answer = {"s": common.timed(steps[request["step"]].step, device)}
-        except Exception as e:  # the parent prints it as the row's note and goes on
+        except Exception as e:  # the parent notes a build error on the rows, and stops on a step's
             answer = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
         print(json.dumps(answer), flush=True)
 
