@@ -1,6 +1,7 @@
 """`python -m runner.bench.compare` (runner/bench/compare.py): two trees timed step by step, each with its own code."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -72,3 +73,13 @@ def test_unknown_method_row_names_the_valid_ones():
 def test_the_gpu_suite_names_its_own_workloads():
     with pytest.raises(DprunError, match=r"unknown workload 'fig6_b16'; valid: cnn_mnist, papernot_cifar10"):
         compare.main(["--base", ".", "--suite", "gpu", "--workloads", "fig6_b16"])
+
+
+def test_a_worker_keeps_installed_packages_on_pythonpath_but_no_tree(tmp_path):
+    """A GPU machine finds its wheels through PYTHONPATH (.site): dropping it made both workers fail to import
+    dp_accounting; a folder holding a `runner` package must still never reach a worker."""
+    site, tree = tmp_path / "site", tmp_path / "tree"
+    site.mkdir()
+    (tree / "runner").mkdir(parents=True)
+    kept = compare.without_trees(os.pathsep.join([str(site), str(tree), ""]))
+    assert kept.split(os.pathsep) == [str(site)]

@@ -120,6 +120,47 @@ def test_coupling_only_in_train_mode_is_refused():
     refused(REWEIGHT[0], TrainOnlyCentred, features(), "depend on the other examples")
 
 
+class ShapeRounded(nn.Module):
+    """Batch-independent, but its float32 output rounds differently for an odd batch (as a CUDA kernel chosen per
+    shape can): the removal probe sees float32 differences of ~1e-3 that float64 does not have."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.bfloat16().float() if h.dtype == torch.float32 and len(x) % 2 else h
+
+
+@pytest.fixture
+def as_if_on_cuda(monkeypatch):
+    from runner.methods.privacy_check import independence
+    monkeypatch.setattr(independence, "on_cuda", lambda x: True)
+
+
+def test_shape_dependent_rounding_on_cuda_is_confirmed_harmless_in_float64(as_if_on_cuda):
+    first_step(REWEIGHT[0], ShapeRounded(), *features())  # refused without the float64 CPU confirmation
+
+
+def test_shape_dependent_rounding_off_cuda_is_refused():
+    refused(REWEIGHT[0], ShapeRounded, features(), "depend on the other examples")  # the CPU check is unchanged
+
+
+@pytest.mark.parametrize("build", [Centred, FunctionalBatchNorm], ids=["mean", "batch_norm"])
+def test_coupling_on_cuda_is_still_refused_after_the_float64_confirmation(as_if_on_cuda, build):
+    refused(REWEIGHT[0], build, features(), "depend on the other examples")
+
+
+def test_a_loss_that_cannot_run_on_the_cpu_keeps_the_cuda_refusal(as_if_on_cuda):
+    def cuda_only(out, y):
+        if out.dtype == torch.float64:
+            raise RuntimeError("expected a CUDA tensor")
+        return loss_fn(out, y)
+
+    refused(REWEIGHT[0], ShapeRounded, features(), "depend on the other examples", loss=cuda_only)
+
+
 # -- row 3: Embedding(max_norm=...); row 4: InstanceNorm with running statistics -------------------------------
 
 class MaxNormEmbedding(nn.Module):

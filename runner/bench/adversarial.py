@@ -115,7 +115,7 @@ def loss_fn(out, y):
 
 def released(method, model, x):
     """||what the step leaves in p.grad|| (sigma = 0, expected batch 1, lr 0), in float64, and the step's output."""
-    y = torch.zeros(len(x), dtype=torch.long)
+    y = torch.zeros(len(x), dtype=torch.long, device=x.device)
     out = method.step(model, loss_fn, x, y, torch.optim.SGD(model.parameters(), lr=0.0), sample_rate=1.0,
                       expected_batch_size=1.0)
     grads = [p.grad.detach().double() for p in model.parameters() if p.requires_grad]
@@ -131,10 +131,11 @@ def exact_norm(model, x):
 
 
 def measured(name: str, cfg: dict, model: nn.Module, x: torch.Tensor, fraction: float = 0.01,
-             precision: str = "fp32") -> float:
-    """One crafted example, one step: ||released|| / C with C = fraction * its exact (float64) gradient norm.
-    DprunError (one line) where the method refuses the model."""
+             precision: str = "fp32", device: str = "cpu") -> float:
+    """One crafted example, one step on `device`: ||released|| / C with C = fraction * its exact gradient norm (float64,
+    on the CPU). DprunError (one line) where the method refuses the model."""
     C = fraction * exact_norm(model, x)
+    model, x = copy.deepcopy(model).to(device), x.to(device)  # .to moves a module in place: the caller keeps its own
     method = METHODS.build(name, cfg=cfg, clip=C, sigma=0.0)
     method.configure(precision=precision)
     method.privacy_check = False  # this measures clipping alone (the first-step validator is runner/methods/privacy_check)
@@ -149,6 +150,8 @@ SETTINGS = {  # label -> (method, cfg, precision): the table's columns
     "twopass": ("reweight", {"mode": "twopass"}, "fp32"),
     "recompute": ("reweight", {"mode": "recompute"}, "fp32"),
     "bk bf16": ("reweight", {}, "bf16"),
+    "bk tf32": ("reweight", {}, "tf32"),  # TF32 products: CUDA only (the CPU runs it as fp32)
+    "twopass tf32": ("reweight", {"mode": "twopass"}, "tf32"),
     "nxbp": ("nxbp", {}, "fp32"),
     "multiloss": ("multiloss", {}, "fp32"),
     "opacus hooks": ("opacus", {"grad_sample_mode": "hooks"}, "fp32"),
@@ -164,6 +167,7 @@ def main(argv=None) -> None:
 
     parser = OneLineParser(description=main.__doc__)
     parser.add_argument("--eps", type=float, default=1e-4, help="the deviation from a constant input (default 1e-4)")
+    parser.add_argument("--device", default="cpu", help="where the steps run (cpu, cuda); the exact norm is on the CPU")
     args = parser.parse_args(argv)
     rows = {}
     for kind, cases in CONSTRUCTIONS.items():
@@ -173,7 +177,7 @@ def main(argv=None) -> None:
             row = {}
             for label, (name, cfg, precision) in SETTINGS.items():
                 try:
-                    row[label] = max(measured(name, cfg, model, x, f, precision) for f in (0.01, 0.9))
+                    row[label] = max(measured(name, cfg, model, x, f, precision, args.device) for f in (0.01, 0.9))
                 except DprunError:
                     row[label] = float("nan")  # refused
                 except ImportError:

@@ -66,13 +66,19 @@ def resolve_tree(base: str, scratch: Path) -> Path:
     return export_commit(base, HERE, scratch)
 
 
+def without_trees(pythonpath: str) -> str:
+    """PYTHONPATH less every folder holding a `runner` package (no other tree's modules may reach a worker); folders
+    of installed packages stay (a GPU machine's `pip install --target .site` wheels are found through it)."""
+    return os.pathsep.join(p for p in pythonpath.split(os.pathsep) if p and not (Path(p) / "runner").is_dir())
+
+
 class Tree:
     """One tree's worker process: build a workload's contenders, time one step of a contender."""
 
     def __init__(self, root: Path, device: str):
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(RETAIN_BYTES), MALLOC_TRIM_THRESHOLD_=str(RETAIN_BYTES))
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the idle worker's threads sleep, not spin
-        env.pop("PYTHONPATH", None)  # the worker puts its tree first; nothing of this tree may come before it
+        env["PYTHONPATH"] = without_trees(env.get("PYTHONPATH", ""))  # the worker puts its tree first
         self.root = root
         self.proc = subprocess.Popen([sys.executable, str(WORKER), str(root), device], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=root)
