@@ -298,3 +298,49 @@ def test_the_noise_worker_runs_its_torch_ops_on_one_thread_and_leaves_the_defaul
     assert seen == [default]  # threads started afterwards get the default back
     worker.shutdown()
     torch.set_num_threads(before)
+
+
+# -- the GPU route: the same values from the same bytes, keystream from parallel lanes -------------------------------
+def test_the_gpu_routes_uniforms_and_gaussians_equal_the_cpu_routes_bit_for_bit(monkeypatch):
+    """on_gpu turns the raw keystream into uniforms with torch's int64/int32 ops (normal_from_keystream); here on
+    the CPU, against uniform_open / uniform_open_float32 and the CPU route's Gaussians from the same bytes, including
+    words whose sign bit is set (torch's >> is arithmetic) and the extreme words."""
+    from runner.randomness import (normal_from_keystream, uniform_open, uniform_open_bits, uniform_open_float32,
+                                   uniform_open_float32_bits)
+
+    words = np.frombuffer(np.random.default_rng(3).bytes(8 * 4096), dtype=np.int64).copy()
+    words[:4] = [0, -1, np.iinfo(np.int64).max, np.iinfo(np.int64).min]
+    assert torch.equal(uniform_open_bits(torch.from_numpy(words.copy())), torch.from_numpy(uniform_open(words.copy())))
+    w32 = words.view(np.uint32).copy()
+    assert torch.equal(uniform_open_float32_bits(torch.from_numpy(w32.view(np.int32).copy())),
+                       torch.from_numpy(uniform_open_float32(w32.copy())))
+    n = 5000
+    fixed = np.frombuffer(np.random.default_rng(4).bytes(24 * n), dtype=np.uint8)
+    rng = SecureRandom(ahead=False)
+    monkeypatch.setattr(rng, "bytes", lambda size: fixed[:size].copy())
+    for dtype, wide in ((torch.float32, False), (torch.float64, True)):
+        cpu = secure_standard_normal(rng, n, torch.device("cpu"), dtype)
+        gpu_math = normal_from_keystream(torch.from_numpy(fixed.copy()), n, wide)
+        assert gpu_math.dtype == cpu.dtype
+        torch.testing.assert_close(gpu_math, cpu, rtol=0, atol=2e-6)  # one ulp where a kernel's tail differs
+
+
+def test_parallel_lanes_fill_every_byte_and_nothing_past_the_buffer():
+    rng = SecureRandom(ahead=False)
+    rng._lanes_ready()
+    from runner.randomness import KeystreamLane, ThreadPoolExecutor
+    rng._lanes = [KeystreamLane() for _ in range(3)]  # three lanes whatever this machine's cores
+    rng._lane_pool = ThreadPoolExecutor(3)
+    for size in (1, 100, 3 * 64 + 5, 2**20 + 7, 3 * 2**22 + 13):
+        buf = np.zeros(size + 64, dtype=np.uint8)
+        buf[size:] = 0xAB  # a sentinel past the part handed over
+        rng.fill(buf[:size])
+        assert (buf[size:] == 0xAB).all(), size
+        if size >= 2**20:  # keystream: every byte value about equally often, no zero runs left unwritten
+            counts = np.bincount(buf[:size], minlength=256)
+            assert counts.min() > 0.8 * size / 256, size
+            assert not (buf[:size].reshape(-1)[: size // 64 * 64].reshape(-1, 64) == 0).all(1).any()
+    a, b = np.empty(2**20, np.uint8), np.empty(2**20, np.uint8)
+    rng.fill(a)
+    rng.fill(b)
+    assert (a != b).mean() > 0.99  # the streams go on: no part repeated
