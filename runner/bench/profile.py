@@ -1,5 +1,5 @@
-"""Where a bench step's time goes: the operators (CPU) or kernels (CUDA) of a few steps under torch.profiler, by self
-time per step.
+"""Where a bench step's time goes: the operators of a few steps under torch.profiler, by self time per step (CPU) or
+by the device time of the kernels each launched (CUDA).
 
     python -m runner.bench.profile --device cuda --suite gpu --workloads gpt2small_t512 --methods nonprivate,reweight-bk
     python -m runner.bench.profile --workloads transformer_imdb --methods reweight-bk --top 30 --precision bf16
@@ -25,7 +25,8 @@ from runner.models import MODELS
 
 
 def profiled(step, device: torch.device, steps: int) -> pd.DataFrame:
-    """Self time per step of each operator (CPU) or kernel (CUDA) over `steps` steps, largest first."""
+    """Self time per step of each operator (CPU: its own time; CUDA: its kernels' device time) over `steps` steps,
+    largest first."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with quiet_stderr(), profile(activities=activities) as prof:
         for _ in range(steps):
@@ -34,7 +35,9 @@ def profiled(step, device: torch.device, steps: int) -> pd.DataFrame:
     rows = []
     for e in prof.key_averages():
         self_us = e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
-        if self_us > 0:
+        # CUDA: each aten op with the device time of the kernels it launched (the kernels' own rows, which would
+        # count the same time twice under their long template names, are left out)
+        if self_us > 0 and (device.type != "cuda" or e.key.startswith("aten::")):
             rows.append(dict(name=e.key, calls_per_step=e.count / steps, self_ms_per_step=self_us / 1e3 / steps))
     out = pd.DataFrame(rows, columns=["name", "calls_per_step", "self_ms_per_step"])
     out = out.sort_values("self_ms_per_step", ascending=False, ignore_index=True)
@@ -73,8 +76,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                 c.step()
             table = profiled(c.step, device, max(1, args.repeats))
             total = table.self_ms_per_step.sum()
-            print(f"\n[profile] {w.name} B={w.batch} {label} {args.precision}: {total:.2f} ms self time per step "
-                  f"({'kernels' if device.type == 'cuda' else 'operators'})")
+            print(f"\n[profile] {w.name} B={w.batch} {label} {args.precision}: {total:.2f} ms "
+                  f"{'device time of the kernels' if device.type == 'cuda' else 'self time of the operators'} per "
+                  f"step, {table.calls_per_step.sum():.0f} operator calls")
             print(table.head(args.top).to_string(index=False, float_format=lambda v: f"{v:.3f}",
                                                  formatters={"name": lambda s: s[:90]}))
             frames.append(table.assign(workload=w.name, method=label, precision=args.precision))

@@ -35,7 +35,7 @@ from runner.norms.keep_budget import KeepBudget, keep_budget
 from runner.norms.outer import KEEP, Stash
 from runner.norms.streaming import StreamingNorms
 from runner.norms.base import HOW
-from runner.norms.certify import certified_norms, exact_float32, finite_rows
+from runner.norms.certify import certified_norms, clipped_sums_of, exact_float32, finite_rows
 
 MODES = ("bk", "twopass", "recompute")
 
@@ -212,11 +212,12 @@ class ReweightGP(Method):
         kernel with the layer's weight, and recorded history would keep the step's records alive in p.grad (and,
         over the chunks of a logical batch, every chunk's)."""
         sums = {}
-        for _, module, rule, calls in rec.raw_layers():
-            for name, s in rule.clipped_sums_calls(module, calls, nu, stashes.pop(id(module), None)).items():
-                sums[id(getattr(module, name))] = s
-            del calls
-            rec.release(module)
+        with clipped_sums_of(nu):  # nu > 0 once, and no masking of the records when every example is kept
+            for _, module, rule, calls in rec.raw_layers():
+                for name, s in rule.clipped_sums_calls(module, calls, nu, stashes.pop(id(module), None)).items():
+                    sums[id(getattr(module, name))] = s
+                del calls
+                rec.release(module)
         for p in params:  # a covered module that was not called this step contributes zero
             p.grad = sums.pop(id(p), None)
             if p.grad is None:

@@ -34,6 +34,7 @@ RULES: Dict[type, "NormRule"] = {}
 class NormRule:
     params: tuple[str, ...] = ()  # the module's own parameter names this rule covers
     sequence_is_call = False  # True: sequence's (a, g) is itself a valid recorded (input, output-gradient) call
+    tensor_cores = False  # True: bf16 records on a GPU are given to the rule as bf16 (runner/norms/tensor_cores.py)
 
     def check(self, layer: nn.Module, path: str) -> None:
         """Raise DprunError (naming `path`) for a configuration of the layer the rule cannot handle exactly."""

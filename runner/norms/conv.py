@@ -16,7 +16,7 @@ from torch import nn
 
 from runner.norms import outer
 from runner.norms.base import NormRule, register, trains
-from runner.norms.certify import (finite_rows, gamma, norm_factor, summed_vector, unit, upper_sqnorm,
+from runner.norms.certify import (finite_rows, kept, gamma, norm_factor, summed_vector, unit, upper_sqnorm,
                                   vector_norms)
 
 
@@ -80,11 +80,11 @@ class ConvRule(NormRule):
         sums: dict[str, torch.Tensor] = {}
         B, L, G, k = a.shape
         if trains(layer.weight) and stash is not None and "weight" in stash:  # per-example (B*G, o_g, k_g) kept
-            per_example = finite_rows(stash.pop("weight").view(B, G, -1, k), nu > 0)
+            per_example = finite_rows(stash.pop("weight").view(B, G, -1, k), kept(nu))
             sums["weight"] = weight_order(layer, torch.einsum("b,bgok->gok", nu, per_example))
         elif trains(layer.weight):
-            weighted = finite_rows(g * nu.view(-1, 1, 1, 1), nu > 0)  # (B, L, G, o_g)
-            sums["weight"] = weight_order(layer, torch.einsum("blgo,blgk->gok", weighted, finite_rows(a, nu > 0)))
+            weighted = finite_rows(g * nu.view(-1, 1, 1, 1), kept(nu))  # (B, L, G, o_g)
+            sums["weight"] = weight_order(layer, torch.einsum("blgo,blgk->gok", weighted, finite_rows(a, kept(nu))))
         if trains(layer.bias):
             sums["bias"] = bias_sum(g, nu, stash)
         return sums
@@ -92,9 +92,9 @@ class ConvRule(NormRule):
 
 def bias_sum(g: torch.Tensor, nu: torch.Tensor, stash: dict | None) -> torch.Tensor:
     """(C_out,) sum_i nu_i sum_l g_il: from the per-example sums book-keeping kept (B, C_out), else from g (B, L, G, o_g)."""
-    kept = stash.pop("bias", None) if stash is not None else None
-    per_example = kept if kept is not None else g.sum(1).reshape(len(nu), -1)
-    return nu.unsqueeze(0).mm(finite_rows(per_example, nu > 0)).squeeze(0)
+    stashed = stash.pop("bias", None) if stash is not None else None
+    per_example = stashed if stashed is not None else g.sum(1).reshape(len(nu), -1)
+    return nu.unsqueeze(0).mm(finite_rows(per_example, kept(nu))).squeeze(0)
 
 
 def weight_grad(layer: nn.Module, inp: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
@@ -117,7 +117,7 @@ def _clipped_sums_calls(self, layer, calls, nu, stash=None):
     are zeroed first (no 0 * inf)."""
     sums: dict[str, torch.Tensor] = {}
     B, G = nu.shape[0], layer.groups
-    keep = nu > 0
+    keep = kept(nu)
     stash = stash if stash is not None else {}
     shape = (-1,) + (1,) * (calls[0][1].dim() - 1)
     weighted = None

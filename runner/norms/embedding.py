@@ -15,7 +15,7 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.norms.base import NormRule, register, trains
-from runner.norms.certify import finite_rows, gamma, norm_factor, unit, vector_norms
+from runner.norms.certify import finite_rows, kept, gamma, norm_factor, unit, vector_norms
 from runner.norms.outer import summed_vector_sq
 
 
@@ -69,12 +69,12 @@ class EmbeddingRule(NormRule):
         example = torch.zeros_like(sorted_keys).scatter_(0, segment, sorted_keys // V)  # (N,) segment -> example
         value = g.new_zeros(B).index_add_(0, example, per_row.pow(2).sum(1))  # (B,) ||computed rows||^2
         # each row sums <= T gradients (off by <= gamma_T their norms); the squares and the segments round too
-        return summed_vector_sq(value.mul_(1 + gamma(d + T + 4, u)), mass, T, u)
+        return summed_vector_sq(value.mul_(1 + gamma(d + T + 4, u)), mass, gamma(T, u), u)
 
     def clipped_sums(self, layer, a, g, nu, stash=None):
         if not trains(layer.weight):
             return {}
-        weighted = finite_rows(g * nu.view(-1, 1, 1), nu > 0)  # (B, T, d); a non-finite record adds nothing
+        weighted = finite_rows(g * nu.view(-1, 1, 1), kept(nu))  # (B, T, d); a non-finite record adds nothing
         w = g.new_zeros(layer.weight.shape).index_add_(0, a.reshape(-1), weighted.reshape(-1, g.shape[-1]))
         if layer.padding_idx is not None:
             w[layer.padding_idx] = 0

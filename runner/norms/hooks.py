@@ -25,7 +25,7 @@ import torch
 
 from runner.errors import DprunError
 from runner.norms.coverage import Plan
-from runner.precision import to_float32
+from runner.norms.tensor_cores import records
 
 
 @dataclass
@@ -98,7 +98,7 @@ class Recorder(CallHooks):
                 for c in calls:
                     self._check(path, module, c)
                 # bf16: the norm (layers()) and the clipped sum are formed from the same float32 upcasts
-                yield path, module, rule, [(to_float32(c.inp), to_float32(c.grad)) for c in calls]
+                yield path, module, rule, [records(c.inp, c.grad, rule.tensor_cores) for c in calls]
             del calls
 
     @staticmethod
@@ -120,7 +120,7 @@ class Recorder(CallHooks):
             for c in calls:
                 self._check(path, module, c)
                 grad = c.grad if c.grad is not None else torch.zeros_like(c.out)
-                parts.append(rule.sequence(module, to_float32(c.inp), to_float32(grad)))
+                parts.append(rule.sequence(module, *records(c.inp, grad, rule.tensor_cores)))
             a = torch.cat([p[0] for p in parts], 1) if len(parts) > 1 else parts[0][0]
             g = torch.cat([p[1] for p in parts], 1) if len(parts) > 1 else parts[0][1]
             yield path, module, rule, a, g

@@ -33,7 +33,7 @@ from runner.norms.certify import exact_float32
 from runner.norms.coverage import Plan
 from runner.norms.outer import KEEP, Stash
 from runner.norms.streaming import StreamingNorms
-from runner.precision import to_float32
+from runner.norms.tensor_cores import records
 
 
 class LeanRecorder(StreamingNorms):
@@ -45,8 +45,9 @@ class LeanRecorder(StreamingNorms):
 
     def _add(self, key: int) -> None:
         path, module, rule, inputs, grads = self._calls(key)
-        # bf16: the norm and the clipped sum are formed from the same float32 upcasts (as Recorder)
-        seq = [rule.sequence(module, to_float32(i), to_float32(g)) for i, g in zip(inputs, grads)]
+        # bf16: the norm and the clipped sum are formed from the same float32 upcasts (as Recorder), or the same
+        # bf16 records on a GPU's tensor cores (a Linear: runner/norms/tensor_cores.py)
+        seq = [rule.sequence(module, *records(i, g, rule.tensor_cores)) for i, g in zip(inputs, grads)]
         a = torch.cat([s[0] for s in seq], 1) if len(seq) > 1 else seq[0][0]  # (B, T, ...): calls along T
         g = torch.cat([s[1] for s in seq], 1) if len(seq) > 1 else seq[0][1]
         stash = self.stashes.setdefault(key, Stash(self.keep, key))
@@ -73,7 +74,7 @@ class LeanRecorder(StreamingNorms):
         for path, module, rule in self.plan.layers:
             calls = self.kept.get(id(module))
             if calls is not None:
-                yield path, module, rule, [(to_float32(i), to_float32(g)) for i, g in calls]
+                yield path, module, rule, [records(i, g, rule.tensor_cores) for i, g in calls]
 
     def release(self, module) -> None:
         """Free a module's records once its clipped sum is formed."""

@@ -13,24 +13,26 @@ from torch import nn
 
 from runner.norms import outer
 from runner.norms.base import NormRule, register, trains
-from runner.norms.certify import finite_rows
+from runner.norms.certify import finite_rows, kept
+from runner.norms.tensor_cores import to_float32
 
 
 @register(nn.Linear)
 class LinearRule(NormRule):
     params = ("weight", "bias")
     sequence_is_call = True  # (B, T, in), (B, T, out): a call on a sequence
+    tensor_cores = True  # bf16 records on a GPU stay bf16 (runner/norms/tensor_cores.py)
 
     def sequence(self, layer, inp, grad_out):
         B = inp.shape[0]
         return inp.reshape(B, -1, layer.in_features), grad_out.reshape(B, -1, layer.out_features)
 
     def norm_sq(self, layer, a, g, how, stash=None):
-        total = a.new_zeros(a.shape[0])
+        total = a.new_zeros(a.shape[0], dtype=torch.float32 if a.dtype == torch.bfloat16 else a.dtype)
         if trains(layer.weight):
             total = total + outer.norm_sq(a, g, how, stash)
         if trains(layer.bias):
-            total = total + outer.bias_norm_sq(g, stash)
+            total = total + outer.bias_norm_sq(to_float32(g), stash)  # (N, T, o) float32: a bias sum is cheap
         return total
 
     def stash_only(self, layer, stash):
@@ -43,15 +45,15 @@ class LinearRule(NormRule):
         if len(calls) <= 1 or not trains(layer.weight) or (stash and "weight" in stash):
             return super().clipped_sums_calls(layer, calls, nu, stash)
         sums: dict[str, torch.Tensor] = {}
-        keep = nu > 0  # a record with nu = 0 (non-finite norm) adds nothing (its rows zeroed: no 0 * inf)
+        keep = kept(nu)  # a record with nu = 0 (non-finite norm) adds nothing (its rows zeroed: no 0 * inf)
         for inp, grad in calls:
             a, g = self.sequence(layer, inp, grad)  # views: (B, T_c, in), (B, T_c, out)
             part = outer.clipped_sum(a, g, nu)  # (out, in)
             sums["weight"] = part if "weight" not in sums else sums["weight"].add_(part)
         if trains(layer.bias):
-            kept = stash.pop("bias", None) if stash else None
-            per_example = kept if kept is not None else sum(grad.reshape(len(nu), -1, layer.out_features).sum(1)
-                                                            for _, grad in calls)  # (B, out)
+            stashed = stash.pop("bias", None) if stash else None
+            per_example = stashed if stashed is not None else sum(
+                to_float32(grad).reshape(len(nu), -1, layer.out_features).sum(1) for _, grad in calls)  # (B, out)
             sums["bias"] = nu.unsqueeze(0).mm(finite_rows(per_example, keep)).squeeze(0)
         return sums
 
@@ -60,5 +62,5 @@ class LinearRule(NormRule):
         if trains(layer.weight):
             sums["weight"] = outer.clipped_sum(a, g, nu, stash)  # (out, in)
         if trains(layer.bias):
-            sums["bias"] = outer.bias_clipped_sum(g, nu, stash)  # (out,)
+            sums["bias"] = outer.bias_clipped_sum(to_float32(g), nu, stash)  # (out,)
         return sums

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.norms.base import NormRule, register, trains
-from runner.norms.certify import finite_rows, gamma, norm_factor, summed_vector, unit, upper_sqnorm, vector_norms
+from runner.norms.certify import finite_rows, gamma, kept, norm_factor, summed_vector, unit, upper_sqnorm, vector_norms
 
 
 class AffineRule(NormRule):
@@ -40,9 +40,9 @@ class AffineRule(NormRule):
         for name, summand in (("weight", lambda: g * a), ("bias", lambda: g)):  # (B, T, D) per-position gradients
             param = getattr(layer, name, None)
             if trains(param):
-                kept = stash.pop(name, None) if stash else None
-                per_example = kept if kept is not None else summand().sum(1)  # (B, D)
-                sums[name] = nu.unsqueeze(0).mm(finite_rows(per_example, nu > 0)).view(param.shape)
+                stashed = stash.pop(name, None) if stash else None
+                per_example = stashed if stashed is not None else summand().sum(1)  # (B, D)
+                sums[name] = nu.unsqueeze(0).mm(finite_rows(per_example, kept(nu))).view(param.shape)
         return sums
 
     def stash_only(self, layer, stash):

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from runner.norms.certify import finite_rows, gamma, norm_factor, summed_vector, unit, upper_sqnorm, vector_norms
+from runner.norms import tensor_cores as tc
+from runner.norms.certify import finite_rows, kept, gamma, norm_factor, summed_vector, unit, upper_sqnorm, vector_norms
 
 BK_GHOST = 16  # book-keeping: ghost when T^2*(k+o) < 16*k*o
 
@@ -71,6 +72,8 @@ def norm_sq(a: torch.Tensor, g: torch.Tensor, how: str = "auto", stash: dict | N
             key: str = "weight") -> torch.Tensor:
     """(N,) certified upper bounds of ||G_i||^2, G_i = g_i^T a_i (runner/norms/certify.py), whatever the input.
     The rounding factors are Python floats folded into one multiplication (few kernels: GPU steps are launch-bound)."""
+    if a.dtype == torch.bfloat16:
+        return norm_sq_tensor_cores(a, g, how, stash, key)
     N, T, k = a.shape
     o = g.shape[-1]
     u = unit(a)
@@ -81,44 +84,82 @@ def norm_sq(a: torch.Tensor, g: torch.Tensor, how: str = "auto", stash: dict | N
                                   else keeps(T, k, o)):
         stash = None  # memory: do not keep G_i for the clipped sum (clipped_sum falls back to one GEMM)
     if use_ghost(T, k, o, how, stash is not None):
-        aa = torch.bmm(a, a.transpose(1, 2))  # (N, T, T)
-        gg = torch.bmm(g, g.transpose(1, 2))  # (N, T, T)
-        # S_i = sum_t ||a_t|| ||g_t|| >= ||G_i|| from the Grams' diagonals (each >= 0: a sum of squares), rounded up
-        ga, go = gamma(k, u), gamma(o, u)
-        mass_sq = (aa.diagonal(dim1=1, dim2=2) * gg.diagonal(dim1=1, dim2=2)).sqrt_().sum(1).square_()  # (N,)
-        mass_sq.mul_((1 + gamma(T + 3, u)) ** 2 / ((1 - ga) * (1 - go)))
-        value = (aa.mul_(gg)).sum(2).sum(1)  # (N,) two reductions of T terms (depth 2T, not T^2); may cancel
-        # |value - ||G_i||^2| <= err S_i^2: each Gram entry is off by <= gamma ||a_s|| ||a_t|| (Cauchy-Schwarz),
-        # then the products and their sums round; S_i^2 caps it: a value that cancelled away (or overflowed to nan)
-        # falls back to the triangle inequality, never to less than the truth (fmin ignores a nan value)
-        err = ga + go + ga * go + (u + gamma(2 * T, u)) * (1 + ga) * (1 + go)
-        return torch.fmin(value.add_(mass_sq, alpha=err), mass_sq).mul_(1 + 3 * u)
-    per_example = torch.bmm(g.transpose(1, 2), a)  # (N, o, k), each entry off by <= gamma_T sum_t |g_t||a_t|
+        return ghost_parts(torch.bmm(a, a.transpose(1, 2)), torch.bmm(g, g.transpose(1, 2)), k, o, u)[0]
+    return direct_norm_sq(torch.bmm(g.transpose(1, 2), a), a, g, stash, key, u)
+
+
+def ghost_parts(aa: torch.Tensor, gg: torch.Tensor, k: int, o: int, u_gram: float):
+    """Grams aa = a a^T (N, T, T) and gg = g g^T (N, T, T), float32, their entries accumulated with unit roundoff
+    u_gram -> (N,) certified ||G_i||^2 (the Grams are overwritten) and (N,) S_i^2 >= (sum_t ||a_t|| ||g_t||)^2."""
+    T, u = aa.shape[-1], unit(aa)
+    # S_i = sum_t ||a_t|| ||g_t|| >= ||G_i|| from the Grams' diagonals (each >= 0: a sum of squares), rounded up
+    ga, go = gamma(k, u_gram), gamma(o, u_gram)
+    mass_sq = (aa.diagonal(dim1=1, dim2=2) * gg.diagonal(dim1=1, dim2=2)).sqrt_().sum(1).square_()  # (N,)
+    mass_sq.mul_((1 + gamma(T + 3, u)) ** 2 / ((1 - ga) * (1 - go)))
+    value = (aa.mul_(gg)).sum(2).sum(1)  # (N,) two reductions of T terms (depth 2T, not T^2); may cancel
+    # |value - ||G_i||^2| <= err S_i^2: each Gram entry is off by <= gamma ||a_s|| ||a_t|| (Cauchy-Schwarz),
+    # then the products and their sums round; S_i^2 caps it: a value that cancelled away (or overflowed to nan)
+    # falls back to the triangle inequality, never to less than the truth (fmin ignores a nan value)
+    err = ga + go + ga * go + (u + gamma(2 * T, u)) * (1 + ga) * (1 + go)
+    return torch.fmin(value.add_(mass_sq, alpha=err), mass_sq).mul_(1 + 3 * u), mass_sq
+
+
+def direct_norm_sq(per_example: torch.Tensor, a: torch.Tensor, g: torch.Tensor, stash, key: str, u_gemm: float,
+                   split_loss: float = 0.0) -> torch.Tensor:
+    """(N,) certified ||G_i||^2 from the computed per-example gradients (N, o, k), each entry off by at most
+    gamma_T(u_gemm) sum_t |g_t||a_t|: kept in `stash` (the clipped sum adds these very tensors, their norm is the
+    certificate), else for the exact G_i (the computed one + slack), plus `split_loss` S_i (the tensor-core sum)."""
     value = upper_sqnorm(per_example)  # (N,) >= ||computed G_i||^2
-    if stash is not None:  # the clipped sum adds these very tensors: their norm is the certificate
+    if stash is not None:
         stash[key] = per_example
         return value
     # the clipped sum is one GEMM over the rows, so the certificate is for the exact G_i: the computed one + slack
-    mass = (vector_norms(a, -1) * vector_norms(g, -1)).sum(1)  # (N,) S_i / f
+    N, T, k = a.shape
+    o, u = g.shape[-1], unit(per_example)
+    row_norms = tc.norms if a.dtype == torch.bfloat16 else vector_norms
+    mass = (row_norms(a, -1) * row_norms(g, -1)).sum(1)  # (N,) S_i / f
     f = norm_factor(k, u) * norm_factor(o, u) * (1 + gamma(T + 2, u))
-    return summed_vector_sq(value, mass.mul_(f), T, u)
+    return summed_vector_sq(value, mass.mul_(f), gamma(T, u_gemm) + split_loss, u, split_loss)
 
 
-def summed_vector_sq(value: torch.Tensor, mass: torch.Tensor, terms: int, u: float) -> torch.Tensor:
-    """(N,) (sqrt(value) + gamma_terms mass)^2, capped by mass^2: the exact square norm of a sum whose computed
-    square norm is <= value (certified) and whose summands' norms add up to <= mass."""
-    upper = value.sqrt().mul_(1 + 2 * u).add_(mass, alpha=gamma(terms, u))
-    return torch.fmin(upper, mass).square_().mul_(1 + 3 * u)
+def norm_sq_tensor_cores(a: torch.Tensor, g: torch.Tensor, how: str, stash, key: str) -> torch.Tensor:
+    """norm_sq for bf16 records on the tensor-core route (runner/norms/tensor_cores.py): Grams and per-example
+    gradients as bf16 GEMMs with float32 output, their accumulation taken at U_ACCUMULATE; the clipped sum will be the
+    split GEMM (clipped_sum), so each bound also covers its SPLIT_LOSS S_i. G_i is never kept: float32, it would be
+    twice the bf16 records it replaces."""
+    N, T, k = a.shape
+    o, u = g.shape[-1], 2.0**-24
+    if T == 1:  # rank one: ||G_i|| = ||g_i|| ||a_i||, plus the split sum's loss
+        norm = tc.norms(a[:, 0], 1).mul_(tc.norms(g[:, 0], 1))  # (N,)
+        return norm.square_().mul_((norm_factor(k, u) * norm_factor(o, u) * (1 + tc.SPLIT_LOSS)) ** 2 * (1 + 5 * u))
+    if use_ghost(T, k, o, how):
+        upper, mass_sq = ghost_parts(tc.bmm(a, a.transpose(1, 2)), tc.bmm(g, g.transpose(1, 2)), k, o,
+                                     tc.U_ACCUMULATE)
+        return summed_vector_sq(upper, mass_sq.sqrt_(), tc.SPLIT_LOSS, u, tc.SPLIT_LOSS)
+    return direct_norm_sq(tc.bmm(g.transpose(1, 2), a), a, g, None, key, tc.U_ACCUMULATE, tc.SPLIT_LOSS)
+
+
+def summed_vector_sq(value: torch.Tensor, mass: torch.Tensor, slack: float, u: float,
+                     split_loss: float = 0.0) -> torch.Tensor:
+    """(N,) (sqrt(value) + slack mass)^2, capped by ((1 + split_loss) mass)^2: the square norm of what is summed for
+    an example whose computed square norm is <= value (certified), off from it by <= slack mass (slack = gamma_T of
+    the per-example product, + the tensor-core sum's split loss), whose summands' norms add up to <= mass."""
+    upper = value.sqrt().mul_(1 + 2 * u).add_(mass, alpha=slack)
+    return torch.fmin(upper, mass.mul(1 + split_loss)).square_().mul_(1 + 3 * u)
 
 
 def clipped_sum(a: torch.Tensor, g: torch.Tensor, nu: torch.Tensor, stash: dict | None = None,
                 key: str = "weight") -> torch.Tensor:
     """sum_i nu_i g_i^T a_i, shape (o, k): the weight gradient of the nu-weighted loss, without a backward."""
-    keep = nu > 0  # (N,) an example with a non-finite norm has nu = 0 and must add exactly nothing (no 0 * inf)
+    keep = kept(nu)  # (N,) an example with a non-finite norm has nu = 0 and must add exactly nothing (no 0 * inf)
     if stash is not None and key in stash:
         per_example = finite_rows(stash.pop(key), keep)  # (N, o, k)
         return torch.mm(nu.unsqueeze(0), per_example.flatten(1)).view(per_example.shape[1:])
     o, k = g.shape[-1], a.shape[-1]
+    if a.dtype == torch.bfloat16:  # the tensor-core route: nu g split into two bf16 parts (tensor_cores.split)
+        hi, lo = tc.split(finite_rows(g.float() * nu.view(-1, 1, 1), keep).reshape(-1, o))  # (N T, o) each
+        rows = finite_rows(a, keep).reshape(-1, k)  # (N T, k) bf16
+        return tc.mm(hi.t(), rows).add_(tc.mm(lo.t(), rows))  # (o, k) float32
     weighted = finite_rows(g * nu.view(-1, 1, 1), keep)  # (N, T, o)
     return weighted.reshape(-1, o).t() @ finite_rows(a, keep).reshape(-1, k)  # (o, k)
 
@@ -142,5 +183,5 @@ def bias_clipped_sum(g: torch.Tensor, nu: torch.Tensor, stash: dict | None = Non
     sums = stash.pop("bias", None) if stash is not None else None
     if sums is None:
         sums = g.sum(1)
-    keep = nu > 0
+    keep = kept(nu)
     return nu.unsqueeze(0).mm(finite_rows(sums, keep)).squeeze(0)

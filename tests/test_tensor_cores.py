@@ -1,0 +1,102 @@
+"""precision=bf16's tensor-core route for Linear layers (runner/norms/tensor_cores.py), run on the CPU with the same
+arithmetic (tensor_cores.EMULATE: bf16 operands, exact float32 products, float32 accumulation): certified on crafted
+inputs, exact against the float64 oracle within bf16's stated tolerances, and actually taken."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.norms import outer
+from runner.norms import tensor_cores as tc
+from tests.test_certified_clipping import ALL, EPS, TOL, contribution
+from tests.test_precision import test_bf16_norms_and_clipped_sums_against_the_float64_oracle as oracle_check
+from tests.test_precision import test_each_examples_contribution_is_at_most_c_under_bf16 as contribution_check
+
+BK = [("reweight", {"mode": "bk", "norm": h}) for h in ("auto", "direct", "ghost")]
+LINEAR_CASES = [c for c in ALL if c[0] is torch.nn.Linear]
+
+
+@pytest.fixture
+def tensor_cores(monkeypatch):
+    """The tensor-core route on the CPU, and a count of its GEMMs (it must be taken, not silently skipped)."""
+    monkeypatch.setattr(tc, "EMULATE", True)
+    calls = []
+    real_mm, real_bmm = tc.mm, tc.bmm
+    monkeypatch.setattr(tc, "mm", lambda x, y: calls.append("mm") or real_mm(x, y))
+    monkeypatch.setattr(tc, "bmm", lambda x, y: calls.append("bmm") or real_bmm(x, y))
+    return calls
+
+
+def test_the_split_loses_at_most_2_to_the_minus_16_of_each_entry():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(10**5, generator=g) * torch.logspace(-30, 30, 10**5)
+    t[:4] = torch.tensor([1 + 2**-9, -(1 + 2**-8 + 2**-20), 3.0e38, 1e-30])
+    hi, lo = tc.split(t)
+    assert hi.dtype == lo.dtype == torch.bfloat16
+    left = (t.double() - hi.double() - lo.double()).abs()
+    assert bool((left <= 2.0**-16 * t.double().abs()).all())
+    assert float(left.max() / t.double().abs().max()) > 0  # not exact: the bound is what carries the certificate
+
+
+@pytest.mark.parametrize("kind,case,build,example", LINEAR_CASES, ids=[c[1] for c in LINEAR_CASES])
+@pytest.mark.parametrize("name,cfg", BK, ids=[c[1]["norm"] for c in BK])
+def test_crafted_linear_inputs_contribute_at_most_C_on_tensor_cores(tensor_cores, name, cfg, kind, case, build,
+                                                                     example):
+    torch.manual_seed(0)
+    model = build(0)
+    x = example(torch.Generator().manual_seed(1), EPS)
+    for fraction in (0.01, 0.9):
+        ratio = contribution(name, cfg, model, x, fraction, precision="bf16")
+        assert ratio <= 1 + TOL, f"{case}: an example contributed {ratio:.6g} x C on tensor cores"
+    assert "mm" in tensor_cores  # the clipped sum went through the split bf16 GEMMs
+
+
+@pytest.mark.parametrize("family", ["mlp", "transformer", "lstm", "toy_frozen_mlp"])
+def test_tensor_core_norms_and_sums_against_the_float64_oracle(tensor_cores, family):
+    for case in BK:
+        oracle_check(*case, family)
+    assert tensor_cores.count("mm") > 0
+
+
+@pytest.mark.parametrize("family", ["mlp", "transformer"])
+def test_each_examples_contribution_is_at_most_c_on_tensor_cores(tensor_cores, family):
+    for case in BK:
+        contribution_check(*case, family)
+    assert tensor_cores
+
+
+def worst_sum_over_c(T: int, how: str) -> float:
+    """One example whose every entry of g is the same value, so nu g rounds the same way everywhere: the largest
+    ||clipped sum|| / C over 400 clip norms C below its certified norm N (nu = C / N)."""
+    a = torch.ones(1, T, 4, dtype=torch.bfloat16)
+    g = torch.full((1, T, 3), 0.3, dtype=torch.bfloat16)
+    N = float(outer.norm_sq(a, g, how).sqrt())
+    worst = 0.0
+    for C in torch.linspace(0.1, 0.99, 400, dtype=torch.float64) * N:
+        nu = torch.tensor([float(C) / N], dtype=torch.float32)
+        worst = max(worst, float(outer.clipped_sum(a, g, nu).double().norm()) / float(C))
+    return worst
+
+
+@pytest.mark.parametrize("T,how", [(1, "auto"), (5, "ghost"), (5, "direct")])
+def test_the_split_sum_stays_within_C_where_one_bf16_rounding_would_not(monkeypatch, tensor_cores, T, how):
+    """nu g rounded once to bf16 moves every entry the same way here (up to 2^-8): the sum exceeds C by ~0.3%. The
+    split (hi + lo) and the SPLIT_LOSS term of the bound keep it within C; both removed, this test sees the excess."""
+    assert worst_sum_over_c(T, how) <= 1 + TOL
+    monkeypatch.setattr(tc, "SPLIT_LOSS", 0.0)
+    monkeypatch.setattr(tc, "split", lambda t: (t.to(torch.bfloat16), torch.zeros_like(t, dtype=torch.bfloat16)))
+    assert worst_sum_over_c(T, how) > 1 + 1e-3
+
+
+def test_bf16_records_outside_a_gpu_are_upcast():
+    g = torch.ones(2, 3, dtype=torch.bfloat16)
+    a, b = tc.records(torch.ones(2, 4), g, tensor_cores=True)  # the CPU: no tensor cores (EMULATE off)
+    assert a.dtype == b.dtype == torch.float32
+    assert outer.use_ghost(128, 768, 768, "auto") and not outer.use_ghost(512, 768, 768, "auto")
+
+
+def test_the_environment_can_turn_the_route_off(monkeypatch, tensor_cores):
+    g = torch.ones(2, 3, dtype=torch.bfloat16)
+    assert tc.records(torch.ones(2, 4), g, tensor_cores=True)[0].dtype == torch.bfloat16
+    monkeypatch.setenv("DPRUN_TENSOR_CORES", "0")
+    assert tc.records(torch.ones(2, 4), g, tensor_cores=True)[0].dtype == torch.float32
