@@ -95,8 +95,9 @@ def test_bf16_records_outside_a_gpu_are_upcast():
     assert outer.use_ghost(128, 768, 768, "auto") and not outer.use_ghost(512, 768, 768, "auto")
 
 
-def test_the_environment_can_turn_the_route_off(monkeypatch, tensor_cores):
+def test_the_route_is_opt_in_on_a_gpu(monkeypatch):
+    assert not tc.enabled()  # the default: the float32 route (measured faster in an eager step, see the module)
+    monkeypatch.setenv("DPRUN_TENSOR_CORES", "1")
+    assert tc.enabled()
     g = torch.ones(2, 3, dtype=torch.bfloat16)
-    assert tc.records(torch.ones(2, 4), g, tensor_cores=True)[0].dtype == torch.bfloat16
-    monkeypatch.setenv("DPRUN_TENSOR_CORES", "0")
-    assert tc.records(torch.ones(2, 4), g, tensor_cores=True)[0].dtype == torch.float32
+    assert tc.records(torch.ones(2, 4), g, tensor_cores=True)[0].dtype == torch.float32  # still no CUDA here

@@ -18,6 +18,12 @@ way: bf16(a) is what the layer's GEMM saw) and every product is `torch.mm/bmm(..
 
 Anywhere else (the CPU, float32 records, torch without out_dtype GEMMs) the records are upcast as before. The tests run
 the same arithmetic on the CPU (EMULATE: bf16 operands multiplied exactly in float32 and accumulated in float32).
+
+Opt-in (DPRUN_TENSOR_CORES=1), from what an H100 showed (torch 2.11, python -m runner.bench.profile and bench-clip,
+GPT-2-small stack, T = 512, B = 8, bf16): the bk step's kernels took 40.0 ms of device time with it, 56.1 ms without
+(the float32 SIMT GEMMs gone), but the eager step took 146.5 ms of wall time with it, 99.8 ms without: the step is
+bound by the CPU launching ~11,000 operators, and the route adds ~3,900 (casts, the split, two GEMMs a layer). It
+pays where the GPU is the bottleneck (a compiled step, larger batches): not measured yet.
 """
 from __future__ import annotations
 
@@ -46,12 +52,17 @@ def _out_dtype_gemm() -> bool:
         return False
 
 
+def enabled() -> bool:
+    """DPRUN_TENSOR_CORES=1 in the environment: opt-in (measured on an H100 below: less device time, more wall time
+    in an eager step that is bound by the CPU's kernel launches)."""
+    return os.environ.get("DPRUN_TENSOR_CORES", "0") == "1"
+
+
 def used_for(g: torch.Tensor) -> bool:
-    """A layer whose output-gradient `g` is bf16 on CUDA (precision=bf16) takes the tensor-core route, unless the
-    environment sets DPRUN_TENSOR_CORES=0 (the float32 route, e.g. to compare the two)."""
-    if g.dtype != torch.bfloat16 or os.environ.get("DPRUN_TENSOR_CORES", "1") == "0":
+    """A layer whose output-gradient `g` is bf16 on CUDA (precision=bf16) takes the tensor-core route when enabled()."""
+    if g.dtype != torch.bfloat16:
         return False
-    return EMULATE or (g.is_cuda and _out_dtype_gemm())
+    return EMULATE or (enabled() and g.is_cuda and _out_dtype_gemm())
 
 
 def records(inp: torch.Tensor, grad: torch.Tensor, tensor_cores: bool) -> tuple[torch.Tensor, torch.Tensor]:
