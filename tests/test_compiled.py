@@ -74,6 +74,18 @@ def test_traced_step_equals_eager_step(method_name, cfg):
     check_equal(method_name, cfg, backend="eager")
 
 
+def test_the_certificates_bookkeeping_adds_no_graph_break():
+    """The clipped sums' per-step question (runner/norms/certify.py clipped_sums_of, a ContextVar) is skipped inside a
+    compiled graph: traced, it broke the step's graph once per layer (dynamo cannot trace ContextVar.get)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    check_equal("reweight", {"mode": "bk"}, backend="eager")
+    reasons = " ".join(dynamo_utils.counters["graph_break"])
+    assert dynamo_utils.counters["graph_break"] and "ContextVar" not in reasons
+
+
 def test_traced_step_with_buckets_equals_eager_step():
     """Batches of 5 and 6 rows padded to 8, the one of 4 to 4 (no padding): two graphs, the eager step's numbers."""
     torch._dynamo.reset()

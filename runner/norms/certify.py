@@ -118,9 +118,11 @@ def clipped_sums_of(nu: torch.Tensor):
     per tensor and a nu > 0 before: ~60 small kernels a step on the IMDB transformer, most of the certified step's
     cost over the uncertified one on a GPU, issue 26). On a GPU the question is one device sync per step; inside a
     compiled graph it is not asked (a branch on data) and the rows are masked as before."""
+    if torch.compiler.is_compiling():  # dynamo cannot trace a ContextVar (a graph break per call): mask as before
+        yield
+        return
     keep = nu > 0
-    every = not torch.compiler.is_compiling() and bool(keep.all())
-    token = _STEP.set((nu, keep, every))
+    token = _STEP.set((nu, keep, bool(keep.all())))
     try:
         yield
     finally:
@@ -130,7 +132,7 @@ def clipped_sums_of(nu: torch.Tensor):
 def kept(nu: torch.Tensor) -> torch.Tensor:
     """nu > 0 (B,) bool: the examples whose records are summed (a non-finite norm gives nu = 0); formed once a step
     inside clipped_sums_of."""
-    step = _STEP.get()
+    step = None if torch.compiler.is_compiling() else _STEP.get()
     return step[1] if step is not None and step[0] is nu else nu > 0
 
 
@@ -139,9 +141,9 @@ def finite_rows(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     inf of one record cannot reach the sum through 0 * inf (it contributes nothing). t itself when every row is kept
     (the common case: no copy of t): known for the step inside clipped_sums_of, else asked here on the CPU (no device
     sync); not inside a compiled graph, where that branch on the data would break the graph."""
+    if torch.compiler.is_compiling():
+        return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
     step = _STEP.get()
-    if step is not None and step[2] and keep is step[1]:
-        return t
-    if t.device.type == "cpu" and not torch.compiler.is_compiling() and bool(keep.all()):
+    if (step is not None and step[2] and keep is step[1]) or (t.device.type == "cpu" and bool(keep.all())):
         return t
     return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
