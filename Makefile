@@ -90,6 +90,10 @@ bench-logical: ## a logical batch of 2,048 in chunks of 128 vs one pass of 128, 
 bench-compare: ## this tree's steps vs another commit's (BASE=<commit>), interleaved step by step -> outputs/bench/compare_<device>.csv
 	$(PY) -m runner.bench.compare --base $(or $(BASE),HEAD) $(BENCH_ARGS)
 
+.PHONY: bench-profile
+bench-profile: ## where a bench step's time goes, by operator (CPU self time; CUDA: its kernels' device time) -> outputs/bench/profile_<device>.csv
+	$(PY) -m runner.bench.profile $(BENCH_ARGS)
+
 .PHONY: bench-dist
 bench-dist: ## data-parallel steps/s and bytes all-reduced per step, 1 vs 2 processes (gloo on CPU) -> outputs/bench/distributed_cpu.csv
 	$(PY) -m runner.bench.distributed --device cpu --nproc 1,2 $(BENCH_ARGS)

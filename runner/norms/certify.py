@@ -122,11 +122,17 @@ def clipped_sums_of(nu: torch.Tensor):
         yield
         return
     keep = nu > 0
-    token = _STEP.set((nu, keep, bool(keep.all())))
+    token = _STEP.set((nu, keep, every_record_kept(keep)))
     try:
         yield
     finally:
         _STEP.reset(token)
+
+
+def every_record_kept(keep: torch.Tensor) -> bool:
+    """bool(keep.all()): the one value an eager private step reads back from the device, by design (issue 12's rule
+    is none: this read saves more than its stall, measured on an H100 in docs/bench.md; a compiled step skips it)."""
+    return bool(keep.all())
 
 
 def kept(nu: torch.Tensor) -> torch.Tensor:
