@@ -60,7 +60,6 @@ class SecureRandom:
 
         self.world = world if world is not None else World()
         self.ahead = ahead
-        self._lock = threading.Lock()  # the keystream is shared by the sampler (main thread) and the noise worker
         self._pending: dict[tuple, Future] = {}  # (n, device, dtype) -> the next noise of that size
         self._worker: ThreadPoolExecutor | None = None
         self._lanes: list | None = None  # fill()'s parallel streams, made on first use (the GPU noise)
@@ -68,28 +67,12 @@ class SecureRandom:
         self._staging: torch.Tensor | None = None  # pinned host keystream for the GPU noise, reused
         self._staged: torch.cuda.Event | None = None  # its last copy to the GPU (wait before refilling)
         self._lock_staging = threading.Lock()
-        self._rekey()
-
-    def _rekey(self) -> None:
-        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-
-        key = secrets.token_bytes(32)
-        _observe_key(key)
-        # AES-256 in counter mode (AES instructions: ~2x ChaCha20's keystream rate on x86 here); a fresh random key
-        # per stream, so the 128-bit counter block may start at 0
-        self._cipher = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
-        self._used = 0
+        self._stream = KeystreamLane()  # shared by the sampler (main thread) and the noise worker: it has a lock
 
     def bytes(self, size: int) -> np.ndarray:
-        """(size,) uint8 of the keystream (a fresh array; size a multiple of 8)."""
+        """(size,) uint8 of the keystream (a fresh array; size a multiple of 8): the sampler's and the CPU noise's."""
         out = np.empty(size + 64, dtype=np.uint8)  # update_into wants room for a block more than it writes
-        with self._lock:
-            if self._used + size > REKEY_BYTES:
-                self._rekey()
-            self._used += size
-            for start in range(0, size, CHUNK_BYTES):  # keystream XOR zeros, a chunk of the zero buffer at a time
-                part = min(CHUNK_BYTES, size - start)
-                self._cipher.update_into(_ZEROS[:part], out[start:start + part + 64])
+        self._stream.fill(out, size)
         return out[:size]
 
     def fill(self, out: np.ndarray) -> None:
@@ -157,7 +140,8 @@ class SecureRandom:
 
 
 class KeystreamLane:
-    """One AES-256-CTR stream under its own key from the OS (SecureRandom.fill's parts), rekeyed every REKEY_BYTES."""
+    """One AES-256-CTR stream under its own key from the OS (SecureRandom.bytes, and each of SecureRandom.fill's
+    parts), rekeyed every REKEY_BYTES; thread-safe."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -168,19 +152,23 @@ class KeystreamLane:
 
         key = secrets.token_bytes(32)
         _observe_key(key)
+        # AES-256 in counter mode (AES instructions: ~2x ChaCha20's keystream rate on x86 here); a fresh random key
+        # per stream, so the 128-bit counter block may start at 0
         self._cipher = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
         self._used = 0
 
-    def fill(self, out: np.ndarray) -> None:
-        """out (size,) uint8 overwritten with this stream's next bytes. update_into asks for a block more room than it
-        writes: the last piece goes through a scratch buffer, so nothing past `out` is touched (another lane's)."""
+    def fill(self, out: np.ndarray, size: int | None = None) -> None:
+        """out[:size] (uint8; size: all of out) overwritten with this stream's next bytes. update_into asks for a
+        block more room than it writes: the bytes of out past `size` serve as that room; where there are not 64 of
+        them, the last piece goes through a scratch buffer, so nothing past `out` is touched (another lane's)."""
+        size = out.size if size is None else size
         with self._lock:
-            if self._used + out.size > REKEY_BYTES:
+            if self._used + size > REKEY_BYTES:
                 self._rekey()
-            self._used += out.size
+            self._used += size
             view = memoryview(out)
-            for start in range(0, out.size, CHUNK_BYTES):
-                part = min(CHUNK_BYTES, out.size - start)
+            for start in range(0, size, CHUNK_BYTES):
+                part = min(CHUNK_BYTES, size - start)
                 if start + part + 64 <= out.size:
                     self._cipher.update_into(_ZEROS[:part], view[start:start + part + 64])
                 else:
