@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from runner.norms import tensor_cores
 from runner import checkpoint, distributed, methods, models, randomness
 from runner.methods import privacy_check
 from runner.audit import run as audit_run
@@ -283,6 +284,9 @@ def start_summary(run: Run, run_config: dict[str, Any], private: PrivateRun) -> 
         "num_parameters": sum(p.numel() for p in run.model.parameters() if p.requires_grad),
         "device": str(run.device),
         "device_name": device_name(run.device),
+        # bf16 Linears' norms and clipped sums on tensor cores (DPRUN_TENSOR_CORES=1; runner/norms/tensor_cores.py)
+        "tensor_cores": (tensor_cores.enabled() and str(cfg.get("precision", "fp32")) == "bf16"
+                         and run.device.type == "cuda"),
         "world_size": run.world.size,
         "backend": run.world.backend,
         "evaluation": ("the whole test split" if run.eval_idx is None else

@@ -133,8 +133,10 @@ class ShapeRounded(nn.Module):
         return h.bfloat16().float() if h.dtype == torch.float32 and len(x) % 2 else h
 
 
-def test_shape_dependent_rounding_is_confirmed_harmless_in_float64():
+def test_shape_dependent_rounding_is_confirmed_harmless_in_float64(caplog):
+    caplog.set_level("INFO", logger="dprun")
     first_step(REWEIGHT[0], ShapeRounded(), *features())  # refused without the float64 confirmation
+    assert "a float64 copy on the CPU found no coupling" in caplog.text
 
 
 def test_a_float32_rounding_difference_is_seen_by_the_first_probe():

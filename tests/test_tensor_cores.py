@@ -101,3 +101,15 @@ def test_the_route_is_opt_in_on_a_gpu(monkeypatch):
     assert tc.enabled()
     g = torch.ones(2, 3, dtype=torch.bfloat16)
     assert tc.records(torch.ones(2, 4), g, tensor_cores=True)[0].dtype == torch.float32  # still no CUDA here
+
+
+def test_the_summary_says_whether_the_route_was_used(tmp_path, monkeypatch):
+    """summary.json's `tensor_cores`: on only for precision=bf16 on CUDA with DPRUN_TENSOR_CORES=1 (here: a CPU run
+    that asked for it records False, the route it did not take)."""
+    from conftest import compose_config
+    from runner.train import train
+
+    monkeypatch.setenv("DPRUN_TENSOR_CORES", "1")
+    summary = train(compose_config(["progress=false", "method=reweight", "epochs=1", "max_steps_per_epoch=2",
+                                    "precision=bf16", "max_eval_batches=1", "eval_batch_size=64"]), tmp_path)
+    assert summary["tensor_cores"] is False and summary["config"]["precision"] == "bf16"

@@ -19,6 +19,7 @@ a float32 tolerance was documented here but a float64 one was applied: the GPT-2
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.privacy_check.shapes import first_input
 
 ALONE = "method=nxbp or method=multiloss (each example runs alone)"
+log = logging.getLogger("dprun")
 
 
 RTOL = 1e-7  # the rows are compared in float64; see rows_differ
@@ -102,6 +104,8 @@ def check_independence(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tens
     except DprunError:
         if not (below_float64(model) and confirmed_independent_in_float64(model, loss_fn, x, y, method)):
             raise
+        log.info("privacy check: the probe's forwards of the same rows differed beyond 1e-7 (rounding of other "
+                 "kernels for another batch size); a float64 copy on the CPU found no coupling")
     finally:
         for m, training in modes.items():
             m.training = training
