@@ -76,10 +76,12 @@ class SecureRandom:
         return out[:size]
 
     def fill(self, out: np.ndarray) -> None:
-        """out (size,) uint8, contiguous, overwritten with keystream: cut into `lanes()` parts, each part from its own
-        AES-256-CTR stream under its own key from the OS, on its own thread (OpenSSL releases the GIL: a GPU's noise,
-        24 bytes a value, needs several cores' keystream). The same security as one stream: independent keys."""
-        lanes = self._lanes_ready()
+        """out (size,) uint8, contiguous, overwritten with keystream: cut into parts of at least CHUNK_BYTES (at most
+        one per lane), each part from its own AES-256-CTR stream under its own key from the OS, on its own thread
+        (OpenSSL releases the GIL: a GPU's noise, 24 bytes a value, needs several cores' keystream); a small draw
+        (a model of under ~175k parameters) is one part, made here without a thread hand-off. The same security as
+        one stream: independent keys."""
+        lanes = self._lanes_ready()[:max(1, out.size // CHUNK_BYTES)]
         bounds = np.linspace(0, out.size, len(lanes) + 1).astype(np.int64) // 64 * 64
         bounds[-1] = out.size
         parts = [(lane, out[bounds[i]:bounds[i + 1]]) for i, lane in enumerate(lanes) if bounds[i + 1] > bounds[i]]

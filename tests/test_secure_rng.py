@@ -331,11 +331,17 @@ def test_parallel_lanes_fill_every_byte_and_nothing_past_the_buffer():
     from runner.randomness import KeystreamLane, ThreadPoolExecutor
     rng._lanes = [KeystreamLane() for _ in range(3)]  # three lanes whatever this machine's cores
     rng._lane_pool = ThreadPoolExecutor(3)
-    for size in (1, 100, 3 * 64 + 5, 2**20 + 7, 3 * 2**22 + 13):
+    used = []
+    for lane in rng._lanes:
+        real = lane.fill
+        lane.fill = lambda out, size=None, real=real, lane=lane: used.append(lane) or real(out, size)
+    for size, parts in ((1, 1), (100, 1), (3 * 64 + 5, 1), (2**20 + 7, 1), (2 * 2**22, 2), (3 * 2**22 + 13, 3)):
         buf = np.zeros(size + 64, dtype=np.uint8)
         buf[size:] = 0xAB  # a sentinel past the part handed over
+        used.clear()
         rng.fill(buf[:size])
         assert (buf[size:] == 0xAB).all(), size
+        assert len(set(used)) == len(used) == parts, size  # a small draw: one lane, no thread hand-off
         if size >= 2**20:  # keystream: every byte value about equally often, no zero runs left unwritten
             counts = np.bincount(buf[:size], minlength=256)
             assert counts.min() > 0.8 * size / 256, size
