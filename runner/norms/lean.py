@@ -32,13 +32,15 @@ import torch
 from runner.norms.certify import exact_float32
 from runner.norms.coverage import Plan
 from runner.norms.outer import KEEP, Stash
+from runner.norms import streaming
 from runner.norms.streaming import StreamingNorms
 from runner.norms.tensor_cores import records
 
 
 class LeanRecorder(StreamingNorms):
-    def __init__(self, plan: Plan, how: str, stashes: dict, keep=KEEP):
-        super().__init__(plan, how)
+    def __init__(self, plan: Plan, how: str, stashes: dict, keep=KEEP, capture_bytes: int | None = None):
+        # calls whose outputs add up to at most capture_bytes (default streaming.CAPTURE_BYTES) get no tensor hook
+        super().__init__(plan, how, streaming.CAPTURE_BYTES if capture_bytes is None else capture_bytes)
         self.stashes = stashes  # id(module) -> the rule's stash (kept per-example gradients or sums)
         self.keep = keep  # method.keep's ratio or method.keep_mb's budget (Stash.keeps)
         self.kept: dict[int, list] = {}  # id(module) -> [(input, output-gradient)] for its clipped sum ([] if stash)

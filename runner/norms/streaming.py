@@ -41,6 +41,14 @@ TRANSIENT_BUDGET = 1.0  # a chunk's norm transients: at most this fraction of th
 # ... or up to this many bytes: below it chunks save too little memory to pay for their kernels (L&K's fig. 6 CNN at
 # B=16 cut its conv norms into 6 chunks of 3 examples, ~1 MB saved for 5 more rounds of ~20 small kernels each)
 TRANSIENT_FLOOR_BYTES = 2**20
+# modules called once get no tensor hook, in call order, while their outputs add up to at most this many bytes: the
+# backward returns their output-gradients with the sources' (autograd.grad on each output's gradient edge), and their
+# norms are formed after it. A tensor hook costs ~40 us of Python per call (registered in the forward, run in the backward) however
+# small the layer: L&K's fig. 6 CNN at B=16 spent ~5% of its bk step in its four hooks (issue 26's budget). The cost
+# in memory: these output-gradients wait for the backward's end, at most this many bytes in all, and so do their
+# norms' transients (a module called several times, a recurrent cell, is hooked: its norm waiting for the end met
+# every other layer's records there, +9 MB on the LSTM at B=128)
+CAPTURE_BYTES = 2**21
 
 
 @dataclass
@@ -54,9 +62,13 @@ class Pending:
 
 
 class StreamingNorms(CallHooks):
-    def __init__(self, plan: Plan, how: str = "auto"):
+    def __init__(self, plan: Plan, how: str = "auto", capture_bytes: int = 0):
         super().__init__(plan)
         self.how = how
+        self.capture_bytes = capture_bytes  # calls with outputs up to this size: no hook (CAPTURE_BYTES)
+        # calls without a hook: (module key, call index, output's gradient edge, its bytes, (output, its version))
+        self.captured: list = []
+        self.captured_bytes = 0  # their outputs' bytes: at most capture_bytes in all
         self.rules = {id(m): (path, m, rule) for path, m, rule in plan.layers}
         self.pending: dict[int, Pending] = {}
         # where the backward may stop: the output of each call on an input that needs no gradient (the first layer
@@ -78,7 +90,39 @@ class StreamingNorms(CallHooks):
             self.sources.append(torch.autograd.graph.get_gradient_edge(out))
         if out.requires_grad:
             p.waiting += 1
-            self.tensor_hooks.append(out.register_hook(partial(self._on_grad, id(module), len(p.grads) - 1)))
+            index = len(p.grads) - 1
+            nbytes = out.numel() * out.element_size()
+            if index == 1:  # called again (a recurrent cell): every call of it hooked
+                self._hook_captured_call(id(module))
+            if index == 0 and self.captured_bytes + nbytes <= self.capture_bytes and not torch.compiler.is_compiling():
+                # the edge, not the tensor: the output is not kept, and an in-place change after the call (ReLU
+                # inplace) does not move it (the gradient is the layer's output's, as a tensor hook's)
+                # (the output itself is held until the forward ends, at most capture_bytes: _hook_captured_call)
+                self.captured.append((id(module), index, torch.autograd.graph.get_gradient_edge(out), nbytes,
+                                      (out, out._version)))
+                self.captured_bytes += nbytes
+            else:
+                self.tensor_hooks.append(out.register_hook(partial(self._on_grad, id(module), index)))
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self.captured = [c[:4] + (None,) for c in self.captured]  # the forward is over: no output kept
+
+    def _hook_captured_call(self, key: int) -> None:
+        """A module called a second time: its first call, if captured, gets the tensor hook after all, so that the
+        module's norm is still formed inside the backward, where its transients do not meet every other layer's
+        records (a recurrent cell's 28 calls: +9 MB on the LSTM at B=128 when its norm waited for the backward's
+        end). An output changed in place since its call stays captured (a hook now would get the changed value's
+        gradient): exact, its norm formed after the backward."""
+        at = next((i for i, c in enumerate(self.captured) if c[0] == key), None)
+        if at is None:
+            return
+        out, version = self.captured[at][4]
+        if out._version != version:  # (the forward is still on: the output is held)
+            return
+        key, index, _, nbytes, _ = self.captured.pop(at)
+        self.captured_bytes -= nbytes
+        self.tensor_hooks.append(out.register_hook(partial(self._on_grad, key, index)))
 
     def _on_grad(self, key: int, index: int, grad: torch.Tensor) -> None:
         p = self.pending.get(key)
@@ -127,8 +171,8 @@ class StreamingNorms(CallHooks):
         recompute mode) frees each saved activation as the backward passes it, as a non-private backward does, and
         asks for the source calls' outputs only; when a call is still waiting afterwards the graph is gone, so
         `complete` is False and the caller runs the forward again and calls backward_all."""
-        if loss.requires_grad and self.sources:  # every covered call between the loss and a source: no weight gradient
-            torch.autograd.grad(loss, self.sources, retain_graph=keep_graph, allow_unused=True)
+        if loss.requires_grad:  # every covered call between the loss and a source: no weight gradient
+            self._grad(loss, self.sources, keep_graph)
         self.sources = []
         waiting = [self.rules[k][1] for k, p in self.pending.items() if p.waiting]
         if not keep_graph and loss.requires_grad and waiting:
@@ -150,9 +194,21 @@ class StreamingNorms(CallHooks):
         """One backward (graph freed as it goes) that asks for every covered layer's parameters: every call whose
         output reaches the loss gets its output-gradient, at the cost of computing every weight gradient."""
         params = [p for _, m, _ in self.plan.layers for p in m.parameters(recurse=False) if p.requires_grad]
-        if loss.requires_grad and params:
-            torch.autograd.grad(loss, params, allow_unused=True)
+        if loss.requires_grad:
+            self._grad(loss, params, keep_graph=False)
         return self._finish(batch_size, loss)
+
+    def _grad(self, loss: torch.Tensor, targets: list, keep_graph: bool) -> None:
+        """One backward asking for `targets` (gradient edges or parameters) and the captured calls' outputs, whose
+        gradients it hands to _on_grad (None: the output does not reach the loss, a zero gradient)."""
+        captured, self.captured = [(key, index, edge) for key, index, edge, _, _ in self.captured], []  # outputs freed
+        if not targets and not captured:
+            return
+        grads = torch.autograd.grad(loss, list(targets) + [edge for _, _, edge in captured],
+                                    retain_graph=keep_graph, allow_unused=True)
+        # last call first, as the backward meets them (method.keep_mb's first step ranks layers in that order)
+        for (key, index, _), grad in reversed(list(zip(captured, grads[len(targets):]))):
+            self._on_grad(key, index, grad)
 
     def _remove_hooks(self) -> None:
         for h in self.tensor_hooks:
