@@ -41,13 +41,15 @@ TRANSIENT_BUDGET = 1.0  # a chunk's norm transients: at most this fraction of th
 # ... or up to this many bytes: below it chunks save too little memory to pay for their kernels (L&K's fig. 6 CNN at
 # B=16 cut its conv norms into 6 chunks of 3 examples, ~1 MB saved for 5 more rounds of ~20 small kernels each)
 TRANSIENT_FLOOR_BYTES = 2**20
-# modules called once get no tensor hook, in call order, while their outputs add up to at most this many bytes: the
-# backward returns their output-gradients with the sources' (autograd.grad on each output's gradient edge), and their
-# norms are formed after it. A tensor hook costs ~40 us of Python per call (registered in the forward, run in the backward) however
-# small the layer: L&K's fig. 6 CNN at B=16 spent ~5% of its bk step in its four hooks (issue 26's budget). The cost
-# in memory: these output-gradients wait for the backward's end, at most this many bytes in all, and so do their
-# norms' transients (a module called several times, a recurrent cell, is hooked: its norm waiting for the end met
-# every other layer's records there, +9 MB on the LSTM at B=128)
+# book-keeping's lean recorder (lean.py): modules called once get no tensor hook, in call order, while their outputs
+# add up to at most this many bytes; the backward returns their output-gradients with the sources' (autograd.grad on
+# each output's gradient edge) and their norms are formed after it. Small layers pay for a hook more than they save:
+# L&K's fig. 6 CNN at B=16 ran its bk step at 1.41x the non-private step with a hook per layer, 1.31x without (one
+# process, interleaved; issue 26's budget). The cost in memory: these output-gradients wait for the backward's end,
+# at most this many bytes in all, and so do their norms' transients (a module called again, a recurrent cell, is
+# hooked after all: its norm waiting for the end met every other layer's records there, +9 MB on the LSTM at B=128).
+# twopass/recompute keep a hook per call (0): their point is one layer's output-gradient at a time (capture gave
+# them 1-4% on fig. 6 for +20% memory)
 CAPTURE_BYTES = 2**21
 
 
@@ -65,7 +67,7 @@ class StreamingNorms(CallHooks):
     def __init__(self, plan: Plan, how: str = "auto", capture_bytes: int = 0):
         super().__init__(plan)
         self.how = how
-        self.capture_bytes = capture_bytes  # calls with outputs up to this size: no hook (CAPTURE_BYTES)
+        self.capture_bytes = capture_bytes  # modules called once, outputs up to this in all: no hook (CAPTURE_BYTES)
         # calls without a hook: (module key, call index, output's gradient edge, its bytes, (output, its version))
         self.captured: list = []
         self.captured_bytes = 0  # their outputs' bytes: at most capture_bytes in all
