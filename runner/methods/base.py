@@ -36,6 +36,7 @@ import torch
 
 from runner.distributed import World
 from runner.errors import DprunError
+from runner.trainable import trainable  # noqa: F401  (methods import it from here)
 from runner.accountants.mechanisms import Mechanism, NoPrivacy, SubsampledGaussian
 from runner.methods.features import Feature
 from runner.methods.noise import add_noise_and_scale
@@ -85,10 +86,6 @@ def add_into(total: list[torch.Tensor] | None, params: list[torch.Tensor]) -> li
         return grads
     torch._foreach_add_(total, grads)
     return total
-
-
-def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 class Method:

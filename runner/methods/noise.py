@@ -17,12 +17,13 @@ from __future__ import annotations
 import torch
 
 from runner.randomness import standard_normal
+from runner.trainable import trainable
 
 
 @torch.no_grad()
 def add_noise_and_scale(model: torch.nn.Module, noise_std: float, expected_batch_size: float,
                         generator: torch.Generator | None = None) -> None:
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = trainable(model)
     for p in params:
         if p.grad is None:  # a parameter unused by this batch (or empty batch) still gets noise
             p.grad = torch.zeros_like(p)

@@ -16,6 +16,7 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.norms.base import NormRule, rule_for
+from runner.trainable import trainable_ids
 
 BLACK_BOX = "use a black-box method (method=jl or method=multiloss)"
 
@@ -36,10 +37,6 @@ def rejection(module: nn.Module) -> str | None:
         if cls in REASONS:
             return REASONS[cls]
     return None
-
-
-def trainable_ids(model: nn.Module) -> frozenset[int]:
-    return frozenset(id(p) for p in model.parameters() if p.requires_grad)
 
 
 @dataclass

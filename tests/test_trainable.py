@@ -1,0 +1,72 @@
+"""runner/trainable.py: the same list as [p for p in model.parameters() if p.requires_grad], same order, for every
+model dprun builds and for the cases a walk of its own could get wrong (tied weights, a module in two places, None
+entries, frozen parameters, a class that overrides parameters())."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from runner.bench.common import CIFAR10, IMDB, MNIST
+from runner.models import MODELS
+from runner.trainable import trainable, trainable_ids
+
+
+def reference(model: nn.Module) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def same(model: nn.Module) -> None:
+    got, want = trainable(model), reference(model)
+    assert [id(p) for p in got] == [id(p) for p in want]
+    assert trainable_ids(model) == frozenset(id(p) for p in want)
+
+
+@pytest.mark.parametrize("name,info", [("cnn", MNIST), ("bu_cnn", MNIST), ("mlp", MNIST), ("lstm", MNIST),
+                                       ("transformer", IMDB), ("resnet18", CIFAR10), ("vgg11", CIFAR10)])
+def test_every_built_model_lists_the_same_parameters_in_the_same_order(name, info):
+    torch.manual_seed(0)
+    same(MODELS.build(name, info))
+
+
+class Awkward(nn.Module):
+    """Tied weights, one module registered twice, a None parameter and a None submodule, a frozen layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        self.again = self.block  # the same module under two names
+        self.head = nn.Linear(4, 10)
+        self.head.weight = self.embed.weight  # tied
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.register_parameter("nothing", None)
+        self.register_module("absent", None)
+        self.scale = nn.Parameter(torch.ones(()))
+
+
+def test_tied_weights_shared_modules_none_entries_and_frozen_layers():
+    model = Awkward()
+    same(model)
+    model.block[0].bias.requires_grad_(False)
+    same(model)
+    # scale (own), embed (tied with head.weight), the Linear weight (its bias frozen now), LayerNorm weight and bias,
+    # head bias: 6
+    assert len(trainable(model)) == len(reference(model)) == 6
+
+
+class OwnParameters(nn.Module):
+    """A class that decides its own parameters(): its answer is kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def parameters(self, recurse: bool = True):
+        return iter([self.b.weight])
+
+
+def test_a_class_overriding_parameters_keeps_its_own_answer():
+    model = OwnParameters()
+    assert [id(p) for p in trainable(model)] == [id(model.b.weight)]
