@@ -12,7 +12,10 @@ Recorder (hooks.py) keeps every call's output until the backward ends and gets a
 from autograd.grad(loss, outputs), so the outputs (which autograd itself would have freed) and every
 output-gradient pile up next to each other. Here, as in StreamingNorms (streaming.py, which it extends), a tensor
 hook on each call's output receives the output-gradient as the backward reaches the layer; once a module has all of
-its calls' gradients, its certified squared norm is formed (runner/norms/certify.py) with the rule's stash, and:
+its calls' gradients, its certified squared norm is formed (runner/norms/certify.py) with the rule's stash. Small
+layers are the exception (streaming.CAPTURE_BYTES): a module called once whose output, with the other such calls',
+stays within 2 MiB gets no hook; the backward returns its output-gradient by the output's gradient edge and its norm
+follows the backward (a hook and a norm inside the backward cost small layers more than they save). Then:
 
 - the outputs are never kept (the hook lives on the graph, not on the tensor);
 - a layer whose stash holds every parameter's per-example gradient or sum (rule.stash_only: a Linear that keeps
@@ -21,8 +24,8 @@ its calls' gradients, its certified squared norm is formed (runner/norms/certify
 - any other layer keeps its raw (input, output-gradient) records, no upcast or concatenated copy, until its clipped
   sum is formed (exactly what Recorder.raw_layers gives).
 
-The backward asks for the source layers' parameters only (StreamingNorms.backward, graph freed as it goes). A covered
-call it did not reach (input data that requires grad, an unused output) leaves `complete` False and backward returns
+The backward asks for the source calls' outputs (and the captured calls') only (StreamingNorms.backward, graph freed
+as it goes). A hooked call it did not reach (input data that requires grad, an unused output) leaves `complete` False and backward returns
 None: the caller then replays the step with Recorder (ReweightGP does, and keeps Recorder for that model).
 """
 from __future__ import annotations
