@@ -30,7 +30,7 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.methods import METHODS, opacus_peer, reweight
-from runner.norms import RULES
+from runner.norms import RULES, streaming
 from runner.bench.adversarial import CONSTRUCTIONS, Cancelling, exact_norm, measured, near_constant, released, seq
 from runner.norms.base import HOW
 
@@ -85,6 +85,20 @@ def test_crafted_example_contributes_at_most_C(name, cfg, kind, case, build, exa
             return  # refused in one line (checked in contribution)
         worst = max(worst, ratio)
     assert worst <= 1 + TOL, f"{case}: an example contributed {worst:.6g} x C"
+
+
+@pytest.mark.parametrize("kind,case,build,example", ALL, ids=[c[1] for c in ALL])
+@pytest.mark.parametrize("how", HOW)
+def test_crafted_example_contributes_at_most_C_through_hooks(monkeypatch, how, kind, case, build, example):
+    """Book-keeping's lean recorder hands small layers' output-gradients over after the backward (no hook,
+    streaming.CAPTURE_BYTES) and large layers' through tensor hooks inside it; the constructions are small, so the
+    test above covers the first route and this one, capture off, the second."""
+    monkeypatch.setattr(streaming, "CAPTURE_BYTES", 0)
+    torch.manual_seed(0)
+    model = build(0)
+    x = example(torch.Generator().manual_seed(1), EPS)
+    worst = max(contribution("reweight", {"mode": "bk", "norm": how}, model, x, fraction) for fraction in (0.01, 0.9))
+    assert worst <= 1 + TOL, f"{case}: an example contributed {worst:.6g} x C through hooks"
 
 
 @pytest.mark.parametrize("kind,case,build,example", ALL, ids=[c[1] for c in ALL])

@@ -70,3 +70,22 @@ class OwnParameters(nn.Module):
 def test_a_class_overriding_parameters_keeps_its_own_answer():
     model = OwnParameters()
     assert [id(p) for p in trainable(model)] == [id(model.b.weight)]
+
+
+class HidesItsChild(nn.Module):
+    """A submodule whose named_modules() leaves out its child: parameters() (which asks it) does not list the child's
+    weight, and neither may trainable()."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept, self.hidden = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        yield prefix, self
+        yield from self.kept.named_modules(memo, prefix + ".kept", remove_duplicate)
+
+
+def test_a_submodule_overriding_named_modules_keeps_its_answer():
+    model = nn.Sequential(nn.Linear(2, 2), HidesItsChild())
+    same(model)
+    assert len(trainable(model)) == 4  # the first Linear's and `kept`'s weight and bias, not `hidden`'s
