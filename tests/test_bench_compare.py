@@ -83,3 +83,39 @@ def test_a_worker_keeps_installed_packages_on_pythonpath_but_no_tree(tmp_path):
     (tree / "runner").mkdir(parents=True)
     kept = compare.without_trees(os.pathsep.join([str(site), str(tree), ""]))
     assert kept.split(os.pathsep) == [str(site)]
+
+
+OLD_SIGNATURE = '''
+
+_method_contender = method_contender
+
+
+def method_contender(label, base, x, y, expected_batch, n):  # a tree from before precision=
+    return _method_contender(label, base, x, y, expected_batch, n)
+'''
+
+
+def test_precision_reaches_the_trees_that_have_it_and_an_older_tree_runs_torchs_defaults(tmp_path):
+    """--precision tf32: each tree's method_contender gets precision= where it takes one; a tree from before
+    precision= (0c009e4, the certified-clipping base) builds its rows with torch's defaults, and its reply says so."""
+    old = tmp_path / "old"
+    shutil.copytree(compare.HERE / "runner", old / "runner", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    clip = old / "runner" / "bench" / "clip.py"
+    clip.write_text(clip.read_text().replace('\nif __name__ == "__main__":', OLD_SIGNATURE + '\nif __name__ == "__main__":'))
+    trees = {"this": compare.Tree(compare.HERE, "cpu"), "old": compare.Tree(old, "cpu")}
+    try:
+        for precision in ("tf32", "bf16"):
+            replies = {name: t.ask(build="fig6_b16", methods=["nonprivate", "reweight-bk"], quick=True,
+                                   suite="default", precision=precision) for name, t in trees.items()}
+            assert replies["this"]["precision"] == precision and replies["this"]["built"] == ["nonprivate",
+                                                                                               "reweight-bk"]
+            assert replies["old"]["precision"] == "torch's defaults" and len(replies["old"]["built"]) == 2
+        # the rows really run under it: twopass refuses tf32 in this tree (one line), the old tree builds it
+        replies = {name: t.ask(build="fig6_b16", methods=["reweight-twopass"], quick=True, suite="default",
+                               precision="tf32") for name, t in trees.items()}
+        assert replies["this"]["built"] == [] and "tf32" in replies["this"]["notes"]["reweight-twopass"]
+        assert replies["old"]["built"] == ["reweight-twopass"]
+    finally:
+        for t in trees.values():
+            t.close()

@@ -99,8 +99,11 @@ class Tree:
 
 
 def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool, repeats: int, warmup: int,
-                     gap_s: float, suite: str = "default") -> list[dict]:
-    built = {name: t.ask(build=w.name, methods=methods, quick=quick, suite=suite) for name, t in trees.items()}
+                     gap_s: float, suite: str = "default", precision: str = "fp32") -> list[dict]:
+    built = {name: t.ask(build=w.name, methods=methods, quick=quick, suite=suite, precision=precision)
+             for name, t in trees.items()}
+    if len({b.get("precision") for b in built.values()}) > 1:
+        print(f"[bench-compare] {w.name}: precision " + ", ".join(f"{n} {b.get('precision')}" for n, b in built.items()))
     for name, b in built.items():  # each worker must have imported its own tree (not an installed copy)
         if "runner" in b and not Path(b["runner"]).resolve().is_relative_to(trees[name].root):
             raise DprunError(f"the {name} worker imported runner from {b['runner']}, not from {trees[name].root}")
@@ -150,6 +153,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--methods", default="nonprivate,reweight-twopass,reweight-recompute,reweight-bk",
                     help=f"comma-separated rows of bench-clip, each timed in both trees; valid: {', '.join(ALL)}")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="pause before each step")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "tf32"],
+                    help="each tree's precision= where it has one (a tree without runs torch's defaults: on CUDA, "
+                         "TF32 convolutions and float32 matmuls; tf32 is then the like-for-like choice for conv nets)")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in ALL]
@@ -168,7 +174,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             for w in chosen:
                 print(f"[bench-compare] {w.name}: model={w.model} B={w.batch} ...", flush=True)
                 rows += compare_workload(trees, w, [m for m in methods if m in w.methods], args.quick, repeats,
-                                         args.warmup, args.gap_ms / 1e3, args.suite)
+                                         args.warmup, args.gap_ms / 1e3, args.suite, args.precision)
         finally:
             for tree in trees.values():
                 tree.close()

@@ -4,12 +4,13 @@
 
 Imports nothing of the tree it lives in: TREE's own `runner` (its models, methods and bench) builds the contenders,
 so each tree is timed with its own code, in its own process, and no module of one tree can reach the other's.
-Requests: {"build": workload, "methods": [...], "quick": bool, "suite": "default" | "gpu"} ->
+Requests: {"build": workload, "methods": [...], "quick": bool, "suite": "default" | "gpu", "precision": "fp32"...} ->
 {"built": [labels], "notes": {label: why not}}; {"step": label} -> {"s": seconds of one step}; {"memory": label} ->
 {"bytes": peak bytes of one step, as bench-clip measures it}; {"quit": true}. The tree's bench API:
 runner.bench.clip's workloads(), gpu_workloads() and method_contender(), runner.bench.common's synthetic_batch(),
 timed() and step_memory_bytes() (there since the certified-clipping work began; an older tree answers {"error": ...}).
 """
+import inspect
 import json
 import sys
 
@@ -54,15 +55,20 @@ def build(clip, common, MODELS, device, request: dict, steps: dict) -> dict:
     x, y = common.synthetic_batch(w.info, w.batch, device)
     steps.clear()
     notes = {}
+    # a tree older than precision= (runner/precision.py) runs torch's defaults (on CUDA: TF32 convolutions, float32
+    # matmuls), and its reply says so
+    knows = "precision" in inspect.signature(clip.method_contender).parameters
+    precision = {"precision": request.get("precision", "fp32")} if knows else {}
     for label in request["methods"]:
-        c, note = clip.method_contender(label, base, x, y, float(w.batch), w.info.train_size)
+        c, note = clip.method_contender(label, base, x, y, float(w.batch), w.info.train_size, **precision)
         if c is None:
             notes[label] = note
         else:
             steps[label] = c
     import runner
 
-    return {"built": list(steps), "notes": notes, "runner": runner.__file__}
+    return {"built": list(steps), "notes": notes, "runner": runner.__file__,
+            "precision": precision.get("precision", "torch's defaults")}
 
 
 if __name__ == "__main__":
