@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -350,3 +351,17 @@ def test_parallel_lanes_fill_every_byte_and_nothing_past_the_buffer():
     rng.fill(a)
     rng.fill(b)
     assert (a != b).mean() > 0.99  # the streams go on: no part repeated
+
+
+def test_a_draw_ahead_uses_fewer_keystream_lanes_than_a_draw_the_step_waits_for():
+    """On a 16-core GPU host, eight lanes beside a step that launches kernels slowed it (1.69x vs 1.11x with four,
+    docs/bench.md): a SecureRandom drawing ahead makes at most LANES_AHEAD lanes, one that is waited for up to
+    LANES_WAITING, each at most half the cores and at least one."""
+    from runner.randomness import LANES_AHEAD, LANES_WAITING, keystream_lanes
+
+    assert (LANES_AHEAD, LANES_WAITING) == (4, 8)
+    assert [keystream_lanes(True, c) for c in (1, 2, 8, 16, 64)] == [1, 1, 4, 4, 4]
+    assert [keystream_lanes(False, c) for c in (1, 2, 8, 16, 64)] == [1, 1, 4, 8, 8]
+    for ahead in (True, False):
+        rng = SecureRandom(ahead=ahead)
+        assert len(rng._lanes_ready()) == keystream_lanes(ahead, os.cpu_count() or 2)
