@@ -117,10 +117,12 @@ bench-gpu-open: ## the open issues' GPU rows in one short command (certified/lea
 	mkdir -p $(BENCH_OUT)/secure && $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu \
 	  --workloads cnn_mnist,transformer_imdb,resnet18_cifar10 $(OPEN_RUNS) \
 	  --methods nonprivate,reweight-bk,reweight-bk-secure,noise-seeded,noise-secure --out $(BENCH_OUT)/secure $(BENCH_ARGS)
-	if [ -d "$(BASE_TREE)/runner" ]; then mkdir -p $(BENCH_OUT)/compare && $(PY) -m runner.bench.compare \
-	  --device $(BENCH_DEVICE) --suite gpu --base $(BASE_TREE) --workloads cnn_mnist,transformer_imdb,resnet18_cifar10 \
+	if [ -d "$(BASE_TREE)/runner" ]; then mkdir -p $(BENCH_OUT)/compare $(BENCH_OUT)/compare_tf32 && $(PY) -m runner.bench.compare \
+	  --device $(BENCH_DEVICE) --suite gpu --base $(BASE_TREE) --workloads transformer_imdb \
 	  --methods nonprivate,reweight-bk,reweight-twopass,reweight-recompute $(OPEN_RUNS) --out $(BENCH_OUT)/compare \
-	  $(BENCH_ARGS); fi
+	  $(BENCH_ARGS) && $(PY) -m runner.bench.compare --device $(BENCH_DEVICE) --suite gpu --base $(BASE_TREE) \
+	  --precision tf32 --workloads cnn_mnist,resnet18_cifar10 --methods nonprivate,reweight-bk $(OPEN_RUNS) \
+	  --out $(BENCH_OUT)/compare_tf32 $(BENCH_ARGS); fi
 OPEN_RUNS = --repeats 10 --warmup 3 --budget 2
 BENCH_OUT ?= outputs/bench/open
 BENCH_DEVICE ?= cuda
