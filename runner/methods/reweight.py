@@ -96,16 +96,17 @@ class ReweightGP(Method):
                     f"tensors whose norms it took)")
         return None
 
-    def plan(self, model):
-        """The model's covered layers; re-checked whenever the set of trainable parameters changes."""
-        if self._plan is None or self._model_id != id(model) or not self._plan.matches(model):
+    def plan(self, model, params: list | None = None):
+        """The model's covered layers; re-checked whenever the set of trainable parameters changes (params:
+        trainable(model), when the caller has it: one walk of the modules fewer)."""
+        if self._plan is None or self._model_id != id(model) or not self._plan.matches(model, params):
             self._plan, self._model_id = plan_model(model), id(model)
             self._lean = True
         return self._plan
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:
-        plan = self.plan(model)
         params = trainable(model)
+        plan = self.plan(model, params)
         if self.mode == "recompute":
             outputs, losses, norms = self.recomputed(plan, params, model, loss_fn, x, y)
         elif self.mode == "twopass":

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.norms import outer
-from runner.norms.base import NormRule, register, trains
+from runner.norms.base import NormRule, register, total, trains
 from runner.norms.certify import (finite_rows, kept, gamma, norm_factor, summed_vector, unit, upper_sqnorm,
                                   vector_norms)
 
@@ -63,18 +63,20 @@ class ConvRule(NormRule):
 
     def norm_sq(self, layer, a, g, how, stash=None):
         B, L, G, k = a.shape
-        total = a.new_zeros(B)
+        parts = []
         if trains(layer.weight):  # groups folded into the batch: (B*G, L, k_g), (B*G, L, o_g); views when G = 1
-            total = total + outer.norm_sq(fold(a), fold(g), how, stash).view(B, G).sum(1)
+            weight = outer.norm_sq(fold(a), fold(g), how, stash)  # (B*G,)
+            parts.append(weight if G == 1 else weight.view(B, G).sum(1))
         if trains(layer.bias):  # per-example bias grad sum_l g_l (B, G*o_g), certified (runner/norms/certify.py)
             sums = g.sum(1).reshape(B, -1)  # (B, C_out)
             if stash is not None:  # book-keeping adds these very sums (one (1, B) x (B, C_out) product)
                 stash["bias"] = sums
-                return total + upper_sqnorm(sums)
-            mass = vector_norms(g, (2, 3)).sum(1).mul_(
-                norm_factor(G * g.shape[3], unit(g)) * (1 + gamma(L + 2, unit(g))))
-            total = total + summed_vector(sums, mass, L)
-        return total
+                parts.append(upper_sqnorm(sums))
+            else:
+                mass = vector_norms(g, (2, 3)).sum(1).mul_(
+                    norm_factor(G * g.shape[3], unit(g)) * (1 + gamma(L + 2, unit(g))))
+                parts.append(summed_vector(sums, mass, L))
+        return total(parts, a)
 
     def clipped_sums(self, layer, a, g, nu, stash=None):
         sums: dict[str, torch.Tensor] = {}

@@ -44,8 +44,10 @@ class Plan:
     layers: list[tuple[str, nn.Module, NormRule]]
     covered: frozenset[int]  # ids of the trainable parameters the rules cover
 
-    def matches(self, model: nn.Module) -> bool:
-        return trainable_ids(model) == self.covered
+    def matches(self, model: nn.Module, params: list | None = None) -> bool:
+        """The model's trainable parameters are the covered ones (params: trainable(model), when the caller has it)."""
+        ids = trainable_ids(model) if params is None else frozenset(id(p) for p in params)
+        return ids == self.covered
 
 
 def plan_model(model: nn.Module) -> Plan:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from runner.norms import outer
-from runner.norms.base import NormRule, register, trains
+from runner.norms.base import NormRule, register, total, trains
 from runner.norms.certify import finite_rows, kept
 from runner.norms.tensor_cores import to_float32
 
@@ -28,12 +28,12 @@ class LinearRule(NormRule):
         return inp.reshape(B, -1, layer.in_features), grad_out.reshape(B, -1, layer.out_features)
 
     def norm_sq(self, layer, a, g, how, stash=None):
-        total = a.new_zeros(a.shape[0], dtype=torch.float32 if a.dtype == torch.bfloat16 else a.dtype)
+        parts = []
         if trains(layer.weight):
-            total = total + outer.norm_sq(a, g, how, stash)
+            parts.append(outer.norm_sq(a, g, how, stash))
         if trains(layer.bias):
-            total = total + outer.bias_norm_sq(to_float32(g), stash)  # (N, T, o) float32: a bias sum is cheap
-        return total
+            parts.append(outer.bias_norm_sq(to_float32(g), stash))  # (N, T, o) float32: a bias sum is cheap
+        return total(parts, a)
 
     def stash_only(self, layer, stash):
         """Book-keeping kept G_i (the weight, when `keeps`) and the bias's per-example sums: nothing else needed."""

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.norms.base import NormRule, register, trains
+from runner.norms.base import NormRule, register, total, trains
 from runner.norms.certify import finite_rows, gamma, kept, norm_factor, summed_vector, unit, upper_sqnorm, vector_norms
 
 
@@ -28,12 +28,12 @@ class AffineRule(NormRule):
         return self.normalized(layer, inp), self.as_features(layer, grad_out)
 
     def norm_sq(self, layer, a, g, how, stash=None):
-        total = a.new_zeros(a.shape[0])
+        parts = []
         if trains(layer.weight):  # per-example grad gamma: sum_t g_t * xhat_t (B, D)
-            total = total + per_example_sum(g * a, stash, "weight")
+            parts.append(per_example_sum(g * a, stash, "weight"))
         if trains(getattr(layer, "bias", None)):  # per-example grad beta: sum_t g_t (B, D)
-            total = total + per_example_sum(g, stash, "bias")
-        return total
+            parts.append(per_example_sum(g, stash, "bias"))
+        return total(parts, a)
 
     def clipped_sums(self, layer, a, g, nu, stash=None):
         sums: dict[str, torch.Tensor] = {}
