@@ -33,7 +33,7 @@ from runner.norms import Recorder, plan_model
 from runner.norms.lean import LeanRecorder
 from runner.norms.keep_budget import KeepBudget, keep_budget
 from runner.norms.outer import KEEP, Stash
-from runner.norms.streaming import StreamingNorms
+from runner.norms.streaming import StreamingNorms, summed_terms
 from runner.norms.base import HOW
 from runner.norms.certify import certified_norms, clipped_sums_of, exact_float32, finite_rows
 
@@ -161,14 +161,12 @@ class ReweightGP(Method):
         # (norms/outer.py) waits for the clipped sums, which use the raw records and free each layer's as
         # soon as it is summed.
         with exact_float32(x.device):
-            norms_sq = losses.new_zeros(len(y)).detach()  # (B,) certified upper bounds, summed over layers
-            layers = 0
+            terms = []  # each layer's (B,) certified upper bounds, summed at the end
             for _, module, rule, a, g in rec.layers():
-                norms_sq = norms_sq + rule.norm_sq(module, a, g, self.how,
-                                                      stashes.setdefault(id(module), Stash(self.keep, id(module))))
-                layers += 1
+                terms.append(rule.norm_sq(module, a, g, self.how,
+                                          stashes.setdefault(id(module), Stash(self.keep, id(module)))))
                 del a, g
-            norms = certified_norms(norms_sq, layers)  # (B,)
+            norms = certified_norms(summed_terms(terms, losses.new_zeros(len(y)).detach()), len(terms))  # (B,)
             nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
             self.book_keeping(params, rec, stashes, nu)
         return outputs, losses, norms

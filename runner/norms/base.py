@@ -97,14 +97,20 @@ def trains(p: torch.Tensor | None) -> bool:
     return p is not None and p.requires_grad
 
 
+def added(tensors) -> torch.Tensor:
+    """The tensors (an iterable, at least one) added in order: Python's sum() would start from 0, one more kernel."""
+    it = iter(tensors)
+    out = next(it)
+    for t in it:
+        out = out + t
+    return out
+
+
 def total(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """(B,) the sum of a layer's per-parameter squared norms (weight, bias: each (B,) float32), added without a zeros
     tensor to start from (two kernels fewer per layer: a small model's GPU step is launch-bound); zeros of like's
     batch when no parameter trains."""
     if not parts:
         return like.new_zeros(like.shape[0], dtype=torch.float32 if like.dtype == torch.bfloat16 else like.dtype)
-    out = parts[0]
-    for part in parts[1:]:
-        out = out + part
-    return out
+    return added(parts)
 

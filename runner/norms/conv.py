@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.norms import outer
-from runner.norms.base import NormRule, register, total, trains
+from runner.norms.base import NormRule, added, register, total, trains
 from runner.norms.certify import (finite_rows, kept, gamma, norm_factor, summed_vector, unit, upper_sqnorm,
                                   vector_norms)
 
@@ -129,12 +129,12 @@ def _clipped_sums_calls(self, layer, calls, nu, stash=None):
         sums["weight"] = weight_order(layer, torch.einsum("b,bgok->gok", nu, per_example))
     elif trains(layer.weight):
         weighted = [finite_rows(grad * nu.view(shape), keep) for _, grad in calls]  # each (B, C_out, *spatial)
-        sums["weight"] = sum(weight_grad(layer, finite_rows(inp, keep), wg) for (inp, _), wg in zip(calls, weighted))
+        sums["weight"] = added(weight_grad(layer, finite_rows(inp, keep), wg) for (inp, _), wg in zip(calls, weighted))
     if trains(layer.bias) and "bias" in stash:
         sums["bias"] = nu.unsqueeze(0).mm(finite_rows(stash.pop("bias"), keep)).squeeze(0)
     elif trains(layer.bias):
         weighted = weighted or [finite_rows(grad * nu.view(shape), keep) for _, grad in calls]
-        sums["bias"] = sum(wg.sum([0, *range(2, wg.dim())]) for wg in weighted)
+        sums["bias"] = added(wg.sum([0, *range(2, wg.dim())]) for wg in weighted)
     return sums
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from runner.norms import outer
-from runner.norms.base import NormRule, register, total, trains
+from runner.norms.base import NormRule, added, register, total, trains
 from runner.norms.certify import finite_rows, kept
 from runner.norms.tensor_cores import to_float32
 
@@ -52,7 +52,7 @@ class LinearRule(NormRule):
             sums["weight"] = part if "weight" not in sums else sums["weight"].add_(part)
         if trains(layer.bias):
             stashed = stash.pop("bias", None) if stash else None
-            per_example = stashed if stashed is not None else sum(
+            per_example = stashed if stashed is not None else added(
                 to_float32(grad).reshape(len(nu), -1, layer.out_features).sum(1) for _, grad in calls)  # (B, out)
             sums["bias"] = nu.unsqueeze(0).mm(finite_rows(per_example, keep)).squeeze(0)
         return sums

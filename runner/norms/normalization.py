@@ -28,6 +28,8 @@ class AffineRule(NormRule):
         return self.normalized(layer, inp), self.as_features(layer, grad_out)
 
     def norm_sq(self, layer, a, g, how, stash=None):
+        if stash is not None and trains(layer.weight) and trains(getattr(layer, "bias", None)):
+            return both_sums(a, g, stash)
         parts = []
         if trains(layer.weight):  # per-example grad gamma: sum_t g_t * xhat_t (B, D)
             parts.append(per_example_sum(g * a, stash, "weight"))
@@ -37,6 +39,11 @@ class AffineRule(NormRule):
 
     def clipped_sums(self, layer, a, g, nu, stash=None):
         sums: dict[str, torch.Tensor] = {}
+        both = stash.pop("both", None) if stash else None
+        if both is not None:  # (B, 2D): gamma's then beta's per-example sums, as both_sums measured them
+            flat = nu.unsqueeze(0).mm(finite_rows(both, kept(nu))).view(-1)  # (2D,): one product for the two
+            D = flat.shape[0] // 2
+            return {"weight": flat[:D].view(layer.weight.shape), "bias": flat[D:].view(layer.bias.shape)}
         for name, summand in (("weight", lambda: g * a), ("bias", lambda: g)):  # (B, T, D) per-position gradients
             param = getattr(layer, name, None)
             if trains(param):
@@ -55,6 +62,20 @@ class AffineRule(NormRule):
         if stash is not None and all(n in stash for n in wanted):
             return self.clipped_sums(layer, None, None, nu, stash)
         return super().clipped_sums_calls(layer, calls, nu, stash)
+
+
+def both_sums(a: torch.Tensor, g: torch.Tensor, stash: dict) -> torch.Tensor:
+    """Book-keeping, gamma and beta both trained: their per-example sums side by side in one (B, 2D) tensor, kept in
+    `stash` ("both"; "weight" and "bias" its halves), and the (B,) certified squared norm of each row: the two
+    parameters' squared norms in one norm (upper_sqnorm over 2D entries, certified as for D), and the clipped sums
+    in one product (clipped_sums): six kernels fewer per layer than two per_example_sum (ResNet-18 has 20 GroupNorms
+    and its GPU step is launch-bound)."""
+    B, D = g.shape[0], g.shape[-1]
+    both = torch.empty(B, 2 * D, dtype=torch.result_type(g, a), device=g.device)
+    torch.sum(g * a, 1, out=both[:, :D])  # gamma: sum_t g_t * xhat_t
+    torch.sum(g, 1, out=both[:, D:])  # beta: sum_t g_t
+    stash.update(both=both, weight=both[:, :D], bias=both[:, D:])
+    return upper_sqnorm(both)
 
 
 def per_example_sum(w: torch.Tensor, stash: dict | None, key: str) -> torch.Tensor:
