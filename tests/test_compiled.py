@@ -86,6 +86,35 @@ def test_the_certificates_bookkeeping_adds_no_graph_break():
     assert dynamo_utils.counters["graph_break"] and "ContextVar" not in reasons
 
 
+class NormLayers(nn.Module):
+    """Conv + GroupNorm, then LayerNorm + Linear over positions: the rules whose book-keeping stop 30 rewrote."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn = nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4)
+        self.ln, self.head = nn.LayerNorm(4), nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, 1, 4, 4)
+        h = self.gn(self.conv(x)).flatten(2).transpose(1, 2)  # (B, 16, 4)
+        return self.head(self.ln(h)).mean(1)  # (B, 3)
+
+
+def test_the_norm_rules_add_no_graph_break():
+    """Dynamo may break a bk step's graph only at the recorder's hooks (runner/norms/streaming.py, hooks.py), never in
+    a rule's norms or clipped sums: a sum written through out= into half of a buffer, or torch.result_type, broke
+    it there (stop 30's first both_sums), and every such break costs a compiled GPU step its CUDA graph."""
+    torch.manual_seed(0)
+    method = METHODS.build("reweight", cfg={"mode": "bk"}, clip=0.5, sigma=1.0)
+    model = method.attach(NormLayers())
+    x, y = torch.randn(6, 1, 4, 4), torch.randint(0, 3, (6,))
+    method.privatize(model, loss_fn, x, y)  # eager first, as a run's first step
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(method.privatize)(model, loss_fn, x, y)
+    places = {frame.filename.replace("\\", "/").split("/runner/")[-1] for reason in explained.break_reasons
+              for frame in reason.user_stack[-1:]}
+    assert places <= {"norms/streaming.py", "norms/hooks.py"}, places
+
+
 def test_traced_step_with_buckets_equals_eager_step():
     """Batches of 5 and 6 rows padded to 8, the one of 4 to 4 (no padding): two graphs, the eager step's numbers."""
     torch._dynamo.reset()
