@@ -68,7 +68,7 @@ def both_sums(a: torch.Tensor, g: torch.Tensor, stash: dict) -> torch.Tensor:
     """Book-keeping, gamma and beta both trained: their per-example sums side by side in one (B, 2D) tensor, kept in
     `stash` ("both"; "weight" and "bias" its halves), and the (B,) certified squared norm of each row: the two
     parameters' squared norms in one norm (upper_sqnorm over 2D entries, certified as for D), and the clipped sums
-    in one product (clipped_sums): five kernels fewer per layer than two per_example_sum (ResNet-18 has 20 GroupNorms
+    in one product (clipped_sums): four kernels fewer per layer than two per_example_sum (ResNet-18 has 20 GroupNorms
     and its GPU step is launch-bound)."""
     D = g.shape[-1]
     # gamma's sum_t g_t * xhat_t, then beta's sum_t g_t: (B, 2D). A cat of the two (B, D) sums, not sums written
