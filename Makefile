@@ -122,7 +122,9 @@ bench-gpu-open: ## the open issues' GPU rows in one short command (certified/lea
 	  --methods nonprivate,reweight-bk,reweight-twopass,reweight-recompute $(OPEN_RUNS) --out $(BENCH_OUT)/compare \
 	  $(BENCH_ARGS) && $(PY) -m runner.bench.compare --device $(BENCH_DEVICE) --suite gpu --base $(BASE_TREE) \
 	  --precision tf32 --workloads cnn_mnist,resnet18_cifar10 --methods nonprivate,reweight-bk $(OPEN_RUNS) \
-	  --out $(BENCH_OUT)/compare_tf32 $(BENCH_ARGS); fi
+	  --out $(BENCH_OUT)/compare_tf32 $(BENCH_ARGS) && mkdir -p $(BENCH_OUT)/compare_aa && $(PY) -m runner.bench.compare \
+	  --device $(BENCH_DEVICE) --suite gpu --base . --precision tf32 --workloads cnn_mnist,resnet18_cifar10 \
+	  --methods nonprivate,reweight-bk $(OPEN_RUNS) --out $(BENCH_OUT)/compare_aa $(BENCH_ARGS); fi
 OPEN_RUNS = --repeats 10 --warmup 3 --budget 2
 BENCH_OUT ?= outputs/bench/open
 BENCH_DEVICE ?= cuda
