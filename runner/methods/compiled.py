@@ -20,8 +20,10 @@ The padding runs eager, outside the compiled function, whose inputs then have on
 
 Never silent: a mode that needs CUDA on another device runs compile=default instead, a method that is not
 compiled (Method.compiles) runs eager, and a step whose compilation fails runs eager from then on; each logs ONE line.
-Dynamo may split the chunk's work into several graphs (graph breaks, e.g. at the norm hooks); every part still
-runs, compiled or eager, and gives the eager step's numbers to float rounding (tests/test_compiled.py). Dynamo's
+Dynamo traces the chunk's backward (torch.autograd.grad) into the graph (in_one_graph), and reweight's
+book-keeping takes its traceable route (Recorder, with the forward hooks installed before tracing), so a bk chunk is
+one graph per physical size; a method whose work still breaks the graph runs in several parts, compiled or eager,
+and every part gives the eager step's numbers to float rounding (tests/test_compiled.py). Dynamo's
 recompile limits are raised to hold one graph per size (else sizes past the limit would run eager, logged by torch).
 The CUDA-graph modes return their outputs (losses, norms, the chunk's gradients in p.grad) in the graph's static
 memory, which the next replay overwrites: the losses, outputs and norms are copied after each replay, and
@@ -107,6 +109,27 @@ def raise_recompile_limit(sizes: int, modules: int) -> None:
                                                         8 * per_function)
 
 
+def in_one_graph(core):
+    """core, called with Dynamo tracing torch.autograd.grad (book-keeping's one backward, Recorder.backprops) into
+    the graph, so a compiled bk chunk is ONE graph: forward, backward to the recorded outputs, norms, clip factors and
+    clipped sums (a CUDA-graph mode then replays all of it). Without it the grad is a graph break deep in nested
+    calls, from which Dynamo cannot resume: it ran the rest of the book-keeping eagerly, each layer's rule a graph of
+    its own (20 graphs for a 2-block transformer; the compiled bk step slower than the eager one). Where torch lacks
+    the option: nested_graph_breaks (resume inside the nested calls: two graphs around an eager backward). The
+    option holds only during the call (Dynamo traces then), not for the rest of the process."""
+    import torch._dynamo.config as dynamo_config
+
+    option = next((o for o in ("trace_autograd_ops", "nested_graph_breaks") if o in dynamo_config._config), None)
+    if option is None:
+        return core
+
+    def call(*args, **kwargs):
+        with dynamo_config.patch(**{option: True}):
+            return core(*args, **kwargs)
+
+    return call
+
+
 class CompiledStep:
     """Callable like Method.step; compiles on the first call, falls back to eager (one log line) on failure.
     physical: the chunk's padded size, or several (buckets(): the smallest that holds the chunk)."""
@@ -136,7 +159,8 @@ class CompiledStep:
                 kwargs = {"backend": backend}
             # compiled: the padded chunk's work, whose inputs have one of the physical sizes (one graph each); the
             # padding and the slicing back to the real rows run eager around it (padding.padded)
-            core = torch.compile(masked(method.privatize), dynamic=False, **kwargs)
+            core = in_one_graph(torch.compile(masked(method.privatize), dynamic=False, **kwargs))
+            method.traced = True  # its traceable route (reweight: Recorder), also in a frame Dynamo runs eagerly
             if mode in CUDA_ONLY:
                 core = GraphOutputs(core)
             self.compiled = padded(method.privatize, self.physical, core)
@@ -160,6 +184,7 @@ class CompiledStep:
             log.warning("compile=%s failed for method=%s (%s: %s); running the eager step from now on",
                         self.mode, self.method.name, type(e).__name__, first)
             self.compiled, self.mode, self.physical = None, "off", None
+            self.method.traced = False
             optimizer.zero_grad(set_to_none=True)
             return self.method.step(model, loss_fn, x, y, optimizer, **kw)
 

@@ -31,6 +31,7 @@ from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.features import Feature
 from runner.norms import Recorder, plan_model
 from runner.norms.lean import LeanRecorder
+from runner.norms.hooks import install_call_hooks
 from runner.norms.keep_budget import KeepBudget, keep_budget
 from runner.norms.outer import KEEP, Stash
 from runner.norms.streaming import StreamingNorms, summed_terms
@@ -102,6 +103,8 @@ class ReweightGP(Method):
         if self._plan is None or self._model_id != id(model) or not self._plan.matches(model, params):
             self._plan, self._model_id = plan_model(model), id(model)
             self._lean = True
+            if not torch.compiler.is_compiling():
+                install_call_hooks(self._plan)  # no hook registered inside a compiled step (runner/norms/hooks.py)
         return self._plan
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:
@@ -132,12 +135,12 @@ class ReweightGP(Method):
         Eager: the lean recorder (runner/norms/lean.py, issue 31) forms each layer's norm inside the backward and
         keeps only what the clipped sums need; a covered call its source-only backward did not reach makes the step
         start again (same random state) with Recorder, which asks autograd for every call's output-gradient, and
-        this model keeps Recorder from then on. Compiled (runner/methods/compiled.py): Recorder (no tensor hooks
-        in the traced graph)."""
+        this model keeps Recorder from then on. Compiled (runner/methods/compiled.py, self.traced): Recorder, no
+        tensor hooks in the traced graph, which is then one graph with the backward in it."""
         stashes: dict[int, dict] = {}
         if isinstance(self.keep, KeepBudget):
             self.keep.begin_step()
-        if self._lean and not torch.compiler.is_compiling():
+        if self._lean and not self.traced and not torch.compiler.is_compiling():
             state = rng_state(x.device)
             with LeanRecorder(plan, self.how, stashes, self.keep) as rec, self.autocast(x):
                 outputs = model(x)  # (B, classes)

@@ -37,20 +37,46 @@ class Call:
     modified: bool = False  # set by backprops, which then drops `out` (memory)
 
 
+_OPEN: list = []  # the open CallHooks, innermost last: where the installed hooks (install_call_hooks) send calls
+INSTALLED = "_dprun_call_hook"  # a module attribute: True once install_call_hooks gave the module its hook
+
+
+def install_call_hooks(plan: Plan) -> None:
+    """A forward hook on each covered module, kept, that passes its calls to the open CallHooks (none open: it does
+    nothing). A CallHooks then registers no hook of its own on these modules when it opens: registering one inside
+    torch.compile's traced step is a graph break that makes Dynamo run the whole book-keeping frame eagerly, its
+    forward cut into a graph per layer (runner/methods/compiled.py), and per step it is ~2 Python calls a module
+    fewer in eager. A deep copy of the module keeps the hook and the mark."""
+    for _, module, _ in plan.layers:
+        if not getattr(module, INSTALLED, False):
+            module.register_forward_hook(_to_open_hooks, with_kwargs=True)
+            setattr(module, INSTALLED, True)
+
+
+def _to_open_hooks(module, args, kwargs, out):
+    if _OPEN and id(module) in _OPEN[-1].covered:
+        _OPEN[-1]._hook(module, args, kwargs, out)
+
+
 class CallHooks:
     """While open (`with`), on_call(module, input, output) runs after every call of a covered module of the plan;
-    Recorder and StreamingNorms (streaming.py) are its two uses."""
+    Recorder and StreamingNorms (streaming.py) are its two uses. A module with an installed hook
+    (install_call_hooks) sends its calls here; the others get a hook while this is open."""
 
     def __init__(self, plan: Plan):
         self.plan = plan
+        self.covered = frozenset(id(m) for _, m, _ in plan.layers)
         self.handles: list = []
 
     def __enter__(self):
         for _, module, _ in self.plan.layers:
-            self.handles.append(module.register_forward_hook(self._hook, with_kwargs=True))
+            if not getattr(module, INSTALLED, False):
+                self.handles.append(module.register_forward_hook(self._hook, with_kwargs=True))
+        _OPEN.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _OPEN.remove(self)
         for h in self.handles:
             h.remove()
         self.handles.clear()
