@@ -127,12 +127,14 @@ bench-gpu-open: ## the open issues' GPU rows in one short command (certified/lea
 	  --methods nonprivate,reweight-bk $(OPEN_RUNS) --out $(BENCH_OUT)/compare_aa $(BENCH_ARGS); fi
 
 .PHONY: bench-gpu-compiled
-bench-gpu-compiled: ## issue 31's compiled rows: a bk chunk as one graph under CUDA graphs vs the compiled non-private step (fp32, bf16, bf16 on tensor cores) -> $(BENCH_OUT)/compiled_*/clip_cuda.csv
-	for p in fp32 bf16 bf16tc; do mkdir -p $(BENCH_OUT)/compiled_$$p && DPRUN_TENSOR_CORES=$$( [ $$p = bf16tc ] && echo 1 || echo 0 ) \
+bench-gpu-compiled: ## issue 31's compiled rows: a bk chunk as one graph under CUDA graphs vs the compiled non-private step, GPT-2-small at T=128/512, bf16 then fp32 (COMPILED_PRECISIONS: add bf16tc for the tensor-core route) -> $(BENCH_OUT)/compiled_*/clip_cuda.csv
+	for p in $(COMPILED_PRECISIONS); do mkdir -p $(BENCH_OUT)/compiled_$$p && DPRUN_TENSOR_CORES=$$( [ $$p = bf16tc ] && echo 1 || echo 0 ) \
 	  $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu --precision $${p%tc} --compile $(COMPILE_MODE) \
-	  --workloads transformer_imdb,gpt2small_t128,gpt2small_t512 --methods nonprivate,reweight-bk $(OPEN_RUNS) \
+	  --workloads $(COMPILED_WORKLOADS) --methods nonprivate,reweight-bk $(OPEN_RUNS) \
 	  --out $(BENCH_OUT)/compiled_$$p $(BENCH_ARGS) || exit 1; done
 COMPILE_MODE ?= reduce-overhead
+COMPILED_PRECISIONS ?= bf16 fp32
+COMPILED_WORKLOADS ?= gpt2small_t128,gpt2small_t512
 OPEN_RUNS = --repeats 10 --warmup 3 --budget 2
 BENCH_OUT ?= outputs/bench/open
 BENCH_DEVICE ?= cuda
