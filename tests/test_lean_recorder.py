@@ -314,3 +314,30 @@ def test_a_module_called_again_is_hooked_and_its_norm_formed_inside_the_backward
         return step_memory_bytes(step, torch.device("cpu"), before=lambda: opt.zero_grad(set_to_none=True))
 
     assert peak(2**21) <= peak(0)
+
+
+def test_installed_call_hooks_record_only_for_their_own_open_recorder():
+    """runner/norms/hooks.py install_call_hooks: reweight gives each covered module ONE forward hook, kept (a second
+    method on the same model adds none); with no recorder open it records nothing, and a recorder open on a deep copy
+    (its own modules) receives none of the original's calls. The copy's step equals the original's."""
+    from runner.norms.hooks import INSTALLED, Recorder, install_call_hooks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    first = METHODS.build("reweight", cfg={"mode": "bk"}, clip=0.5, sigma=0.0)
+    model = first.attach(model)
+    first.plan(model)
+    METHODS.build("reweight", cfg={"mode": "bk"}, clip=0.5, sigma=0.0).attach(model)  # a second method, same model
+    install_call_hooks(plan_model(model))
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    assert all(getattr(m, INSTALLED) and len(m._forward_hooks) == 1 for m in linears)
+
+    x = torch.randn(4, 6)
+    copy_ = copy.deepcopy(model)
+    with Recorder(plan_model(copy_)) as rec:
+        model(x)  # the original's calls: not the copy's recorder's
+        assert all(not calls for calls in rec.calls.values())
+        copy_(x)
+        assert all(len(calls) == 1 for calls in rec.calls.values())
+    model(x)  # nothing open: nothing recorded, nothing raised
+    torch.testing.assert_close(copy_(x), model(x))
