@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -154,6 +155,9 @@ class CompiledStep:
             import torch._inductor.config as inductor_config
 
             inductor_config.fallback_random = True  # randn in the graph = torch's generator, as eager
+            # torch's own deprecation inside Inductor's lowering (torch 2.13), printed at every compilation: not the user's
+            warnings.filterwarnings("ignore", message=r"`torch\._prims_common\.check` is deprecated",
+                                    category=FutureWarning)
             kwargs = {"backend": "cudagraphs"} if mode == "cudagraphs" else {"mode": mode}
             if backend is not None:  # tests: backend="eager" traces the step with Dynamo but runs eager kernels
                 kwargs = {"backend": backend}
