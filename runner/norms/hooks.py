@@ -54,8 +54,9 @@ def install_call_hooks(plan: Plan) -> None:
 
 
 def _to_open_hooks(module, args, kwargs, out):
-    if _OPEN and id(module) in _OPEN[-1].covered:
-        _OPEN[-1]._hook(module, args, kwargs, out)
+    for hooks in _OPEN:  # every open CallHooks that covers the module, as when each registered its own hook
+        if id(module) in hooks.covered:
+            hooks._hook(module, args, kwargs, out)
 
 
 class CallHooks:
