@@ -67,6 +67,21 @@ def export_slurm_env() -> None:
     })
 
 
+def local_rendezvous() -> dict:
+    """init_process_group's rendezvous for launcher=submitit_local: a file in the job's submitit folder, where all
+    its tasks run on this machine. No TCP port: the one submitit derives from the job id may be taken (by another
+    job's gloo sockets, say), and then rank 0 fails to bind while the others wait the whole timeout for it.
+    Elsewhere ({} here) env://, from torchrun's, srun's or submitit's variables."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "local":
+        return {}
+    from submitit import JobEnvironment
+
+    env = JobEnvironment()
+    env.paths.folder.mkdir(parents=True, exist_ok=True)
+    store = env.paths.folder / f"dprun_rendezvous_{env.job_id}"  # FileStore removes it when the last rank leaves
+    return {"init_method": store.resolve().as_uri(), "rank": env.global_rank, "world_size": env.num_tasks}
+
+
 @dataclass
 class World:
     """The ranks of one run. World() is one process (every method a no-op), as without torch.distributed."""
@@ -240,9 +255,11 @@ def init(device_name: str, timeout_s: float, seed: int, backend: str = "auto") -
     chosen = backend if backend != "auto" else ("nccl" if cuda else "gloo")
     if cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=float(timeout_s)))
+    rendezvous = local_rendezvous()
+    dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=float(timeout_s)), **rendezvous)
     world = World(dist.get_rank(), dist.get_world_size(), local_rank, chosen, seed, owned=True)
-    log.info("distributed: rank %d of %d (backend %s, local rank %d)", world.rank, world.size, chosen, local_rank)
+    log.info("distributed: rank %d of %d (backend %s, local rank %d, rendezvous %s)", world.rank, world.size, chosen,
+             local_rank, rendezvous.get("init_method", "env://"))
     return world
 
 

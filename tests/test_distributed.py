@@ -281,11 +281,24 @@ def test_slurm_path_two_tasks_through_the_submitit_launcher(tmp_path):
     """launcher=submitit_local with tasks_per_node=2: each task is a rank, torch.distributed initialised from
     submitit's environment (on a cluster, launcher=slurm: the same code); a sweep (-m) of such jobs."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    proc = subprocess.run([sys.executable, "-m", "runner.cli", "-m", "launcher=submitit_local",
-                           "hydra.launcher.tasks_per_node=2", "method=reweight", "dataset=digits", "epochs=1",
-                           "max_steps_per_epoch=4", "progress=false", "seed=0,1", f"hydra.sweep.dir={tmp_path / 's'}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def task_logs() -> str:  # what the tasks printed: the reason, when the sweep fails or hangs
+        return "\n".join(f"--- {p.relative_to(tmp_path)}\n{p.read_text()[-1500:]}"
+                         for p in sorted((tmp_path / "s" / ".submitit").glob("*/*_log.*")))
+
+    try:
+        proc = subprocess.run([sys.executable, "-m", "runner.cli", "-m", "launcher=submitit_local",
+                               "hydra.launcher.tasks_per_node=2", "method=reweight", "dataset=digits", "epochs=1",
+                               "max_steps_per_epoch=4", "progress=false", "seed=0,1", "distributed.timeout_s=120",
+                               f"hydra.sweep.dir={tmp_path / 's'}"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the submitit sweep did not end within {TIMEOUT} s; the tasks' logs:\n{task_logs()}")
+    assert proc.returncode == 0, proc.stderr[-3000:] + task_logs()
+    # the tasks met through a file in the job's folder (runner/distributed.py local_rendezvous), not a TCP port
+    # submitit derives from the job id (taken at times: CI once hung here), and the file was removed after
+    assert task_logs().count("rendezvous file://") == 2, task_logs()
+    assert not list((tmp_path / "s" / ".submitit").glob("*/dprun_rendezvous_*"))
     summaries = [json.loads(p.read_text()) for p in sorted((tmp_path / "s").glob("*/summary.json"))]
     assert len(summaries) == 2
     for s in summaries:
