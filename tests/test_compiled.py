@@ -362,3 +362,48 @@ def test_cuda_graph_output_reuse_leaves_the_chunked_sum_unchanged(mode, monkeypa
     assert_close_params(got, want)
     torch.testing.assert_close(got_out.losses, want_out.losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_out.norms, want_out.norms, rtol=1e-5, atol=1e-6)
+
+
+def test_a_graph_inductor_does_not_capture_is_named_in_one_line(caplog, monkeypatch):
+    """compile=reduce-overhead whose graph Inductor runs without CUDA graphs (its "skipping cudagraphs due to ..."
+    warning, which torch prints among its own): dprun's log says so once, with the reason, the step keeps its
+    compiled kernels, and bench-clip's row carries the reason (the H100's compiled GPT-2 bk step, stop 32: 3.1x the
+    compiled non-private one, 409 operators launched a step against 21, and the reason lost in torch's output)."""
+    import torch._inductor.cudagraph_utils as cudagraph_utils
+
+    from runner.bench.common import contender
+
+    reason = "skipping cudagraphs due to mutated inputs (1 instances). Found from : File x.py, line 1"
+
+    def skipping(gm, inputs):  # a backend that, like Inductor's CUDA-graph path, logs why it did not capture
+        cudagraph_utils.log_cudagraph_skip_and_bump_counter(reason)
+        return gm.forward
+
+    def make(m):
+        return CompiledStep(m, "reduce-overhead", torch.device("cuda"), physical=8, backend=skipping)
+
+    torch._dynamo.reset()
+    ref, _, _ = train("reweight", {"mode": "bk"}, lambda m: m.step)
+    with caplog.at_level(logging.WARNING, logger="dprun"):
+        got, _, step = train("reweight", {"mode": "bk"}, make)
+    assert step.compiled is not None and step.mode == "reduce-overhead"
+    assert step.cudagraph_skips == [reason.splitlines()[0]]
+    one_line(caplog, "compile=reduce-overhead for method=reweight: Inductor runs a graph without CUDA graphs "
+                     "(skipping cudagraphs due to mutated inputs")
+    assert_close_params(got, ref)
+
+    # the bench's contender: compiled (a row, timed) with the reason as its note
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Flatten(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    import runner.methods.compiled as compiled
+
+    original = compiled.CompiledStep.__init__
+
+    def with_skipping_backend(self, method, mode, device, physical, backend=None):
+        original(self, method, mode, torch.device("cuda"), physical, backend=skipping)
+
+    monkeypatch.setattr(compiled.CompiledStep, "__init__", with_skipping_backend)
+    c, note = contender("reweight", {"mode": "bk"}, model, x, y, lambda ps: torch.optim.SGD(ps, lr=0.1), 0.01, 8.0,
+                        compile_mode="reduce-overhead")
+    assert c is not None and note == "no CUDA graph: " + reason.splitlines()[0]

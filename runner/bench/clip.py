@@ -195,6 +195,8 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
                  **ops[label])
         if label.startswith("opacus-ghost"):
             r.update(note=UNCERTIFIED)
+        if notes[label]:  # a contender that runs, with something to say (a compiled step not CUDA-graphed)
+            r.update(note="; ".join(n for n in (r.get("note"), notes[label]) if n))
     return rows
 
 

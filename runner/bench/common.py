@@ -116,6 +116,9 @@ def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimi
             step()  # the compiled step's first step is eager; this one compiles
             if method_step.compiled is None:
                 return None, f"n/a: compile={compile_mode} fell back to eager (see the log line)"
+            if method_step.cudagraph_skips:  # compiled, but not captured: its launches stay (the reason, for the row)
+                return (Contender(step, lambda: opt.zero_grad(set_to_none=True)),
+                        "no CUDA graph: " + "; ".join(method_step.cudagraph_skips))
         return Contender(step, lambda: opt.zero_grad(set_to_none=True)), ""
     except DprunError as e:
         return None, f"n/a: {e}"

@@ -31,8 +31,12 @@ Method.clipped_sum copies the running sum of the chunks' gradients before a seco
 The first step runs eager: it validates the model (e.g. reweight's in-place check, which cannot be made inside a
 compiled graph). Random draws inside the graph (dropout) come from torch's own generator, as eager
 (torch._inductor.config.fallback_random); JL's directions and the noise are drawn eagerly, once per logical step.
-NOT YET MEASURED ON CUDA: reduce-overhead and cudagraphs are written for a GPU session (make bench-gpu); the CPU
-tests emulate CUDA graphs' output reuse (tests/test_compiled.py).
+A graph Inductor compiles but does not capture in a CUDA graph (it logs "skipping cudagraphs due to ..." among
+torch's warnings) is named in one line of dprun's log and in bench-clip's note column (CudagraphSkips): the step
+then still launches every kernel from the host. On an H100 (stop 32, torch 2.11, GPT-2-small bf16, T = 128,
+B = 32) the compiled non-private step was replayed (12.2 ms, 21 operators a step) and the compiled bk step was not
+(37.8 ms, 3.1x, 419 operators); its reason was lost in the output then. The CPU tests emulate CUDA graphs' output
+reuse and the skip (tests/test_compiled.py).
 """
 from __future__ import annotations
 
@@ -96,6 +100,31 @@ class GraphOutputs:
         return Privatized(copy(out.losses), copy(out.outputs), copy(out.norms))
 
 
+class CudagraphSkips(logging.Handler):
+    """The reasons Inductor gives for running a compiled graph WITHOUT CUDA graphs under a CUDA-graph mode ("skipping
+    cudagraphs due to mutated inputs", "... cpu device", ...): torch logs them as warnings among its own, easily
+    missed, and the step then keeps every kernel launch (bench-clip's aten_ops column shows it). Collected while
+    attached, so that CompiledStep can say so in one line of dprun's log and the bench in its note column."""
+
+    LOGGER = "torch._inductor.cudagraph_utils.__cudagraphs"  # torch's artifact logger for them (cudagraph_utils.py)
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage().strip().splitlines()[0][:300] if record.getMessage().strip() else ""
+        if message.startswith("skipping cudagraphs") and message not in self.reasons:
+            self.reasons.append(message)
+
+    def __enter__(self):
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger(self.LOGGER).removeHandler(self)
+
+
 def raise_recompile_limit(sizes: int, modules: int) -> None:
     """Room in Dynamo's caches for every graph the step compiles, so that none runs eager past a limit (which torch
     only logs): a function compiles once per physical size, and a per-module norm hook (reweight's, compiled with the
@@ -151,6 +180,7 @@ class CompiledStep:
         if mode == "off":
             self.physical = None  # eager: no padding
         self.compiled, self.validated = None, False
+        self.cudagraph_skips: list[str] = []  # Inductor's reasons for not capturing a graph (CUDA-graph modes)
         if mode != "off":
             import torch._inductor.config as inductor_config
 
@@ -180,7 +210,16 @@ class CompiledStep:
             self.validated = True  # the first step eager: it validates the model (one-line errors)
             return self.method.step(model, loss_fn, x, y, optimizer, **kw)
         try:
-            return self.method.step(model, loss_fn, x, y, optimizer, privatize=self.compiled, **kw)
+            if self.mode not in CUDA_ONLY:
+                return self.method.step(model, loss_fn, x, y, optimizer, privatize=self.compiled, **kw)
+            with CudagraphSkips() as skips:  # compilation (a new physical size's graph) happens inside this call
+                out = self.method.step(model, loss_fn, x, y, optimizer, privatize=self.compiled, **kw)
+            for reason in skips.reasons:
+                if reason not in self.cudagraph_skips:
+                    self.cudagraph_skips.append(reason)
+                    log.warning("compile=%s for method=%s: Inductor runs a graph without CUDA graphs (%s); every "
+                                "kernel is still launched from the host", self.mode, self.method.name, reason)
+            return out
         except DprunError:
             raise
         except Exception as e:  # the chunk's compilation failed: eager from now on, logged once
