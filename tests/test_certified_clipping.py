@@ -111,6 +111,38 @@ def test_crafted_example_contributes_at_most_C_in_bf16(name, cfg, kind, case, bu
     assert ratio <= 1 + TOL, f"{case}: an example contributed {ratio:.6g} x C under bf16"
 
 
+def compiled_contribution(how, build, example, backend):
+    """(compiled, eager) ||released|| / C of one crafted example, C = 1% of its exact norm, reweight bk."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()  # each construction's own graph (C and the shapes are constants of it)
+    model = build(0)
+    x = example(torch.Generator().manual_seed(1), EPS)
+    cfg = {"mode": "bk", "norm": how}
+    return (measured("reweight", cfg, model, x, 0.01, compile_backend=backend),
+            measured("reweight", cfg, model, x, 0.01))
+
+
+@pytest.mark.parametrize("kind,case,build,example", ALL, ids=[c[1] for c in ALL])
+@pytest.mark.parametrize("how", ["auto", "ghost"])
+def test_crafted_example_contributes_at_most_C_when_compiled(how, kind, case, build, example):
+    """compile=...: the traced book-keeping route (Recorder, one graph, the non-finite rows masked in the graph where
+    the eager step asks once: runner/norms/certify.py) keeps the bound, and gives the eager step's contribution.
+    Dynamo traces the step with aot_eager (AOTAutograd, functionalised, no code generation: a few seconds each);
+    Inductor's fused kernels in the slow test below."""
+    compiled, eager = compiled_contribution(how, build, example, "aot_eager")
+    assert compiled <= 1 + TOL, f"{case}: an example contributed {compiled:.6g} x C in a compiled step"
+    assert compiled == pytest.approx(eager, rel=1e-4), (compiled, eager)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,case,build,example", ALL, ids=[c[1] for c in ALL])
+def test_crafted_example_contributes_at_most_C_under_inductor(kind, case, build, example):
+    """The same through Inductor's generated kernels (other summation orders: the bounds hold for any)."""
+    compiled, eager = compiled_contribution("auto", build, example, "inductor")
+    assert compiled <= 1 + TOL, f"{case}: an example contributed {compiled:.6g} x C under Inductor"
+    assert compiled == pytest.approx(eager, rel=1e-3), (compiled, eager)
+
+
 @pytest.mark.parametrize("how", HOW)
 def test_chunked_logical_batch_keeps_the_bound(how):
     """Three crafted examples in chunks of two (physical_batch_size): ||release|| <= 3 C (each <= C)."""

@@ -113,11 +113,22 @@ def loss_fn(out, y):
     return out[:, 0]  # (B,): the read-out itself, so the output-gradients are the fixed pattern
 
 
-def released(method, model, x):
-    """||what the step leaves in p.grad|| (sigma = 0, expected batch 1, lr 0), in float64, and the step's output."""
+def released(method, model, x, compile_backend: str | None = None):
+    """||what the step leaves in p.grad|| (sigma = 0, expected batch 1, lr 0), in float64, and the step's output.
+    compile_backend: the step compiled (runner/methods/compiled.py, one physical size, Dynamo with this backend:
+    "inductor", or "aot_eager" to trace without code generation); its first step runs eager, the second is measured."""
     y = torch.zeros(len(x), dtype=torch.long, device=x.device)
-    out = method.step(model, loss_fn, x, y, torch.optim.SGD(model.parameters(), lr=0.0), sample_rate=1.0,
-                      expected_batch_size=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    step = method.step
+    if compile_backend:
+        from runner.methods.compiled import CompiledStep
+
+        step = CompiledStep(method, "default", x.device, physical=len(x), backend=compile_backend)
+        step(model, loss_fn, x, y, opt, sample_rate=1.0, expected_batch_size=1.0)  # eager: validates the model
+        opt.zero_grad(set_to_none=True)
+    out = step(model, loss_fn, x, y, opt, sample_rate=1.0, expected_batch_size=1.0)
+    if compile_backend and step.compiled is None:
+        raise RuntimeError(f"the compiled step fell back to eager (backend {compile_backend}); see the log line")
     grads = [p.grad.detach().double() for p in model.parameters() if p.requires_grad]
     return float(torch.sqrt(sum(g.pow(2).sum() for g in grads))), out
 
@@ -131,15 +142,15 @@ def exact_norm(model, x):
 
 
 def measured(name: str, cfg: dict, model: nn.Module, x: torch.Tensor, fraction: float = 0.01,
-             precision: str = "fp32", device: str = "cpu") -> float:
+             precision: str = "fp32", device: str = "cpu", compile_backend: str | None = None) -> float:
     """One crafted example, one step on `device`: ||released|| / C with C = fraction * its exact gradient norm (float64,
-    on the CPU). DprunError (one line) where the method refuses the model."""
+    on the CPU). DprunError (one line) where the method refuses the model. compile_backend: see released."""
     C = fraction * exact_norm(model, x)
     model, x = copy.deepcopy(model).to(device), x.to(device)  # .to moves a module in place: the caller keeps its own
     method = METHODS.build(name, cfg=cfg, clip=C, sigma=0.0)
     method.configure(precision=precision)
     method.privacy_check = False  # this measures clipping alone (the first-step validator is runner/methods/privacy_check)
-    norm, _ = released(method, method.attach(copy.deepcopy(model)), x)
+    norm, _ = released(method, method.attach(copy.deepcopy(model)), x, compile_backend)
     return norm / C
 
 
