@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from runner.bench import compare
+from runner.bench.common import arguments, timed_repeats
 from runner.errors import DprunError
 
 SLOWER = '''
@@ -40,8 +41,10 @@ def slower_copy(tmp_path: Path) -> Path:
 def test_each_tree_is_timed_with_its_own_code_in_its_own_process(tmp_path):
     base = slower_copy(tmp_path)
     df = compare.main(["--base", str(base), "--quick", "--workloads", "fig6_b16", "--methods",
-                       "nonprivate,reweight-bk", "--warmup", "1", "--out", str(tmp_path)])
+                       "nonprivate,reweight-bk", "--warmup", "1", "--out", str(tmp_path), "--batch", "3", "--repeats", "3"])
     rows = df.set_index("method")
+    # --batch: both workers built the workload at 3 (fig6_b16 --quick is 2), --repeats kept with --quick
+    assert (rows["batch"] == 3).all() and (rows["steps_timed"] == 3).all()
     assert rows.loc["nonprivate", "base_ms"] - rows.loc["nonprivate", "this_ms"] > 50  # the copy's sleep, there only
     assert abs(rows.loc["reweight-bk", "this_over_base"] - 1) < 0.9  # the same code otherwise: both timed
     assert rows.loc["nonprivate", "this_over_base"] < 0.5
@@ -147,3 +150,24 @@ def test_the_trees_take_turns_going_first():
     for r in rounds:  # within a round each method runs in both trees, one after the other
         assert [m for _, m in r] == ["nonprivate", "nonprivate", "reweight-bk", "reweight-bk"]
     assert [row["this_over_base"] for row in rows] == [1.0, 1.0]
+
+
+def test_repeats_survive_quick_and_a_bad_batch_is_one_line():
+    ap = arguments("bench", "doc", repeats=20, warmup=1, budget=0.0, quick="", workloads=[], out="x")
+    assert [timed_repeats(ap.parse_args(a)) for a in ([], ["--quick"], ["--quick", "--repeats", "300"])] == [20, 2, 300]
+    with pytest.raises(DprunError, match=r"--batch 0 is not valid: a batch of at least 1 example"):
+        compare.main(["--base", ".", "--batch", "0"])
+
+
+def test_pairs_are_summarised_by_their_median_ratio_and_range():
+    """--pairs K: each pair of worker processes gives a row per method; the summary is the median of this / base
+    over the pairs and its range (a host-bound step's process noise, ~6% A/A, is larger than a 3% budget)."""
+    import pandas as pd
+
+    df = pd.DataFrame([dict(pair=p, workload="w", batch=2, method=m, this_over_base=r)
+                       for p, (m, r) in enumerate([("a", 1.10), ("b", 0.90), ("a", 0.94), ("b", 1.00), ("a", 1.02)])])
+    summary = compare.pair_summary(df).set_index("method")
+    assert summary.loc["a", ["pairs", "median", "min", "max"]].tolist() == [3, 1.02, 0.94, 1.10]
+    assert summary.loc["b", "median"] == pytest.approx(0.95)
+    with pytest.raises(DprunError, match=r"--pairs 0 is not valid: at least 1 pair"):
+        compare.main(["--base", ".", "--pairs", "0"])

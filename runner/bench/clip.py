@@ -37,7 +37,7 @@ import torch
 
 from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, contender, faults_per_step,
                                  interleaved_times, median, select_workloads, step_memory_bytes, synthetic_batch,
-                                 timing_columns)
+                                 timing_columns, timed_repeats)
 from runner.bench import common
 from runner.bench.opcount import op_counts
 from runner.data.base import DataInfo
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                     "(default | reduce-overhead | cudagraphs; runner/methods/compiled.py)")
     args = ap.parse_args(argv)
     device = bench_device(args.device)
-    repeats = 2 if args.quick else args.repeats
+    repeats = timed_repeats(args)
     chosen = select_workloads(suite_workloads(args.suite, args.quick), args.workloads, "bench-clip")
     if args.methods:
         wanted = args.methods.split(",")

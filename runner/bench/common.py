@@ -211,14 +211,24 @@ def arguments(prog: str, doc: str, *, repeats: int, warmup: int, budget: float, 
     """The options every bench takes (each adds its own after these)."""
     ap = OneLineParser(prog=prog, description=doc.splitlines()[0])
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    ap.add_argument("--repeats", type=int, default=repeats, help="timed steps per contender (median reported)")
+    ap.add_argument("--repeats", type=int, default=None, help=f"timed steps per contender (median reported; default "
+                    f"{repeats}, with --quick 2)")
     ap.add_argument("--warmup", type=int, default=warmup, help="untimed steps per contender first")
     ap.add_argument("--quick", action="store_true", help=quick)
     ap.add_argument("--workloads", default="", help="comma-separated subset of: " + ", ".join(workloads))
     ap.add_argument("--budget", type=float, default=budget, help="seconds of timed steps per contender; slower "
                     "contenders (nxbp) are timed on fewer steps")
     ap.add_argument("--out", default="outputs/bench", help=f"folder for {out}")
+    ap.set_defaults(default_repeats=repeats)
     return ap
+
+
+def timed_repeats(args) -> int:
+    """--repeats as given; else 2 with --quick (a smoke run), else the bench's default. Small batches with many
+    steps (--quick --repeats 300) time a step bound by the host's dispatch, as a small model's GPU step is."""
+    if args.repeats is not None:
+        return args.repeats
+    return 2 if args.quick else args.default_repeats
 
 
 def bench_device(name: str) -> torch.device:

@@ -3,6 +3,8 @@
     python -m runner.bench.compare --base 0c009e4 --workloads fig6_b16,transformer_imdb
     python -m runner.bench.compare --base 0c009e4 --methods nonprivate,reweight-bk --repeats 40
     python -m runner.bench.compare --base .                 # A/A: this tree against itself, the noise floor
+    python -m runner.bench.compare --base .base --workloads cnn_mnist --batch 2 --repeats 400 --methods nonprivate,reweight-bk
+                                                            # host-bound: a small model's GPU step, on the CPU
     python -m runner.bench.compare --device cuda --suite gpu --base .base   # a folder: e.g. a tree exported
                                                             # here and carried to a machine without .git
 
@@ -23,6 +25,7 @@ step, and each tree's peak step memory (bench-clip's measure, one step each). Sa
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -36,7 +39,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from runner.bench.common import arguments, bench_device, median, select_workloads
+from runner.bench.common import arguments, bench_device, median, select_workloads, timed_repeats
 from runner.bench.clip import ALL, add_suite_argument, suite_workloads, workload_names
 from runner.errors import DprunError
 from runner.heap import RETAIN_BYTES
@@ -44,7 +47,7 @@ from runner.metrics import write_csv
 
 HERE = Path(__file__).resolve().parents[2]  # this tree's root
 WORKER = Path(__file__).resolve().with_name("compare_worker.py")
-COLUMNS = ["workload", "model", "batch", "method", "base_ms", "this_ms", "this_over_base", "base_x_nonprivate",
+COLUMNS = ["pair", "workload", "model", "batch", "method", "base_ms", "this_ms", "this_over_base", "base_x_nonprivate",
            "this_x_nonprivate", "base_mem_mb", "this_mem_mb", "steps_timed", "note"]
 
 
@@ -99,9 +102,14 @@ class Tree:
 
 
 def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool, repeats: int, warmup: int,
-                     gap_s: float, suite: str = "default", precision: str = "fp32") -> list[dict]:
-    built = {name: t.ask(build=w.name, methods=methods, quick=quick, suite=suite, precision=precision)
+                     gap_s: float, suite: str = "default", precision: str = "fp32", batch: int | None = None) -> list[dict]:
+    built = {name: t.ask(build=w.name, methods=methods, quick=quick, suite=suite, precision=precision, batch=batch)
              for name, t in trees.items()}
+    if batch:  # each worker built its tree's workload at this batch (it says which)
+        used = {b["batch"] for b in built.values() if "batch" in b}
+        if used != {batch}:
+            raise DprunError(f"bench-compare --batch {batch}: the workers built {w.name} at batch {sorted(used)}")
+        w = dataclasses.replace(w, batch=batch)
     if len({b.get("precision") for b in built.values()}) > 1:
         print(f"[bench-compare] {w.name}: precision " + ", ".join(f"{n} {b.get('precision')}" for n, b in built.items()))
     for name, b in built.items():  # each worker must have imported its own tree (not an installed copy)
@@ -156,6 +164,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--methods", default="nonprivate,reweight-twopass,reweight-recompute,reweight-bk",
                     help=f"comma-separated rows of bench-clip, each timed in both trees; valid: {', '.join(ALL)}")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="pause before each step")
+    ap.add_argument("--pairs", type=int, default=1, help="fresh pairs of worker processes, one after the other: the "
+                    "same code in two processes can differ by ~6%% on a host-bound step (A/A, --batch 2), so a few "
+                    "pairs and their median ratio (printed with its range) tell a 3%% change from process noise")
+    ap.add_argument("--batch", type=int, default=None, help="every workload at this batch in both trees (e.g. 2: a "
+                    "step bound by the host's Python and operator dispatch, as a small model's GPU step is)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "tf32"],
                     help="each tree's precision= where it has one (a tree without runs torch's defaults: on CUDA, "
                          "TF32 convolutions and float32 matmuls; tf32 is then the like-for-like choice for conv nets)")
@@ -164,30 +177,46 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     unknown = [m for m in methods if m not in ALL]
     if unknown:
         raise DprunError(f"bench-compare: unknown method row {unknown[0]!r}; valid: {', '.join(ALL)}")
+    if args.pairs < 1:
+        raise DprunError(f"bench-compare: --pairs {args.pairs} is not valid: at least 1 pair of worker processes")
+    if args.batch is not None and args.batch < 1:
+        raise DprunError(f"bench-compare: --batch {args.batch} is not valid: a batch of at least 1 example")
     device = bench_device(args.device)
-    repeats = 2 if args.quick else args.repeats
+    repeats = timed_repeats(args)
     chosen = select_workloads(suite_workloads(args.suite, args.quick), args.workloads, "bench-compare")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="dprun-base-") as scratch:
         base_root = resolve_tree(args.base, Path(scratch))
-        trees = {"base": Tree(base_root, str(device)), "this": Tree(HERE, str(device))}
-        try:
-            print(f"[bench-compare] base {args.base} ({base_root}) vs this tree ({HERE}); {device}, {repeats} "
-                  f"interleaved steps each, median")
-            for w in chosen:
-                print(f"[bench-compare] {w.name}: model={w.model} B={w.batch} ...", flush=True)
-                rows += compare_workload(trees, w, [m for m in methods if m in w.methods], args.quick, repeats,
-                                         args.warmup, args.gap_ms / 1e3, args.suite, args.precision)
-        finally:
-            for tree in trees.values():
-                tree.close()
+        print(f"[bench-compare] base {args.base} ({base_root}) vs this tree ({HERE}); {device}, {repeats} "
+              f"interleaved steps each, median" + (f"; {args.pairs} pairs of processes" if args.pairs > 1 else ""))
+        for pair in range(args.pairs):
+            trees = {"base": Tree(base_root, str(device)), "this": Tree(HERE, str(device))}
+            try:
+                for w in chosen:
+                    print(f"[bench-compare] {w.name}: model={w.model} B={args.batch or w.batch}"
+                          + (f", pair {pair + 1} of {args.pairs}" if args.pairs > 1 else "") + " ...", flush=True)
+                    found = compare_workload(trees, w, [m for m in methods if m in w.methods], args.quick, repeats,
+                                             args.warmup, args.gap_ms / 1e3, args.suite, args.precision, args.batch)
+                    rows += [dict(row, pair=pair + 1) for row in found]
+            finally:
+                for tree in trees.values():
+                    tree.close()
     df = pd.DataFrame(rows).reindex(columns=COLUMNS)
     path = Path(args.out) / f"compare_{device.type}{'_quick' if args.quick else ''}.csv"
     write_csv(path, df.to_dict("records"))
     with pd.option_context("display.max_rows", None, "display.width", 250, "display.float_format", "{:.3f}".format):
         print(df.to_string(index=False))
+        if args.pairs > 1:
+            print(f"[bench-compare] this / base over {args.pairs} pairs of processes: median (min - max)")
+            print(pair_summary(df).to_string(index=False))
     print(f"[bench-compare] saved {path}")
     return df
+
+
+def pair_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per workload and method: the median of this / base over the pairs of processes, and its range."""
+    ratios = df.dropna(subset=["this_over_base"]).groupby(["workload", "batch", "method"], sort=False)["this_over_base"]
+    return ratios.agg(pairs="count", median="median", min="min", max="max").reset_index()
 
 
 if __name__ == "__main__":

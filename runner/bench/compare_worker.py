@@ -4,8 +4,9 @@
 
 Imports nothing of the tree it lives in: TREE's own `runner` (its models, methods and bench) builds the contenders,
 so each tree is timed with its own code, in its own process, and no module of one tree can reach the other's.
-Requests: {"build": workload, "methods": [...], "quick": bool, "suite": "default" | "gpu", "precision": "fp32"...} ->
-{"built": [labels], "notes": {label: why not}}; {"step": label} -> {"s": seconds of one step}; {"memory": label} ->
+Requests: {"build": workload, "methods": [...], "quick": bool, "suite": "default" | "gpu", "precision": "fp32"...,
+"batch": None | int (the workload's batch replaced)} ->
+{"built": [labels], "notes": {label: why not}, "batch": the batch built}; {"step": label} -> {"s": seconds of one step}; {"memory": label} ->
 {"bytes": peak bytes of one step, as bench-clip measures it}; {"quit": true}. The tree's bench API:
 runner.bench.clip's workloads(), gpu_workloads() and method_contender(), runner.bench.common's synthetic_batch(),
 timed() and step_memory_bytes() (there since the certified-clipping work began; an older tree answers {"error": ...}).
@@ -50,6 +51,10 @@ def build(clip, common, MODELS, device, request: dict, steps: dict) -> dict:
     if not workload:
         return {"error": f"this tree has no workload {request['build']!r}"}
     w = workload[0]
+    if request.get("batch"):  # --batch: both trees' workload at this batch (a small one times the host's dispatch)
+        import dataclasses
+
+        w = dataclasses.replace(w, batch=int(request["batch"]))
     torch.manual_seed(0)
     base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
     x, y = common.synthetic_batch(w.info, w.batch, device)
@@ -68,7 +73,7 @@ def build(clip, common, MODELS, device, request: dict, steps: dict) -> dict:
     import runner
 
     return {"built": list(steps), "notes": notes, "runner": runner.__file__,
-            "precision": precision.get("precision", "torch's defaults")}
+            "precision": precision.get("precision", "torch's defaults"), "batch": w.batch}
 
 
 if __name__ == "__main__":

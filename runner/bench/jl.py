@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, contender, interleaved_times,
-                                 median, select_workloads, step_memory_bytes, synthetic_batch, timing_columns)
+                                 median, select_workloads, step_memory_bytes, synthetic_batch, timing_columns, timed_repeats)
 from runner.bench import common
 from runner.bench.opcount import op_counts
 from runner.data.base import DataInfo
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     device = bench_device(args.device)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    repeats = 2 if args.quick else args.repeats
+    repeats = timed_repeats(args)
     rs = [1, 4] if args.quick else [int(v) for v in args.r.split(",")]
     suite = gpu_workloads(args.quick) if args.suite == "gpu" else workloads(args.quick)
     chosen = select_workloads(suite, args.workloads, "bench-jl")

@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from runner.bench.common import (IMDB, MNIST, Workload, arguments, bench_device, contender, interleaved_times,
-                                 median, select_workloads, step_memory_bytes, synthetic_batch)
+                                 median, select_workloads, step_memory_bytes, synthetic_batch, timed_repeats)
 from runner.metrics import device_name, write_csv
 from runner.models import MODELS
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--mode", default="bk", help="method=reweight's mode (bk: the default)")
     args = ap.parse_args(argv)
     device = bench_device(args.device)
-    repeats = 2 if args.quick else args.repeats
+    repeats = timed_repeats(args)
     rows = []
     for w in select_workloads(workloads(args.quick), args.workloads, "bench.logical"):
         print(f"bench.logical: {w.name} ({w.model}, P={w.batch}, B={w.batch * args.factor}) on {device}", flush=True)

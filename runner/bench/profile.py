@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from runner.bench.clip import ALL, add_suite_argument, method_contender, suite_workloads, workload_names
-from runner.bench.common import arguments, bench_device, quiet_stderr, synthetic_batch
+from runner.bench.common import arguments, bench_device, quiet_stderr, synthetic_batch, timed_repeats
 from runner.errors import DprunError
 from runner.metrics import synchronize
 from runner.models import MODELS
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                 continue
             for _ in range(max(1, args.warmup)):
                 c.step()
-            table = profiled(c.step, device, max(1, args.repeats))
+            table = profiled(c.step, device, max(1, timed_repeats(args)))
             total = table.self_ms_per_step.sum()
             print(f"\n[profile] {w.name} B={w.batch} {label} {args.precision}: {total:.2f} ms "
                   f"{'device time of the kernels' if device.type == 'cuda' else 'self time of the operators'} per "
