@@ -122,9 +122,10 @@ bench-gpu-open: ## the open issues' GPU rows in one short command (certified/lea
 	  --methods nonprivate,reweight-bk,reweight-twopass,reweight-recompute $(OPEN_RUNS) --out $(BENCH_OUT)/compare \
 	  $(BENCH_ARGS) && $(PY) -m runner.bench.compare --device $(BENCH_DEVICE) --suite gpu --base $(BASE_TREE) \
 	  --precision tf32 --workloads cnn_mnist,resnet18_cifar10 --methods nonprivate,reweight-bk $(OPEN_RUNS) \
-	  --out $(BENCH_OUT)/compare_tf32 $(BENCH_ARGS) && mkdir -p $(BENCH_OUT)/compare_aa && $(PY) -m runner.bench.compare \
+	  --pairs $(COMPARE_PAIRS) --out $(BENCH_OUT)/compare_tf32 $(BENCH_ARGS) && mkdir -p $(BENCH_OUT)/compare_aa && $(PY) -m runner.bench.compare \
 	  --device $(BENCH_DEVICE) --suite gpu --base . --precision tf32 --workloads cnn_mnist,resnet18_cifar10 \
-	  --methods nonprivate,reweight-bk $(OPEN_RUNS) --out $(BENCH_OUT)/compare_aa $(BENCH_ARGS); fi
+	  --methods nonprivate,reweight-bk $(OPEN_RUNS) --pairs $(COMPARE_PAIRS) --out $(BENCH_OUT)/compare_aa $(BENCH_ARGS); fi
+COMPARE_PAIRS ?= 3
 
 .PHONY: bench-gpu-compiled
 bench-gpu-compiled: ## issue 31's compiled rows: a bk chunk as one graph under CUDA graphs vs the compiled non-private step, GPT-2-small at T=128/512, bf16 then fp32 (COMPILED_PRECISIONS: add bf16tc for the tensor-core route) -> $(BENCH_OUT)/compiled_*/clip_cuda.csv
