@@ -46,6 +46,10 @@ def seq(t):  # (B, T, F) already
     return t
 
 
+def one_position(t):  # (B, F) -> (B, 1, F): a Linear on a flat input (an MLP, a classifier head)
+    return t.unsqueeze(1)
+
+
 def channels_last(t):  # (B, C, *spatial) -> (B, positions, C)
     return t.flatten(2).transpose(1, 2)
 
@@ -75,6 +79,10 @@ CONSTRUCTIONS = {
          lambda g, eps: near_constant((28, 128), eps, g)),
         ("linear64_T256", lambda s: Cancelling(nn.Linear(64, 64), torch.zeros(1, 256, 64), seq, s),
          lambda g, eps: near_constant((256, 64), eps, g)),
+        # one position (T = 1): the weight and the bias bounded together (outer.rank_one_with_bias_sq), no
+        # cancellation to exploit, so the bound must be tight: a factor 0.1% short already exceeds C
+        ("linear512x256_one_position", lambda s: Cancelling(nn.Linear(512, 256), torch.zeros(1, 512), one_position, s),
+         lambda g, eps: near_constant((1, 512), eps, g).view(1, 512)),
     ],
     nn.Conv2d: [
         ("conv2d_64x256_8x8", lambda s: Cancelling(nn.Conv2d(64, 256, 3, padding=1), torch.zeros(1, 64, 8, 8),

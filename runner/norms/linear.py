@@ -28,6 +28,9 @@ class LinearRule(NormRule):
         return inp.reshape(B, -1, layer.in_features), grad_out.reshape(B, -1, layer.out_features)
 
     def norm_sq(self, layer, a, g, how, stash=None):
+        if a.shape[1] == 1 and a.dtype == g.dtype and a.dtype in (torch.float32, torch.float64) \
+                and trains(layer.weight) and trains(layer.bias):  # one position: one bound for weight and bias
+            return outer.rank_one_with_bias_sq(a, g, stash)
         parts = []
         if trains(layer.weight):
             parts.append(outer.norm_sq(a, g, how, stash))

@@ -164,6 +164,25 @@ def clipped_sum(a: torch.Tensor, g: torch.Tensor, nu: torch.Tensor, stash: dict 
     return weighted.reshape(-1, o).t() @ finite_rows(a, keep).reshape(-1, k)  # (o, k)
 
 
+def rank_one_with_bias_sq(a: torch.Tensor, g: torch.Tensor, stash: dict | None = None) -> torch.Tensor:
+    """(N,) certified upper bounds of ||G_i||^2 + ||b_i||^2 for a Linear with a bias at one position (T = 1):
+    a (N, 1, k), g (N, 1, o) float32/float64. G_i = g_i a_i^T and b_i = g_i, so the sum is ||g_i||^2 (||a_i||^2 + 1)
+    (the bias as a constant input 1): two norms and five scalar-per-row operations, three kernels fewer than the
+    weight's and the bias's bounds added (a GPU step of a small model is launch-bound). The norms' rounding:
+    ||a_i|| <= an_i nf(k), ||g_i|| <= gn_i nf(o) (norm_factor), so the sum is <= gn^2 (an^2 + 1) (nf(k) nf(o))^2;
+    the square, add, square, product and the factor's product each round by at most (1 + u) (non-negative values),
+    and the float32 factor itself by one more u: (1 + 8u) covers them. The bias's per-example gradient is g_i
+    exactly: book-keeping keeps that view for its clipped sum."""
+    N, _, k = a.shape
+    o, u = g.shape[-1], unit(a)
+    rows = g[:, 0]  # (N, o): the per-example bias gradient, no rounding
+    if stash is not None:
+        stash["bias"] = rows
+    an, gn = vector_norms(a[:, 0], 1), vector_norms(rows, 1)  # (N,) each
+    factor = (norm_factor(k, u) * norm_factor(o, u)) ** 2 * (1 + 8 * u)
+    return an.square_().add_(1).mul_(gn.square_()).mul_(factor)
+
+
 def bias_norm_sq(g: torch.Tensor, stash: dict | None = None) -> torch.Tensor:
     """(N,) certified upper bounds of the squared per-example bias gradient sum_t g_t; g (N, T, o). Book-keeping
     keeps the sums (N, o) in `stash`: the clipped sum is then one (1, N) x (N, o) product of the very tensors
