@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                     help=f"comma-separated rows of bench-clip, each timed in both trees; valid: {', '.join(ALL)}")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="pause before each step")
     ap.add_argument("--pairs", type=int, default=1, help="fresh pairs of worker processes, one after the other: the "
-                    "same code in two processes can differ by ~6%% on a host-bound step (A/A, --batch 2), so a few "
+                    "same code in two processes can differ by up to ~10%% on a host-bound step (A/A, --batch 2), so a few "
                     "pairs and their median ratio (printed with its range) tell a 3%% change from process noise")
     ap.add_argument("--batch", type=int, default=None, help="every workload at this batch in both trees (e.g. 2: a "
                     "step bound by the host's Python and operator dispatch, as a small model's GPU step is)")
