@@ -35,8 +35,10 @@ A graph Inductor compiles but does not capture in a CUDA graph (it logs "skippin
 torch's warnings) is named in one line of dprun's log and in bench-clip's note column (CudagraphSkips): the step
 then still launches every kernel from the host. On an H100 (stop 32, torch 2.11, GPT-2-small bf16, T = 128,
 B = 32) the compiled non-private step was replayed (12.2 ms, 21 operators a step) and the compiled bk step was not
-(37.8 ms, 3.1x, 419 operators); its reason was lost in the output then. The CPU tests emulate CUDA graphs' output
-reuse and the skip (tests/test_compiled.py).
+(37.8 ms, 3.1x, 419 operators); its reason was lost in the output then. Inspected on the CPU since (stop 34), the
+bk graph held one CPU tensor constant, the 0 of the embedding rule's `w[padding_idx] = 0`, a "cpu device" skip on a GPU:
+removed, and tests/test_cudagraph_ready.py checks every compiled chunk for the reasons Inductor skips (not yet
+confirmed on a GPU). The CPU tests emulate CUDA graphs' output reuse and the skip (tests/test_compiled.py).
 """
 from __future__ import annotations
 

@@ -77,5 +77,7 @@ class EmbeddingRule(NormRule):
         weighted = finite_rows(g * nu.view(-1, 1, 1), kept(nu))  # (B, T, d); a non-finite record adds nothing
         w = g.new_zeros(layer.weight.shape).index_add_(0, a.reshape(-1), weighted.reshape(-1, g.shape[-1]))
         if layer.padding_idx is not None:
-            w[layer.padding_idx] = 0
+            # zero_ on the row's view, not `w[pad] = 0`: traced, that assignment turns 0 into a CPU tensor constant,
+            # which keeps Inductor from capturing a CUDA graph ("skipping cudagraphs due to cpu device")
+            w.narrow(0, layer.padding_idx, 1).zero_()
         return {"weight": w}
