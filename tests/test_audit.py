@@ -214,7 +214,7 @@ def test_a_run_without_noise_fails_its_audit_loudly(tmp_path, caplog, monkeypatc
     """The whole CLI path: a method whose noise went missing (sigma still told to the accountant) is flagged."""
     import runner.methods.base as base
     real = base.add_noise_and_scale
-    monkeypatch.setattr(base, "add_noise_and_scale", lambda model, std, b, gen=None: real(model, 0.0, b, gen))
+    monkeypatch.setattr(base, "add_noise_and_scale", lambda model, std, b, gen=None, params=None: real(model, 0.0, b, gen, params))
     summary = run_audited(tmp_path, "method=reweight", "sigma=4", "epochs=4")
     assert summary["audit"]["above_claimed"] is True
     assert any("PRIVACY AUDIT FAILED" in r.message for r in caplog.records)

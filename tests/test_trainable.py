@@ -89,3 +89,41 @@ def test_a_submodule_overriding_named_modules_keeps_its_answer():
     model = nn.Sequential(nn.Linear(2, 2), HidesItsChild())
     same(model)
     assert len(trainable(model)) == 4  # the first Linear's and `kept`'s weight and bias, not `hidden`'s
+
+
+def test_a_step_walks_the_modules_twice_and_a_frozen_layer_between_steps_is_seen(monkeypatch):
+    """Method.trainable: a reweight step walks the model once at its start (clipped sum, coverage check and noise
+    share it) and once at its end (the check that nothing changed midway): a host-bound small step paid ~12 us a
+    walk, five a step. The memo lives for one step only: a layer frozen between steps is refused at the next one
+    (its parameters leave the covered set: the plan is rebuilt) and its parameter gets no noise."""
+    import torch.nn.functional as F
+
+    import runner.methods.base as base
+    import runner.methods.noise as noise
+    import runner.norms.coverage as coverage
+    import runner.trainable as walk
+    from runner.methods import METHODS
+
+    walks, original = [], walk.trainable
+    counted = lambda model: (walks.append(1), original(model))[1]  # noqa: E731
+    for module in (base, noise, walk):
+        monkeypatch.setattr(module, "trainable", counted)
+    monkeypatch.setattr(coverage, "trainable_ids", lambda model: frozenset(id(p) for p in counted(model)))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    method = METHODS.build("reweight", cfg={"mode": "bk"}, clip=1.0, sigma=1.0)
+    model = method.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    step = lambda: method.step(model, lambda o, t: F.cross_entropy(o, t, reduction="none"), x, y, opt,  # noqa: E731
+                               sample_rate=0.1, expected_batch_size=5.0)
+    step()
+    walks.clear()
+    step()
+    assert len(walks) == 2, len(walks)
+    assert method._walked is None
+    model[0].weight.requires_grad_(False)
+    before = model[0].weight.detach().clone()
+    step()
+    assert model[0].weight.grad is None and torch.equal(model[0].weight, before)
+    assert model[2].weight.grad is not None

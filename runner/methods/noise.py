@@ -22,8 +22,9 @@ from runner.trainable import trainable
 
 @torch.no_grad()
 def add_noise_and_scale(model: torch.nn.Module, noise_std: float, expected_batch_size: float,
-                        generator: torch.Generator | None = None) -> None:
-    params = trainable(model)
+                        generator: torch.Generator | None = None, params: list | None = None) -> None:
+    """params: trainable(model), when the caller has it (one walk of the modules fewer)."""
+    params = trainable(model) if params is None else params
     for p in params:
         if p.grad is None:  # a parameter unused by this batch (or empty batch) still gets noise
             p.grad = torch.zeros_like(p)

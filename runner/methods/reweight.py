@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from runner.errors import DprunError
-from runner.methods.base import METHODS, Method, Privatized, trainable
+from runner.methods.base import METHODS, Method, Privatized
 from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.features import Feature
 from runner.norms import Recorder, plan_model
@@ -108,7 +108,7 @@ class ReweightGP(Method):
         return self._plan
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:
-        params = trainable(model)
+        params = self.trainable(model)
         plan = self.plan(model, params)
         if self.mode == "recompute":
             outputs, losses, norms = self.recomputed(plan, params, model, loss_fn, x, y)
