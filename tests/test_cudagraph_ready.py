@@ -46,7 +46,12 @@ def reasons(gm: torch.fx.GraphModule) -> list[str]:
     return found
 
 
-CASES = [(m, *c, "fp32") for m in MODELS_ for c in METHODS_] + [("transformer", "reweight", {"mode": "bk"}, "bf16")]
+MODELS_.update({"lstm": (DataInfo("mnist", (1, 28, 28), 10, "image", 0, 100, 100), {}),  # unidirectional cells
+                "resnet18": (DataInfo("cifar10", (3, 32, 32), 10, "image", 0, 100, 100), {})})  # residual convs
+BK = ("reweight", {"mode": "bk"})
+CASES = ([(m, *c, "fp32") for m in ("transformer", "bilstm", "bu_cnn") for c in METHODS_]
+         + [(m, *BK, "fp32") for m in ("lstm", "resnet18")] + [("transformer", *BK, "bf16"),
+                                                                ("transformer", "jl", {"r": 2, "jvp": "forward"}, "fp32")])
 
 
 @pytest.mark.parametrize("model_name,name,cfg,precision", CASES,
