@@ -32,9 +32,10 @@ def loss_fn(out, y):
     return F.cross_entropy(out, y, reduction="none")
 
 
-def reasons(gm: torch.fx.GraphModule) -> list[str]:
+def reasons(gm: torch.fx.GraphModule, example_inputs=()) -> list[str]:
     """Why Inductor would not capture this (post-AOTAutograd, inference) graph in a CUDA graph; [] if it would."""
-    found = []
+    found = [f"non-tensor input {type(t).__name__}" for t in example_inputs
+             if not isinstance(t, (torch.Tensor, torch.SymInt, torch.Generator))]
     if (node := get_first_incompatible_cudagraph_node(gm)) is not None:
         found.append(f"incompatible op {node.target}")
     placeholders = {n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -62,7 +63,7 @@ def test_the_compiled_chunk_is_capturable_in_a_cuda_graph(model_name, name, cfg,
     graphs: list[list[str]] = []
 
     def inspect(gm, example_inputs):
-        graphs.append(reasons(gm))
+        graphs.append(reasons(gm, example_inputs))
         return gm.forward
 
     backend = aot_autograd(fw_compiler=inspect, keep_inference_input_mutations=True)
