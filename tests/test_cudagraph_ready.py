@@ -51,14 +51,20 @@ MODELS_.update({"lstm": (DataInfo("mnist", (1, 28, 28), 10, "image", 0, 100, 100
                 "resnet18": (DataInfo("cifar10", (3, 32, 32), 10, "image", 0, 100, 100), {})})  # residual convs
 BK = ("reweight", {"mode": "bk"})
 CASES = ([(m, *c, "fp32") for m in ("transformer", "bilstm", "bu_cnn") for c in METHODS_]
-         + [(m, *BK, "fp32") for m in ("lstm", "resnet18")] + [("transformer", *BK, "bf16"),
+         + [(m, *BK, "fp32") for m in ("lstm", "resnet18")] + [("transformer", *BK, "bf16"), ("transformer", *BK, "bf16tc"),
                                                                 ("transformer", "jl", {"r": 2, "jvp": "forward"}, "fp32")])
 
 
 @pytest.mark.parametrize("model_name,name,cfg,precision", CASES,
                          ids=[f"{m}-{n}-{'-'.join(map(str, c.values()))}-{p}" for m, n, c, p in CASES])
-def test_the_compiled_chunk_is_capturable_in_a_cuda_graph(model_name, name, cfg, precision):
+def test_the_compiled_chunk_is_capturable_in_a_cuda_graph(model_name, name, cfg, precision, monkeypatch):
+    """bf16tc: bf16 with the tensor-core route (DPRUN_TENSOR_CORES=1 on a GPU), its arithmetic emulated on the CPU."""
     from runner.models import MODELS
+    from runner.norms import tensor_cores
+
+    if precision == "bf16tc":
+        monkeypatch.setattr(tensor_cores, "EMULATE", True)
+        precision = "bf16"
 
     graphs: list[list[str]] = []
 
