@@ -75,3 +75,36 @@ def test_the_step_runs_its_chunks_under_the_methods_precision(monkeypatch):
         sums[precision] = [p.grad.clone() for p in model.parameters()]
     assert seen == [("cpu", "fp32"), ("cpu", "tf32")]
     assert all(torch.equal(a, b) for a, b in zip(sums["fp32"], sums["tf32"]))
+
+
+def test_a_compiled_graph_drops_the_tf32_switch_so_compile_with_tf32_is_refused(flags):
+    """Why compile= refuses precision=tf32 for a private method: Dynamo records the TF32-off switch of exact_float32
+    as a call in its graph, but AOTAutograd (what Inductor compiles) keeps aten ops only, so the norms' products would
+    run under the step's TF32 setting. Found at stop 34; eager bk keeps the switch (the test above)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from runner.methods.compiled import CompiledStep
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm.graph)
+        return gm.forward
+
+    def norm_like(a, b):
+        with exact_float32(CUDA):  # CUDA's switch, traced on the CPU: the flags are global, not device state
+            return a @ b
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch._dynamo.reset()
+    torch.compile(norm_like, backend=aot_autograd(fw_compiler=keep))(torch.randn(3, 3), torch.randn(3, 3))
+    targets = [str(n.target) for n in graphs[0].nodes if n.op == "call_function"]
+    assert targets == ["aten.mm.default"], targets  # the switch is not in the graph Inductor compiles
+
+    method = METHODS.build("reweight", cfg={"mode": "bk"}, clip=1.0, sigma=1.0).configure(precision="tf32")
+    with pytest.raises(DprunError, match=r"compile=default cannot run with precision=tf32 .*use precision=fp32 or bf16"):
+        CompiledStep(method, "default", CUDA, physical=8)
+    assert CompiledStep(method, "off", CUDA, physical=8).mode == "off"  # eager keeps the switch
+    assert CompiledStep(method, "default", CPU, physical=8).mode == "default"  # tf32 changes nothing on the CPU
+    nonprivate = METHODS.build("nonprivate", cfg={}, clip=1.0, sigma=1.0).configure(precision="tf32")
+    assert CompiledStep(nonprivate, "default", CPU, physical=8).mode == "default"  # nothing to certify

@@ -18,7 +18,11 @@ The padding runs eager, outside the compiled function, whose inputs then have on
     cudagraphs       torch.compile(backend="cudagraphs"): the eager kernels replayed from a captured CUDA graph
                      (CUDA only)
 
-Never silent: a mode that needs CUDA on another device runs compile=default instead, a method that is not
+precision=tf32 on CUDA is refused for a private method (one line; on the CPU tf32 changes nothing): AOTAutograd's
+graph keeps aten ops only, so the TF32-off switch around the norms and clipped sums (certify.exact_float32, a
+torch.backends flag set at run time) is gone from what Inductor compiles, and every product in the graph would run
+under the step's TF32 setting (tests/test_tf32.py shows the switch vanishing). Never silent: a mode that needs CUDA
+on another device runs compile=default instead, a method that is not
 compiled (Method.compiles) runs eager, and a step whose compilation fails runs eager from then on; each logs ONE line.
 Dynamo traces the chunk's backward (torch.autograd.grad) into the graph (in_one_graph), and reweight's
 book-keeping takes its traceable route (Recorder, with the forward hooks installed before tracing), so a bk chunk is
@@ -178,6 +182,11 @@ class CompiledStep:
             log.warning("compile=%s: method=%s is not compiled (compiled: %s); running the eager step",
                         mode, method.name, ", ".join(n for n, m in METHODS.items() if m.compiles))
             mode = "off"
+        if mode != "off" and method.private and method.precision == "tf32" and device.type == "cuda":
+            raise DprunError(f"compile={self.requested} cannot run with precision=tf32 for method={method.name}: a "
+                             f"compiled graph drops the switch that turns TF32 off around the norms and clipped sums "
+                             f"(AOTAutograd keeps aten ops only), so they would take TF32's 10-bit products and an "
+                             f"example could exceed C; use precision=fp32 or bf16 with compile, or compile=off")
         self.mode = mode
         if mode == "off":
             self.physical = None  # eager: no padding
