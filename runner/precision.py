@@ -25,6 +25,8 @@ import contextlib
 
 import torch
 
+from runner.fp32_mode import float32_mode
+
 PRECISIONS = ("fp32", "bf16", "tf32")
 AUTOCAST_DTYPE = {"bf16": torch.bfloat16}
 # relative margin on the norm in the clip factor: covers float32 rounding of a norm formed from bf16-rounded
@@ -47,20 +49,15 @@ def to_float32(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@contextlib.contextmanager
 def matmul_precision(device: torch.device, precision: str):
-    """The products of a step's matmuls and convolutions on CUDA: TF32 (10-bit mantissas, float32 accumulation) under
-    precision=tf32, float32's under fp32. torch's own default lets cuDNN convolutions use TF32 even in "fp32",
-    and twopass/recompute's second backward would then round ~1e-3 away from the pass that measured the norms, so fp32
-    turns it off. The norms and clipped sums run inside with TF32 off whatever the setting (certify.exact_float32).
-    bf16 (autocast) and the CPU: unchanged."""
-    if device.type != "cuda" or precision == "bf16":
-        yield
-        return
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = matmul.allow_tf32, cudnn.allow_tf32
-    matmul.allow_tf32 = cudnn.allow_tf32 = precision == "tf32"
-    try:
-        yield
-    finally:
-        matmul.allow_tf32, cudnn.allow_tf32 = saved
+    """The products of a step's float32 matmuls and convolutions. CUDA: TF32 (10-bit mantissas, float32
+    accumulation) under precision=tf32, float32's under fp32. torch's own default lets cuDNN convolutions use TF32
+    even in "fp32", and twopass/recompute's second backward would then round ~1e-3 away from the pass that measured
+    the norms, so fp32 turns it off. The CPU: oneDNN's IEEE float32 whatever the precision (a user's
+    torch.set_float32_matmul_precision("medium") would let oneDNN round float32 inputs to bf16, under the certified
+    norms too; tf32 changes nothing there). The norms and clipped sums run inside with TF32 off whatever the setting
+    (certify.exact_float32). CUDA bf16 (autocast) and other devices: unchanged. runner/fp32_mode.py sets the flags
+    and puts the user's back after."""
+    if device.type == "cuda" and precision == "bf16":
+        return contextlib.nullcontext()
+    return float32_mode(device.type, tf32=precision == "tf32")

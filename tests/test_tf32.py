@@ -55,7 +55,8 @@ def test_only_reweight_bk_and_nonprivate_accept_tf32_the_others_say_why_in_one_l
 
 
 def test_the_step_runs_its_chunks_under_the_methods_precision(monkeypatch):
-    """Method.clipped_sum enters matmul_precision(device, precision) around the chunks; on the CPU tf32 changes
+    """Method.clipped_sum enters matmul_precision(device, precision) around the chunks (and the first step's privacy
+    check); on the CPU tf32 changes
     nothing: the same released sum as fp32, bit for bit."""
     import runner.methods.base as base
 
@@ -73,7 +74,7 @@ def test_the_step_runs_its_chunks_under_the_methods_precision(monkeypatch):
         model = method.attach(model)
         method.clipped_sum(model, lambda o, t: F.cross_entropy(o, t, reduction="none"), x, y)
         sums[precision] = [p.grad.clone() for p in model.parameters()]
-    assert seen == [("cpu", "fp32"), ("cpu", "tf32")]
+    assert seen == [("cpu", "fp32")] * 2 + [("cpu", "tf32")] * 2  # the first step's privacy check, then the chunks
     assert all(torch.equal(a, b) for a, b in zip(sums["fp32"], sums["tf32"]))
 
 
@@ -91,9 +92,11 @@ def test_a_compiled_graph_drops_the_tf32_switch_so_compile_with_tf32_is_refused(
         graphs.append(gm.graph)
         return gm.forward
 
-    def norm_like(a, b):
-        with exact_float32(CUDA):  # CUDA's switch, traced on the CPU: the flags are global, not device state
-            return a @ b
+    def norm_like(a, b):  # what exact_float32(CUDA) did before it stood aside under compile: a run-time switch
+        torch.backends.cuda.matmul.allow_tf32 = False  # traced on the CPU: the flags are global, not device state
+        out = a @ b
+        torch.backends.cuda.matmul.allow_tf32 = True
+        return out
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch._dynamo.reset()

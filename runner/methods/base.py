@@ -290,7 +290,8 @@ class Method:
         if self.private and self.privacy_check:  # once per run, whatever runs the chunks (compile=, chunks, ranks)
             from runner.methods.privacy_check import check_first_step
 
-            check_first_step(self, model, loss_fn, x, y)  # refuses (one line) what per-example clipping cannot bound
+            with matmul_precision(x.device, self.precision):  # the products the step's own will take
+                check_first_step(self, model, loss_fn, x, y)  # refuses (one line) what per-example clipping cannot bound
         params = self.trainable(model)
         self.begin_step(model)  # before the forward fork: the same draws on every rank
         parts: list[Privatized] = []

@@ -31,6 +31,8 @@ import contextvars
 
 import torch
 
+from runner.fp32_mode import float32_mode, tf32_enabled
+
 
 def unit(t: torch.Tensor) -> float:
     """Unit roundoff of t's floating dtype: 2^-24 (float32), 2^-53 (float64)."""
@@ -47,24 +49,13 @@ _NOTHING = contextlib.nullcontext()
 
 
 def exact_float32(device: torch.device):
-    """TF32 off for the norms and clipped sums (CUDA only): the bounds assume float32's 24-bit products. Elsewhere
-    a shared no-op (entered once per layer and step: a generator context there cost ~5 us each)."""
-    if device.type != "cuda":
-        return _NOTHING
-    return _tf32_off()
-
-
-@contextlib.contextmanager
-def _tf32_off():
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    if not (matmul or cudnn):
-        yield
-        return
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    """TF32 off for the norms and clipped sums (CUDA): the bounds assume float32's 24-bit products. The CPU's oneDNN
+    float32 mode is set once per step (runner/precision.py matmul_precision), so here a shared no-op (entered once per
+    layer and step: a generator context there cost ~5 us each); so too on CUDA where TF32 is already off, and in
+    a compiled step, which the step's own context covers (compile= with precision=tf32 is refused)."""
+    if device.type != "cuda" or torch.compiler.is_compiling() or not tf32_enabled():
+        return _NOTHING  # compiled: a graph keeps aten ops only, not this switch (runner/methods/compiled.py)
+    return float32_mode("cuda", tf32=False)
 
 
 def upper_sqnorm(t: torch.Tensor) -> torch.Tensor:
