@@ -18,6 +18,8 @@ consistently), then the leaves explicitly, so a generic "tf32" is not inherited 
     with float32_mode("cpu"):                # oneDNN (matmul, conv, rnn) products in float32 inside
         ...
     tf32_enabled()                           # True if cuBLAS or cuDNN would take TF32 products now
+    with tf32_paused():                      # TF32 off (cheaply inside a float32_mode("cuda", tf32=True))
+        ...
 """
 from __future__ import annotations
 
@@ -47,6 +49,36 @@ def tf32_enabled() -> bool:
     return any(effective(b, op) == "tf32" for b, op in LEAVES["cuda"])
 
 
+# whether the innermost float32_mode set CUDA's TF32 on with every flag consistent (legacy and new, explicit leaves):
+# then tf32_paused() turns it off and back with 4 setters (exact_float32, around each layer's norms and sums)
+_STEP_TF32: list[bool] = []
+
+
+class _Tf32Pause:
+    """TF32 off inside, back to float32_mode(cuda, tf32=True)'s own state after: the legacy setters write the legacy
+    flag and the leaf together (cuBLAS: matmul "ieee"/"tf32"; cuDNN: conv and rnn "none"/"tf32"), and conv/rnn get an
+    explicit "ieee" inside so that a generic "tf32" is not inherited. ~2 us against ~10 us for a full float32_mode."""
+
+    def __enter__(self):
+        torch._C._set_cublas_allow_tf32(False)
+        torch._C._set_cudnn_allow_tf32(False)
+        torch._C._set_fp32_precision_setter("cuda", "conv", "ieee")
+        torch._C._set_fp32_precision_setter("cuda", "rnn", "ieee")
+
+    def __exit__(self, *exc):
+        torch._C._set_cublas_allow_tf32(True)
+        torch._C._set_cudnn_allow_tf32(True)
+
+
+_PAUSE = _Tf32Pause()
+
+
+def tf32_paused():
+    """A context with TF32 off on CUDA: the cheap pause inside a step that float32_mode set to TF32, else a full
+    float32_mode("cuda", tf32=False)."""
+    return _PAUSE if _STEP_TF32 and _STEP_TF32[-1] else float32_mode("cuda", tf32=False)
+
+
 def _try(read):
     try:
         return read()
@@ -65,6 +97,7 @@ def float32_mode(device_type: str, tf32: bool = False):
         with _legacy_mode(device_type, tf32):
             yield
         return
+    depth = len(_STEP_TF32)
     leaves = LEAVES["cuda"] + LEAVES["cpu"]  # all that the setters below may write
     saved_leaves = [torch._C._get_fp32_precision_getter(b, op) for b, op in leaves]
     cuda = device_type == "cuda"
@@ -83,8 +116,11 @@ def float32_mode(device_type: str, tf32: bool = False):
         if cuda:  # oneDNN's matmul "ieee" too: its "bf16" or "tf32" beside the legacy flag just set would make
             # torch's own get_float32_matmul_precision() raise inside (Inductor reads it)
             torch._C._set_fp32_precision_setter("mkldnn", "matmul", "ieee")
+        _STEP_TF32.append(cuda and tf32 and saved_matmul is not None and saved_cudnn is not None)
         yield
     finally:
+        if len(_STEP_TF32) > depth:
+            _STEP_TF32.pop()
         if saved_matmul is not None:
             torch.set_float32_matmul_precision(saved_matmul)
         if saved_cudnn is not None:

@@ -73,9 +73,17 @@ def test_inside_the_products_are_what_was_asked_and_after_every_flag_is_as_the_u
         assert not tf32_enabled()
         assert None not in legacy() or None in before_legacy  # readable inside where it was before (Inductor reads it)
     assert (raw(), legacy()) == (before_raw, before_legacy)
-    with float32_mode("cuda", tf32=True):
+    with float32_mode("cuda", tf32=True):  # a precision=tf32 step
         assert [effective(b, op) for b, op in LEAVES["cuda"]] == ["tf32"] * 3
         assert None not in legacy() or None in before_legacy
+        step_state = raw(), legacy()
+        with exact_float32(torch.device("cuda")):  # around a layer's norms and sums: TF32 paused
+            assert [effective(b, op) for b, op in LEAVES["cuda"]] == ["ieee"] * 3
+            assert None not in legacy() or None in before_legacy
+            with exact_float32(torch.device("cuda")):  # nested: still off after the inner one ends
+                pass
+            assert not tf32_enabled()
+        assert (raw(), legacy()) == step_state
     assert (raw(), legacy()) == (before_raw, before_legacy)
     with float32_mode("cpu"):  # oneDNN: "medium" or a "bf16" string would let it round float32 inputs to bf16
         assert [effective(b, op) for b, op in LEAVES["cpu"]] == ["ieee"] * 3

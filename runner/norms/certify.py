@@ -31,7 +31,7 @@ import contextvars
 
 import torch
 
-from runner.fp32_mode import float32_mode, tf32_enabled
+from runner.fp32_mode import tf32_enabled, tf32_paused
 
 
 def unit(t: torch.Tensor) -> float:
@@ -55,7 +55,7 @@ def exact_float32(device: torch.device):
     a compiled step, which the step's own context covers (compile= with precision=tf32 is refused)."""
     if device.type != "cuda" or torch.compiler.is_compiling() or not tf32_enabled():
         return _NOTHING  # compiled: a graph keeps aten ops only, not this switch (runner/methods/compiled.py)
-    return float32_mode("cuda", tf32=False)
+    return tf32_paused()
 
 
 def upper_sqnorm(t: torch.Tensor) -> torch.Tensor:
