@@ -31,7 +31,8 @@ from torch import nn
 from runner.errors import DprunError
 from runner.methods import METHODS, opacus_peer, reweight
 from runner.norms import RULES, streaming
-from runner.bench.adversarial import CONSTRUCTIONS, Cancelling, exact_norm, measured, near_constant, released, seq
+from runner.bench.adversarial import (CONSTRUCTIONS, UNDERFLOW, Cancelling, exact_norm, measured, near_constant,
+                                     released, seq)
 from runner.norms.base import HOW
 
 # VALIDATOR: these tests measure clipping alone, so the first-step privacy validator is off here: its comparison with
@@ -109,6 +110,27 @@ def test_crafted_example_contributes_at_most_C_in_bf16(name, cfg, kind, case, bu
     x = example(torch.Generator().manual_seed(1), EPS)
     ratio = contribution(name, cfg, model, x, 0.01, precision="bf16")
     assert ratio <= 1 + TOL, f"{case}: an example contributed {ratio:.6g} x C under bf16"
+
+
+UNDER = [(kind, *c) for kind, cs in UNDERFLOW.items() for c in cs]
+UNDER_CASES = [(n, c, "fp32") for n, c in CASES] + [(n, c, "bf16") for n, c in BF16]
+
+
+@pytest.mark.parametrize("kind,case,build,example", UNDER, ids=[c[1] for c in UNDER])
+@pytest.mark.parametrize("name,cfg,precision", UNDER_CASES, ids=[f"{case_id(n, c)}-{p}" for n, c, p in UNDER_CASES])
+def test_an_underflowing_record_contributes_at_most_C(name, cfg, precision, kind, case, build, example):
+    """One record ~1e17, the other ~1e-23 (its squares underflow float32 and bf16 alike), their products ~1e-6
+    (runner/bench/adversarial.py UNDERFLOW). Failed before certify.underflow_floor: 100 x C with the defaults on the
+    conv constructions, 4 x C on a Linear at one position (docs/privacy.md, stop 35)."""
+    if name == "opacus":
+        pytest.importorskip("opacus")
+    torch.manual_seed(0)
+    model = build(0)
+    x = example(torch.Generator().manual_seed(1), EPS)
+    ratio = contribution(name, cfg, model, x, 0.01, precision=precision)
+    if ratio is None:
+        return  # refused in one line (checked in contribution)
+    assert ratio <= 1 + TOL, f"{case}: an example contributed {ratio:.6g} x C ({precision})"
 
 
 def compiled_contribution(how, build, example, backend):

@@ -117,6 +117,32 @@ CONSTRUCTIONS = {
 }
 
 
+# Underflow (stop 35): each construction with its input scaled by s_in and its read-out by s_out, so that one of the
+# layer's records is ~1e17 and the other's squares underflow float32 (1e-23: 1e-46 rounds to 0) while their
+# product, the per-example gradient, stays ~1e-6 per term. A bound that multiplies a norm that underflowed by one that
+# did not (rank one, a mass sum_t ||a_t|| ||g_t||, a Gram entry times the other Gram's) certified 0.3 x the true
+# norm before certify.underflow_floor. eps = 1 (no cancellation: underflow alone). Integer inputs (tokens) keep
+# their scale: the read-out's scale alone reaches the layer.
+SCALES = {"huge_input": (1e17, 1e-23), "tiny_input": (1e-23, 1e17)}
+
+
+def scaled(build, example, s_in: float, s_out: float):
+    def build_scaled(seed):
+        model = build(seed)
+        model.readout.mul_(s_out)
+        return model
+
+    def example_scaled(g, eps):
+        x = example(g, 1.0)
+        return x * s_in if x.is_floating_point() else x
+
+    return build_scaled, example_scaled
+
+
+UNDERFLOW = {kind: [(f"{name}_{label}", *scaled(build, example, *scale)) for name, build, example in cases
+                    for label, scale in SCALES.items()] for kind, cases in CONSTRUCTIONS.items()}
+
+
 def loss_fn(out, y):
     return out[:, 0]  # (B,): the read-out itself, so the output-gradients are the fixed pattern
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
 import torch
 
@@ -81,6 +82,20 @@ def vector_norms(t: torch.Tensor, dim) -> torch.Tensor:
     if t.device.type == "cpu" and not t.is_contiguous():
         return t.square().sum(dim).sqrt_()
     return torch.linalg.vector_norm(t, dim=dim)
+
+
+def underflow_floor(d: int, u: float, dtype: torch.dtype = torch.float32) -> float:
+    """delta_d: the floor a computed norm of d entries is raised to before it multiplies a norm of another tensor.
+
+    A square or a product that lands below the dtype's smallest normal (finfo.tiny: 2^-126 in float32 and bf16)
+    loses up to `tiny`, absolutely (rounded to a subnormal, or flushed to zero where denormals are off), which no
+    relative gamma covers: rows of 1e-23 have computed norm 0. Alone such a loss is below 1e-19 sqrt(d) and the clip
+    factor's + 1e-6 absorbs it, but a norm bound that multiplies it by another tensor's norm (a rank-one
+    ||a|| ||g||, a mass sum_t ||a_t|| ||g_t||, a ghost Gram entry times the other Gram's) can be off by far more:
+    a ~ 1e17 with g ~ 1e-23 certified 0.3 x the true norm (stop 35). With c the computed norm (already times its
+    norm_factor), true^2 <= c^2 + d tiny, so true <= max(c, delta) (1 + u) for delta^2 = d tiny / u: raising each
+    such norm to delta costs one (1 + u) and changes nothing for rows above ~1e-14 sqrt(d) (float32)."""
+    return math.sqrt(d * torch.finfo(dtype).tiny / u)
 
 
 def norm_factor(d: int, u: float) -> float:

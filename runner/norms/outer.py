@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from runner.norms import tensor_cores as tc
-from runner.norms.certify import finite_rows, kept, gamma, norm_factor, summed_vector, unit, upper_sqnorm, vector_norms
+from runner.norms.certify import (finite_rows, kept, gamma, norm_factor, summed_vector, underflow_floor, unit,
+                                  upper_sqnorm, vector_norms)
 
 BK_GHOST = 16  # book-keeping: ghost when T^2*(k+o) < 16*k*o
 
@@ -77,9 +78,10 @@ def norm_sq(a: torch.Tensor, g: torch.Tensor, how: str = "auto", stash: dict | N
     N, T, k = a.shape
     o = g.shape[-1]
     u = unit(a)
-    if T == 1:  # rank-one per-example gradient: ||G_i|| = ||g_i|| ||a_i||
-        norm = vector_norms(a[:, 0], 1).mul_(vector_norms(g[:, 0], 1))  # (N,)
-        return norm.square_().mul_((norm_factor(k, u) * norm_factor(o, u)) ** 2 * (1 + 5 * u))
+    if T == 1:  # rank-one per-example gradient: ||G_i|| = ||g_i|| ||a_i||, each norm raised to its underflow floor
+        fk, fo = norm_factor(k, u), norm_factor(o, u)
+        norm = floored_norms(vector_norms, a[:, 0], k, fk, u).mul_(floored_norms(vector_norms, g[:, 0], o, fo, u))
+        return norm.square_().mul_((fk * fo) ** 2 * (1 + u) ** 4 * (1 + 5 * u))  # (N,)
     if stash is not None and not (stash.keeps(N, T, k, o, a.element_size()) if isinstance(stash, Stash)
                                   else keeps(T, k, o)):
         stash = None  # memory: do not keep G_i for the clipped sum (clipped_sum falls back to one GEMM)
@@ -92,10 +94,15 @@ def ghost_parts(aa: torch.Tensor, gg: torch.Tensor, k: int, o: int, u_gram: floa
     """Grams aa = a a^T (N, T, T) and gg = g g^T (N, T, T), float32, their entries accumulated with unit roundoff
     u_gram -> (N,) certified ||G_i||^2 (the Grams are overwritten) and (N,) S_i^2 >= (sum_t ||a_t|| ||g_t||)^2."""
     T, u = aa.shape[-1], unit(aa)
-    # S_i = sum_t ||a_t|| ||g_t|| >= ||G_i|| from the Grams' diagonals (each >= 0: a sum of squares), rounded up
+    # S_i = sum_t A_t G_t >= ||G_i|| from the Grams' diagonals (each >= 0: a sum of squares), rounded up, with
+    # A_t = max(||a_t||, delta_k) and G_t likewise (certify.underflow_floor): a diagonal entry may lose k tiny to
+    # underflow, which the floor turns into one more relative 2u, in S_i and in every Gram entry below
     ga, go = gamma(k, u_gram), gamma(o, u_gram)
-    mass_sq = (aa.diagonal(dim1=1, dim2=2) * gg.diagonal(dim1=1, dim2=2)).sqrt_().sum(1).square_()  # (N,)
-    mass_sq.mul_((1 + gamma(T + 3, u)) ** 2 / ((1 - ga) * (1 - go)))
+    floor_a, floor_g = underflow_floor(k, u) ** 2, underflow_floor(o, u) ** 2
+    mass_sq = (aa.diagonal(dim1=1, dim2=2).clamp_min(floor_a) * gg.diagonal(dim1=1, dim2=2).clamp_min(floor_g))
+    mass_sq = mass_sq.sqrt_().sum(1).square_()  # (N,)
+    mass_sq.mul_((1 + gamma(T + 3, u)) ** 2 * (1 + 2 * u) ** 2 / ((1 - ga) * (1 - go)))
+    ga, go = ga + 2 * u, go + 2 * u  # each Gram entry: off by <= gamma ||a_s|| ||a_t|| + k tiny <= (gamma + 2u) A_s A_t
     value = (aa.mul_(gg)).sum(2).sum(1)  # (N,) two reductions of T terms (depth 2T, not T^2); may cancel
     # |value - ||G_i||^2| <= err S_i^2: each Gram entry is off by <= gamma ||a_s|| ||a_t|| (Cauchy-Schwarz),
     # then the products and their sums round; S_i^2 caps it: a value that cancelled away (or overflowed to nan)
@@ -117,8 +124,9 @@ def direct_norm_sq(per_example: torch.Tensor, a: torch.Tensor, g: torch.Tensor, 
     N, T, k = a.shape
     o, u = g.shape[-1], unit(per_example)
     row_norms = tc.norms if a.dtype == torch.bfloat16 else vector_norms
-    mass = (row_norms(a, -1) * row_norms(g, -1)).sum(1)  # (N,) S_i / f
-    f = norm_factor(k, u) * norm_factor(o, u) * (1 + gamma(T + 2, u))
+    fk, fo = norm_factor(k, u), norm_factor(o, u)
+    mass = (floored_norms(row_norms, a, k, fk, u) * floored_norms(row_norms, g, o, fo, u)).sum(1)  # (N,) S_i / f
+    f = fk * fo * (1 + u) ** 2 * (1 + gamma(T + 2, u))
     return summed_vector_sq(value, mass.mul_(f), gamma(T, u_gemm) + split_loss, u, split_loss)
 
 
@@ -130,8 +138,9 @@ def norm_sq_tensor_cores(a: torch.Tensor, g: torch.Tensor, how: str, stash, key:
     N, T, k = a.shape
     o, u = g.shape[-1], 2.0**-24
     if T == 1:  # rank one: ||G_i|| = ||g_i|| ||a_i||, plus the split sum's loss
-        norm = tc.norms(a[:, 0], 1).mul_(tc.norms(g[:, 0], 1))  # (N,)
-        return norm.square_().mul_((norm_factor(k, u) * norm_factor(o, u) * (1 + tc.SPLIT_LOSS)) ** 2 * (1 + 5 * u))
+        fk, fo = norm_factor(k, u), norm_factor(o, u)
+        norm = floored_norms(tc.norms, a[:, 0], k, fk, u).mul_(floored_norms(tc.norms, g[:, 0], o, fo, u))  # (N,)
+        return norm.square_().mul_((fk * fo * (1 + tc.SPLIT_LOSS)) ** 2 * (1 + u) ** 4 * (1 + 5 * u))
     if use_ghost(T, k, o, how):
         upper, mass_sq = ghost_parts(tc.bmm(a, a.transpose(1, 2)), tc.bmm(g, g.transpose(1, 2)), k, o,
                                      tc.U_ACCUMULATE)
@@ -146,6 +155,12 @@ def summed_vector_sq(value: torch.Tensor, mass: torch.Tensor, slack: float, u: f
     the per-example product, + the tensor-core sum's split loss), whose summands' norms add up to <= mass."""
     upper = value.sqrt().mul_(1 + 2 * u).add_(mass, alpha=slack)
     return torch.fmin(upper, mass.mul(1 + split_loss)).square_().mul_(1 + 3 * u)
+
+
+def floored_norms(row_norms, t: torch.Tensor, d: int, factor: float, u: float) -> torch.Tensor:
+    """row_norms(t, -1) (or over dim 1 of a 2-D t) raised to underflow_floor(d) / factor: times `factor` (its
+    norm_factor) and (1 + u), at least the true norm of each row of d entries, whatever underflow lost."""
+    return row_norms(t, -1).clamp_min_(underflow_floor(d, u) / factor)
 
 
 def clipped_sum(a: torch.Tensor, g: torch.Tensor, nu: torch.Tensor, stash: dict | None = None,
@@ -178,8 +193,11 @@ def rank_one_with_bias_sq(a: torch.Tensor, g: torch.Tensor, stash: dict | None =
     rows = g[:, 0]  # (N, o): the per-example bias gradient, no rounding
     if stash is not None:
         stash["bias"] = rows
-    an, gn = vector_norms(a[:, 0], 1), vector_norms(rows, 1)  # (N,) each
-    factor = (norm_factor(k, u) * norm_factor(o, u)) ** 2 * (1 + 8 * u)
+    # ||g_i|| raised to its underflow floor (it multiplies ||a_i||^2 + 1, which may be ~1e38); ||a_i||^2 may lose
+    # k tiny to underflow, which the + 1 turns into a relative k tiny < u: one more u
+    fk, fo = norm_factor(k, u), norm_factor(o, u)
+    an, gn = vector_norms(a[:, 0], 1), floored_norms(vector_norms, rows, o, fo, u)  # (N,) each
+    factor = (fk * fo) ** 2 * (1 + u) ** 2 * (1 + 9 * u)
     return an.square_().add_(1).mul_(gn.square_()).mul_(factor)
 
 
