@@ -18,6 +18,8 @@ the norm and clipped-sum computations run with TF32 off (`exact_float32`). Cauch
 into one per example: |a_s.a_t| <= ||a_s|| ||a_t||, so the cancellation error of a ghost norm is at most
 (gamma_k + gamma_o + ...) S_i^2 with S_i = sum_t ||a_t|| ||g_t||, which also bounds ||G_i|| itself (the triangle
 inequality): a ghost value that cancelled away is replaced by at most S_i, never by something smaller than the truth.
+The model holds for normal numbers; where a norm multiplies another tensor's, it is first raised to an underflow floor
+(underflow_floor), so that squares lost below float32's smallest normal cannot shrink the bound (stop 35).
 
     upper_sq = sum(rule.norm_sq(layer, a, g, how, stash) for each layer)   # (B,) >= ||G_i||^2
     norms = certified_norms(upper_sq)                                       # (B,) N_i; inf/nan where not finite
