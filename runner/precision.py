@@ -56,8 +56,8 @@ def matmul_precision(device: torch.device, precision: str):
     the norms, so fp32 turns it off. The CPU: oneDNN's IEEE float32 whatever the precision (a user's
     torch.set_float32_matmul_precision("medium") would let oneDNN round float32 inputs to bf16, under the certified
     norms too; tf32 changes nothing there). The norms and clipped sums run inside with TF32 off whatever the setting
-    (certify.exact_float32). CUDA bf16 (autocast) and other devices: unchanged. runner/fp32_mode.py sets the flags
-    and puts the user's back after."""
-    if device.type == "cuda" and precision == "bf16":
-        return contextlib.nullcontext()
+    (certify.exact_float32). CUDA bf16: TF32 off for the step's float32 operations too (autocast's bf16 products do
+    not read the flag): a compiled step keeps no run-time switch (runner/methods/compiled.py), so a user's global
+    TF32 would otherwise reach the certified norms of a compiled bf16 step (stop 35). Other devices: unchanged.
+    runner/fp32_mode.py sets the flags and puts the user's back after."""
     return float32_mode(device.type, tf32=precision == "tf32")

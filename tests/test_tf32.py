@@ -38,7 +38,10 @@ def test_the_step_context_sets_tf32_by_precision_and_the_norms_turn_it_off(flags
     with matmul_precision(CUDA, "fp32"):
         assert flags() == (False, False)  # torch's default cuDNN TF32 is off for an fp32 step
     assert flags() == before
-    for device, precision in ((CUDA, "bf16"), (CPU, "tf32"), (CPU, "fp32")):
+    with matmul_precision(CUDA, "bf16"):  # a compiled bf16 step keeps no per-layer switch: off for the step
+        assert flags() == (False, False)
+    assert flags() == before
+    for device, precision in ((CPU, "tf32"), (CPU, "fp32")):
         with matmul_precision(device, precision):
             assert flags() == before
 
