@@ -202,6 +202,34 @@ def test_search_for_a_violation(mode):
     assert worst <= 1 + TOL, f"the search found an example contributing {worst:.6g} x C"
 
 
+SCALE_SEARCH = [("linear512_T16", nn.Linear), ("linear512x256_one_position", nn.Linear),
+                ("conv2d_32x64_16x16_groups", nn.Conv2d)]
+
+
+@pytest.mark.parametrize("name,cfg,precision", [("reweight", {"mode": m}, "fp32") for m in reweight.MODES]
+                         + [("reweight", {"mode": "bk", "norm": "ghost"}, "bf16")], ids=lambda v: str(v))
+def test_search_over_scales_for_an_underflow_violation(name, cfg, precision):
+    """Random scales of the input (1e-30 .. 1e18) and of the read-out, their product kept in 1e-8 .. 1e2 so that the
+    gradient stays well above the clip factor's 1e-6 while one record's squares fall anywhere from normal through
+    subnormal to flushed: no scale may release more than C (the UNDERFLOW constructions fix two of them)."""
+    torch.manual_seed(0)
+    rng = torch.Generator().manual_seed(7)
+    by_name = {case: (build, example) for kind, cases in CONSTRUCTIONS.items() for case, build, example in cases}
+    worst, where = 0.0, None
+    for case, _ in SCALE_SEARCH:
+        build, example = by_name[case]
+        for _ in range(4):
+            log_in = float(torch.empty(()).uniform_(-30, 18, generator=rng))
+            log_out = float(torch.empty(()).uniform_(-8, 2, generator=rng)) - log_in
+            model = build(0)
+            model.readout.mul_(10.0 ** log_out)
+            x = example(torch.Generator().manual_seed(1), 1.0) * 10.0 ** log_in
+            ratio = contribution(name, cfg, model, x, 0.01, precision=precision)
+            if ratio is not None and ratio > worst:
+                worst, where = ratio, (case, round(log_in, 1), round(log_out, 1))
+    assert worst <= 1 + TOL, f"the scale search found {worst:.6g} x C at {where}"
+
+
 class Mlp(nn.Module):
     def __init__(self, act):
         super().__init__()
