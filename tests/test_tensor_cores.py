@@ -8,12 +8,12 @@ import torch
 
 from runner.norms import outer
 from runner.norms import tensor_cores as tc
-from tests.test_certified_clipping import ALL, EPS, TOL, contribution
+from tests.test_certified_clipping import ALL, EPS, TOL, UNDER, contribution
 from tests.test_precision import test_bf16_norms_and_clipped_sums_against_the_float64_oracle as oracle_check
 from tests.test_precision import test_each_examples_contribution_is_at_most_c_under_bf16 as contribution_check
 
 BK = [("reweight", {"mode": "bk", "norm": h}) for h in ("auto", "direct", "ghost")]
-LINEAR_CASES = [c for c in ALL if c[0] is torch.nn.Linear]
+LINEAR_CASES = [c for c in ALL + UNDER if c[0] is torch.nn.Linear]  # UNDER: scaled for underflow (stop 35)
 
 
 @pytest.fixture
