@@ -98,7 +98,7 @@ def ghost_parts(aa: torch.Tensor, gg: torch.Tensor, k: int, o: int, u_gram: floa
     # A_t = max(||a_t||, delta_k) and G_t likewise (certify.underflow_floor): a diagonal entry may lose k tiny to
     # underflow, which the floor turns into one more relative 2u, in S_i and in every Gram entry below
     ga, go = gamma(k, u_gram), gamma(o, u_gram)
-    floor_a, floor_g = underflow_floor(k, u) ** 2, underflow_floor(o, u) ** 2
+    floor_a, floor_g = underflow_floor(k, u, aa.dtype) ** 2, underflow_floor(o, u, aa.dtype) ** 2
     mass_sq = (aa.diagonal(dim1=1, dim2=2).clamp_min(floor_a) * gg.diagonal(dim1=1, dim2=2).clamp_min(floor_g))
     mass_sq = mass_sq.sqrt_().sum(1).square_()  # (N,)
     mass_sq.mul_((1 + gamma(T + 3, u)) ** 2 * (1 + 2 * u) ** 2 / ((1 - ga) * (1 - go)))
@@ -160,7 +160,7 @@ def summed_vector_sq(value: torch.Tensor, mass: torch.Tensor, slack: float, u: f
 def floored_norms(row_norms, t: torch.Tensor, d: int, factor: float, u: float) -> torch.Tensor:
     """row_norms(t, -1) (or over dim 1 of a 2-D t) raised to underflow_floor(d) / factor: times `factor` (its
     norm_factor) and (1 + u), at least the true norm of each row of d entries, whatever underflow lost."""
-    return row_norms(t, -1).clamp_min_(underflow_floor(d, u) / factor)
+    return row_norms(t, -1).clamp_min_(underflow_floor(d, u, t.dtype) / factor)
 
 
 def clipped_sum(a: torch.Tensor, g: torch.Tensor, nu: torch.Tensor, stash: dict | None = None,
