@@ -42,6 +42,19 @@ def effective(backend: str, op: str) -> str:
     return "ieee"
 
 
+_IEEE = ("none", "ieee")
+
+
+def cpu_is_ieee() -> bool:
+    """Does oneDNN take float32 products as they are (matmul, conv, rnn)? Five reads (~1.5 us): the common case,
+    where float32_mode("cpu") has nothing to do. torch < 2.9: its matmul precision is "highest"."""
+    if not _NEW_API:
+        return torch.get_float32_matmul_precision() == "highest"
+    get = torch._C._get_fp32_precision_getter
+    return (get("generic", "all") in _IEEE and get("mkldnn", "all") in _IEEE and get("mkldnn", "matmul") in _IEEE
+            and get("mkldnn", "conv") in _IEEE and get("mkldnn", "rnn") in _IEEE)
+
+
 def tf32_enabled() -> bool:
     """Would a float32 cuBLAS matmul or cuDNN convolution/RNN take TF32 products now? Never raises."""
     if not _NEW_API:
@@ -96,6 +109,9 @@ def float32_mode(device_type: str, tf32: bool = False):
     if not _NEW_API:  # torch < 2.9: the legacy flags only
         with _legacy_mode(device_type, tf32):
             yield
+        return
+    if device_type == "cpu" and cpu_is_ieee():
+        yield  # nobody asked oneDNN for bf16/tf32: nothing to set
         return
     depth = len(_STEP_TF32)
     leaves = LEAVES["cuda"] + LEAVES["cpu"]  # all that the setters below may write

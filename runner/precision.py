@@ -25,10 +25,11 @@ import contextlib
 
 import torch
 
-from runner.fp32_mode import float32_mode
+from runner.fp32_mode import cpu_is_ieee, float32_mode
 
 PRECISIONS = ("fp32", "bf16", "tf32")
 AUTOCAST_DTYPE = {"bf16": torch.bfloat16}
+_NOTHING = contextlib.nullcontext()
 # relative margin on the norm in the clip factor: covers float32 rounding of a norm formed from bf16-rounded
 # tensors (measured < 1e-5; see above); 0 in fp32, where the factor is the DESIGN's min(1, C / (norm + 1e-6))
 ROUNDING_MARGIN = {"fp32": 0.0, "bf16": 1e-3, "tf32": 0.0}  # tf32: norms and sums stay exact float32
@@ -60,4 +61,6 @@ def matmul_precision(device: torch.device, precision: str):
     not read the flag): a compiled step keeps no run-time switch (runner/methods/compiled.py), so a user's global
     TF32 would otherwise reach the certified norms of a compiled bf16 step (stop 35). Other devices: unchanged.
     runner/fp32_mode.py sets the flags and puts the user's back after."""
+    if device.type == "cpu" and cpu_is_ieee():
+        return _NOTHING  # the common case: a shared no-op (a generator context costs ~3 us a step)
     return float32_mode(device.type, tf32=precision == "tf32")

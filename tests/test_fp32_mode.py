@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner.fp32_mode import LEAVES, effective, float32_mode, tf32_enabled
+from runner.fp32_mode import LEAVES, cpu_is_ieee, effective, float32_mode, tf32_enabled
 from runner.methods import METHODS
 from runner.norms.certify import exact_float32
 from runner.precision import matmul_precision
@@ -129,3 +129,11 @@ def test_a_private_step_on_the_cpu_takes_ieee_products_in_its_norms_whatever_the
     assert raw() == before and effective("mkldnn", "matmul") == "bf16"  # the user's setting, back after the step
     with matmul_precision(torch.device("cpu"), precision):
         assert effective("mkldnn", "matmul") == "ieee"
+
+
+@pytest.mark.parametrize("state", list(USER_STATES))
+def test_the_cpu_fast_path_is_taken_exactly_when_onednn_is_already_ieee(user_flags, state):
+    USER_STATES[state]()
+    ieee = all(effective(b, op) == "ieee" for b, op in LEAVES["cpu"])
+    assert cpu_is_ieee() == ieee
+    assert (matmul_precision(torch.device("cpu"), "fp32") is matmul_precision(torch.device("cpu"), "bf16")) == ieee
