@@ -156,8 +156,19 @@ def test_crafted_example_contributes_at_most_C_when_compiled(how, kind, case, bu
     assert compiled == pytest.approx(eager, rel=1e-4), (compiled, eager)
 
 
+UNDER_CONV_LINEAR = [c for c in UNDER if c[0] in (nn.Linear, nn.Conv2d, nn.Conv1d)]
+
+
+@pytest.mark.parametrize("kind,case,build,example", UNDER_CONV_LINEAR, ids=[c[1] for c in UNDER_CONV_LINEAR])
+def test_an_underflowing_record_contributes_at_most_C_when_compiled(kind, case, build, example):
+    """The underflow constructions of the rules with a floor (rank one, mass, Grams) through the traced route."""
+    compiled, eager = compiled_contribution("auto", build, example, "aot_eager")
+    assert compiled <= 1 + TOL, f"{case}: an example contributed {compiled:.6g} x C in a compiled step"
+    assert compiled == pytest.approx(eager, rel=1e-4), (compiled, eager)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,case,build,example", ALL, ids=[c[1] for c in ALL])
+@pytest.mark.parametrize("kind,case,build,example", ALL + UNDER, ids=[c[1] for c in ALL + UNDER])
 def test_crafted_example_contributes_at_most_C_under_inductor(kind, case, build, example):
     """The same through Inductor's generated kernels (other summation orders: the bounds hold for any)."""
     compiled, eager = compiled_contribution("auto", build, example, "inductor")
