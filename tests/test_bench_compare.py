@@ -6,6 +6,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from runner.bench import compare
@@ -17,13 +18,14 @@ SLOWER = '''
 import time as _time
 
 _method_contender = method_contender
+_counter = torch.zeros(())
 
 
-def method_contender(label, *args, **kwargs):  # this copy's non-private step is 60 ms slower
+def method_contender(label, *args, **kwargs):  # this copy's non-private step: 60 ms slower, one more operator
     c, note = _method_contender(label, *args, **kwargs)
     if c is not None and label == "nonprivate":
         step = c.step
-        c = type(c)(lambda: (_time.sleep(0.06), step()), c.zero_grad)
+        c = type(c)(lambda: (_time.sleep(0.06), _counter.add_(1), step()), c.zero_grad)
     return c, note
 '''
 
@@ -53,7 +55,48 @@ def test_each_tree_is_timed_with_its_own_code_in_its_own_process(tmp_path):
     # above the non-private one's: 0.987 vs 0.992 MB with this CPU's AVX-512 kernels, so no order is asserted)
     for label in ("reweight-bk", "nonprivate"):
         assert rows.loc[label, "base_mem_mb"] == rows.loc[label, "this_mem_mb"] > 0
+    # leaf operators per step, each tree's own: the copy's extra add_ (in place: no memory) in its non-private step
+    assert rows.loc["reweight-bk", "base_leaf_ops"] == rows.loc["reweight-bk", "this_leaf_ops"] > 20
+    assert rows.loc["nonprivate", "base_leaf_ops"] > rows.loc["nonprivate", "this_leaf_ops"]
     assert (tmp_path / "compare_cpu_quick.csv").exists()
+
+
+KILLED = '''
+
+import os as _os
+import signal as _signal
+
+_contender = method_contender
+
+
+def method_contender(label, base, x, *args, **kwargs):  # this copy's worker dies at batch 5, as the OOM killer does it
+    if len(x) == 5:
+        _os.kill(_os.getpid(), _signal.SIGKILL)
+    return _contender(label, base, x, *args, **kwargs)
+'''
+
+
+def test_a_killed_worker_is_one_line_and_the_rows_measured_before_are_kept(tmp_path, capsys):
+    """A worker the kernel kills (SIGKILL: out of memory on a large workload) stops the run with one line saying so,
+    not a BrokenPipeError traceback, and the workloads measured before it are saved."""
+    base = slower_copy(tmp_path)
+    clip = base / "runner" / "bench" / "clip.py"
+    clip.write_text(clip.read_text().replace('\nif __name__ == "__main__":', KILLED + '\nif __name__ == "__main__":'))
+    # --batch 5: the first workload's build is killed, before any row
+    with pytest.raises(DprunError, match=r"worker for .*base stopped during .*killed \(SIGKILL: on Linux usually"):
+        compare.main(["--base", str(base), "--quick", "--workloads", "fig6_b16,fig6_b32", "--methods", "nonprivate",
+                      "--warmup", "0", "--repeats", "1", "--out", str(tmp_path), "--pairs", "1", "--batch", "5"])
+    assert not (tmp_path / "compare_cpu_quick.csv").exists()  # nothing was measured: nothing written
+    base_kill_second = slower_copy(tmp_path / "second")
+    clip = base_kill_second / "runner" / "bench" / "clip.py"
+    clip.write_text(clip.read_text().replace('\nif __name__ == "__main__":', KILLED.replace("len(x) == 5", "len(x) == 4")
+                                             + '\nif __name__ == "__main__":'))
+    with pytest.raises(DprunError, match=r"killed \(SIGKILL"):  # fig6_b16 (batch 2) measured, fig6_b32 (4) killed
+        compare.main(["--base", str(base_kill_second), "--quick", "--workloads", "fig6_b16,fig6_b32", "--methods",
+                      "nonprivate", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)])
+    saved = pd.read_csv(tmp_path / "compare_cpu_quick.csv")
+    assert list(saved["workload"]) == ["fig6_b16"] and saved["this_ms"].notna().all()
+    assert "rows measured before are saved" in capsys.readouterr().out
 
 
 def test_a_commit_is_exported_and_a_bad_one_is_one_line(tmp_path):
@@ -93,6 +136,7 @@ def test_a_worker_keeps_installed_packages_on_pythonpath_but_no_tree(tmp_path):
 OLD_SIGNATURE = '''
 
 _method_contender = method_contender
+_counter = torch.zeros(())
 
 
 def method_contender(label, base, x, y, expected_batch, n):  # a tree from before precision=
@@ -138,6 +182,8 @@ def test_the_trees_take_turns_going_first():
                 return {"built": request["methods"], "notes": {}, "precision": "fp32"}
             if "memory" in request:
                 return {"bytes": 0}
+            if "ops" in request:
+                return {"leaf_ops": 0}
             order.append((self.name, request["step"]))
             return {"s": 0.01}
 

@@ -21,7 +21,10 @@ Measured here (A/A, --base .): this / base within 0.98-1.00 on fig6_b16 over 30 
 --base: a git commit (exported with `git archive` into a temporary folder) or a folder holding a tree. The base tree
 must have the bench API compare_worker.py uses (runner.bench.clip.method_contender, there since the certified
 clipping work). Columns: the median step of each tree, this / base, each tree's ratio to its own non-private
-step, and each tree's peak step memory (bench-clip's measure, one step each). Saves outputs/bench/compare_<device>.csv.
+step, each tree's peak step memory (bench-clip's measure, one step each) and its leaf operators per step (~ kernels
+launched, runner/bench/opcount.py: what a host-bound GPU step pays per operator, countable on the CPU at the GPU
+workload's own batch, since which operators a step runs can depend on B: e.g. runner/norms/streaming.py CAPTURE_BYTES).
+Saves outputs/bench/compare_<device>.csv.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ from runner.metrics import write_csv
 HERE = Path(__file__).resolve().parents[2]  # this tree's root
 WORKER = Path(__file__).resolve().with_name("compare_worker.py")
 COLUMNS = ["pair", "workload", "model", "batch", "method", "base_ms", "this_ms", "this_over_base", "base_x_nonprivate",
-           "this_x_nonprivate", "base_mem_mb", "this_mem_mb", "steps_timed", "note"]
+           "this_x_nonprivate", "base_mem_mb", "this_mem_mb", "base_leaf_ops", "this_leaf_ops", "steps_timed", "note"]
 
 
 def export_commit(commit: str, repo: Path, into: Path) -> Path:
@@ -87,12 +90,24 @@ class Tree:
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=root)
 
     def ask(self, **request) -> dict:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:  # the worker was gone before the request: killed, or it exited
+            line = ""
         if not line:
-            raise DprunError(f"the benchmark worker for {self.root} stopped (its error is printed above)")
+            raise DprunError(f"the benchmark worker for {self.root} stopped during {request}: {self.how_it_ended()}")
         return json.loads(line)
+
+    def how_it_ended(self) -> str:
+        try:
+            code = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return "it closed its output (its error is printed above)"
+        if code == -9:
+            return "killed (SIGKILL: on Linux usually the kernel's out-of-memory killer; try a smaller --batch)"
+        return f"exit code {code} (its error is printed above)"
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -136,18 +151,19 @@ def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool,
                 if r >= warmup:
                     times[(name, label)].append(answer["s"])
     t = {key: median(ts) for key, ts in times.items()}
-    memory = {}  # one step each, after the timing (bench-clip's measure: peak tensor bytes above the step's start)
-    for label in labels:
+    memory, ops = {}, {}  # one step each, after the timing (bench-clip's measure: peak tensor bytes above the
+    for label in labels:  # step's start), and one step's leaf operators (~ kernels launched: a host-bound GPU step)
         for name, tree in trees.items():
-            answer = tree.ask(memory=label)
-            memory[(name, label)] = answer.get("bytes", math.nan) / 2**20
+            memory[(name, label)] = tree.ask(memory=label).get("bytes", math.nan) / 2**20
+            ops[(name, label)] = tree.ask(ops=label).get("leaf_ops", math.nan)
     for row in rows:
         label = row["method"]
         if label not in labels:
             continue
         base, this = t[("base", label)], t[("this", label)]
         row.update(base_ms=1e3 * base, this_ms=1e3 * this, this_over_base=this / base, steps_timed=repeats,
-                   base_mem_mb=memory[("base", label)], this_mem_mb=memory[("this", label)])
+                   base_mem_mb=memory[("base", label)], this_mem_mb=memory[("this", label)],
+                   base_leaf_ops=ops[("base", label)], this_leaf_ops=ops[("this", label)])
         if "nonprivate" in labels:
             row.update(base_x_nonprivate=base / t[("base", "nonprivate")],
                        this_x_nonprivate=this / t[("this", "nonprivate")])
@@ -185,6 +201,28 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     repeats = timed_repeats(args)
     chosen = select_workloads(suite_workloads(args.suite, args.quick), args.workloads, "bench-compare")
     rows: list[dict] = []
+    path = Path(args.out) / f"compare_{device.type}{'_quick' if args.quick else ''}.csv"
+    try:
+        measure_pairs(args, device, repeats, methods, chosen, rows)
+    except BaseException:  # a worker killed or a step failed, or ctrl-c: the workloads measured so far are kept
+        if rows:
+            write_csv(path, pd.DataFrame(rows).reindex(columns=COLUMNS).to_dict("records"))
+            print(f"[bench-compare] stopped: the {len(rows)} rows measured before are saved in {path}")
+        raise
+    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    write_csv(path, df.to_dict("records"))
+    with pd.option_context("display.max_rows", None, "display.width", 250, "display.float_format", "{:.3f}".format):
+        print(df.to_string(index=False))
+        if args.pairs > 1:
+            print(f"[bench-compare] this / base over {args.pairs} pairs of processes: median (min - max)")
+            print(pair_summary(df).to_string(index=False))
+    print(f"[bench-compare] saved {path}")
+    return df
+
+
+def measure_pairs(args, device, repeats: int, methods: list[str], chosen: list, rows: list[dict]) -> None:
+    """Every pair of worker processes over every chosen workload, each workload's rows appended to `rows` as soon as
+    they are measured."""
     with tempfile.TemporaryDirectory(prefix="dprun-base-") as scratch:
         base_root = resolve_tree(args.base, Path(scratch))
         print(f"[bench-compare] base {args.base} ({base_root}) vs this tree ({HERE}); {device}, {repeats} "
@@ -201,16 +239,6 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             finally:
                 for tree in trees.values():
                     tree.close()
-    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
-    path = Path(args.out) / f"compare_{device.type}{'_quick' if args.quick else ''}.csv"
-    write_csv(path, df.to_dict("records"))
-    with pd.option_context("display.max_rows", None, "display.width", 250, "display.float_format", "{:.3f}".format):
-        print(df.to_string(index=False))
-        if args.pairs > 1:
-            print(f"[bench-compare] this / base over {args.pairs} pairs of processes: median (min - max)")
-            print(pair_summary(df).to_string(index=False))
-    print(f"[bench-compare] saved {path}")
-    return df
 
 
 def pair_summary(df: pd.DataFrame) -> pd.DataFrame:
