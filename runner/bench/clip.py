@@ -39,7 +39,7 @@ from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, 
                                  interleaved_times, median, select_workloads, step_memory_bytes, synthetic_batch,
                                  timing_columns, timed_repeats)
 from runner.bench import common
-from runner.bench.opcount import op_counts
+from runner.bench.opcount import kernels, op_counts
 from runner.data.base import DataInfo
 from runner.methods.noise import add_noise_and_scale
 from runner.metrics import device_name, write_csv
@@ -68,7 +68,7 @@ IMAGENET256 = DataInfo("imagenet256", (3, 256, 256), 1000, "image", None, 128116
 GPU = ["nonprivate", "reweight-twopass", "reweight-bk", "reweight-recompute", "opacus-hooks", "opacus-ghost",
        "opacus-functorch"] + SECURE
 COLUMNS = ["workload", "model", "batch", "method", "precision", "step_ms", "x_nonprivate", "x_nonprivate_compiled",
-           "x_opacus_best", "x_seeded", "step_mem_mb", "mem_x_nonprivate", "faults_per_step", "aten_ops", "leaf_ops",
+           "x_opacus_best", "x_seeded", "step_mem_mb", "mem_x_nonprivate", "faults_per_step", "aten_ops", "leaf_ops", "kernels",
            "steps_timed", "note"]
 
 
@@ -177,6 +177,8 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
     times = interleaved_times({k: c.step for k, c in contenders.items()}, device, repeats, warmup, budget_s)
     memory = {label: step_memory_bytes(c.step, device, before=c.zero_grad) for label, c in contenders.items()}
     ops = {label: op_counts(c.step, before=c.zero_grad) for label, c in contenders.items()}
+    for label, c in contenders.items():  # eager steps: a compiled one would run op by op under the counting mode
+        ops[label]["kernels"] = math.nan if label.endswith("+compile") else kernels(c.step, before=c.zero_grad)
     faults = {label: faults_per_step(c.step) if device.type == "cpu" else math.nan for label, c in contenders.items()}
     t = {label: median(ts) for label, ts in times.items()}
     opacus = [t[k] for k in t if k.startswith("opacus")]

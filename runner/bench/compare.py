@@ -21,9 +21,10 @@ Measured here (A/A, --base .): this / base within 0.98-1.00 on fig6_b16 over 30 
 --base: a git commit (exported with `git archive` into a temporary folder) or a folder holding a tree. The base tree
 must have the bench API compare_worker.py uses (runner.bench.clip.method_contender, there since the certified
 clipping work). Columns: the median step of each tree, this / base, each tree's ratio to its own non-private
-step, each tree's peak step memory (bench-clip's measure, one step each) and its leaf operators per step (~ kernels
-launched, runner/bench/opcount.py: what a host-bound GPU step pays per operator, countable on the CPU at the GPU
-workload's own batch, since which operators a step runs can depend on B: e.g. runner/norms/streaming.py CAPTURE_BYTES).
+step, each tree's peak step memory (bench-clip's measure, one step each) and its computing operators per step
+(~ kernels launched, runner/bench/opcount.py `kernels`: what a host-bound GPU step pays per operator, countable on the
+CPU at the GPU workload's own batch, since which operators a step runs can depend on B: e.g. runner/norms/streaming.py
+CAPTURE_BYTES).
 Saves outputs/bench/compare_<device>.csv.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ from runner.metrics import write_csv
 HERE = Path(__file__).resolve().parents[2]  # this tree's root
 WORKER = Path(__file__).resolve().with_name("compare_worker.py")
 COLUMNS = ["pair", "workload", "model", "batch", "method", "base_ms", "this_ms", "this_over_base", "base_x_nonprivate",
-           "this_x_nonprivate", "base_mem_mb", "this_mem_mb", "base_leaf_ops", "this_leaf_ops", "steps_timed", "note"]
+           "this_x_nonprivate", "base_mem_mb", "this_mem_mb", "base_kernels", "this_kernels", "steps_timed", "note"]
 
 
 def export_commit(commit: str, repo: Path, into: Path) -> Path:
@@ -152,10 +153,10 @@ def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool,
                     times[(name, label)].append(answer["s"])
     t = {key: median(ts) for key, ts in times.items()}
     memory, ops = {}, {}  # one step each, after the timing (bench-clip's measure: peak tensor bytes above the
-    for label in labels:  # step's start), and one step's leaf operators (~ kernels launched: a host-bound GPU step)
+    for label in labels:  # step's start), and one step's computing operators (~ kernels: a host-bound GPU step)
         for name, tree in trees.items():
             memory[(name, label)] = tree.ask(memory=label).get("bytes", math.nan) / 2**20
-            ops[(name, label)] = tree.ask(ops=label).get("leaf_ops", math.nan)
+            ops[(name, label)] = tree.ask(ops=label).get("kernels", math.nan)
     for row in rows:
         label = row["method"]
         if label not in labels:
@@ -163,7 +164,7 @@ def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool,
         base, this = t[("base", label)], t[("this", label)]
         row.update(base_ms=1e3 * base, this_ms=1e3 * this, this_over_base=this / base, steps_timed=repeats,
                    base_mem_mb=memory[("base", label)], this_mem_mb=memory[("this", label)],
-                   base_leaf_ops=ops[("base", label)], this_leaf_ops=ops[("this", label)])
+                   base_kernels=ops[("base", label)], this_kernels=ops[("this", label)])
         if "nonprivate" in labels:
             row.update(base_x_nonprivate=base / t[("base", "nonprivate")],
                        this_x_nonprivate=this / t[("this", "nonprivate")])

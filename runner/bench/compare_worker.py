@@ -7,8 +7,8 @@ so each tree is timed with its own code, in its own process, and no module of on
 Requests: {"build": workload, "methods": [...], "quick": bool, "suite": "default" | "gpu", "precision": "fp32"...,
 "batch": None | int (the workload's batch replaced)} ->
 {"built": [labels], "notes": {label: why not}, "batch": the batch built}; {"step": label} -> {"s": seconds of one step}; {"memory": label} ->
-{"bytes": peak bytes of one step, as bench-clip measures it}; {"ops": label} -> {"leaf_ops": aten operators of one
-step that call no other (~ kernels launched: THIS tree's runner/bench/opcount.py counts, loaded by its path, so both
+{"bytes": peak bytes of one step, as bench-clip measures it}; {"ops": label} -> {"kernels": computing operators of one
+step, not views (~ kernels launched on a GPU: THIS tree's runner/bench/opcount.py counts, loaded by its path, so both
 trees are counted alike)}; {"quit": true}. The tree's bench API:
 runner.bench.clip's workloads(), gpu_workloads() and method_contender(), runner.bench.common's synthetic_batch(),
 timed() and step_memory_bytes() (there since the certified-clipping work began; an older tree answers {"error": ...}).
@@ -21,12 +21,12 @@ from pathlib import Path
 
 
 def op_counter():
-    """op_counts from the runner/bench/opcount.py next to this file, under a name of its own: it imports torch only,
+    """kernels() from the runner/bench/opcount.py next to this file, under a name of its own: it imports torch only,
     so the tree being measured keeps its own `runner` (an older tree has no opcount)."""
     spec = importlib.util.spec_from_file_location("compare_opcount", Path(__file__).with_name("opcount.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.op_counts
+    return module.kernels
 
 
 def serve(tree: str, device_name: str) -> None:
@@ -37,7 +37,7 @@ def serve(tree: str, device_name: str) -> None:
     from runner.models import MODELS
 
     device = torch.device(device_name)
-    count_ops = op_counter()
+    count_kernels = op_counter()
     steps: dict = {}
     for line in sys.stdin:
         request = json.loads(line)
@@ -51,7 +51,7 @@ def serve(tree: str, device_name: str) -> None:
                 answer = {"bytes": common.step_memory_bytes(c.step, device, before=c.zero_grad)}
             elif "ops" in request:
                 c = steps[request["ops"]]
-                answer = {"leaf_ops": count_ops(c.step, before=c.zero_grad)["leaf_ops"]}
+                answer = {"kernels": count_kernels(c.step, before=c.zero_grad)}
             else:
                 answer = {"s": common.timed(steps[request["step"]].step, device)}
         except Exception as e:  # the parent notes a build error on the rows, and stops on a step's
