@@ -94,6 +94,10 @@ bench-compare: ## this tree's steps vs another commit's (BASE=<commit>), interle
 bench-profile: ## where a bench step's time goes, by operator (CPU self time; CUDA: its kernels' device time) -> outputs/bench/profile_<device>.csv
 	$(PY) -m runner.bench.profile $(BENCH_ARGS)
 
+.PHONY: bench-peak
+bench-peak: ## what a bench step holds at its memory peak: each live tensor, its operator and line -> outputs/bench/peak_<device>.csv
+	$(PY) -m runner.bench.peak $(BENCH_ARGS)
+
 .PHONY: bench-dist
 bench-dist: ## data-parallel steps/s and bytes all-reduced per step, 1 vs 2 processes (gloo on CPU) -> outputs/bench/distributed_cpu.csv
 	$(PY) -m runner.bench.distributed --device cpu --nproc 1,2 $(BENCH_ARGS)

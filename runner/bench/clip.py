@@ -41,6 +41,7 @@ from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, 
 from runner.bench import common
 from runner.bench.opcount import kernels, op_counts
 from runner.data.base import DataInfo
+from runner.errors import DprunError
 from runner.methods.noise import add_noise_and_scale
 from runner.metrics import device_name, write_csv
 from runner.models import MODELS
@@ -145,6 +146,41 @@ def method_contender(label: str, base: torch.nn.Module, x, y, expected_batch: fl
     return contender(name, options, base, x, y, lambda ps: torch.optim.SGD(ps, lr=0.01, foreach=True),
                      expected_batch / n, expected_batch, compile_mode=compile_mode if compiled else "",
                      configure={"precision": precision}, rng="secure" if variant.endswith("-secure") else "seeded")
+
+
+def contender_arguments(prog: str, doc: str, *, repeats: int, warmup: int, out: str, top: int, rows: str):
+    """The command line of a tool that looks inside each contender's step (bench-profile, bench-peak): bench-clip's
+    workloads and method rows, --precision, --top (how many `rows` it prints per contender)."""
+    ap = arguments(prog, doc, repeats=repeats, warmup=warmup, budget=math.inf, quick="batches / 8: a smoke run",
+                   workloads=workload_names(), out=out)
+    add_suite_argument(ap)
+    ap.add_argument("--methods", default="nonprivate,reweight-bk", help="comma-separated rows of bench-clip: "
+                    + ", ".join(ALL))
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "tf32"])
+    ap.add_argument("--top", type=int, default=top, help=f"{rows} printed per contender")
+    return ap
+
+
+def warmed_contenders(chosen: list[Workload], labels: list[str], device: torch.device, precision: str, warmup: int,
+                      tool: str):
+    """(workload, label, contender) for each workload and eager method row, built as bench-clip builds them (one
+    model per workload, seed 0, the same batch for every row) and stepped `warmup` times (at least once); a row a
+    method cannot run is printed with its reason and skipped. An unknown row stops with one line."""
+    unknown = [label for label in labels if label not in ALL or label.endswith("+compile")]
+    if unknown:
+        raise DprunError(f"--methods: unknown row {unknown[0]!r}; choose from {', '.join(ALL)}")
+    for w in chosen:
+        torch.manual_seed(0)
+        base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
+        x, y = common.synthetic_batch(w.info, w.batch, device)
+        for label in labels:
+            c, note = method_contender(label, base, x, y, float(w.batch), w.info.train_size, "", precision)
+            if c is None:
+                print(f"[{tool}] {w.name} {label}: {note}")
+                continue
+            for _ in range(max(1, warmup)):
+                c.step()
+            yield w, label, c
 
 
 def noise_contender(rng: str, base: torch.nn.Module, device: torch.device) -> common.Contender:

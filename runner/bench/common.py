@@ -259,3 +259,15 @@ def select_workloads(available: list, wanted_csv: str | None, tool: str) -> list
     if unknown:
         raise DprunError(f"unknown workload {unknown[0]!r}; valid: {', '.join(names)}")
     return [w for w in available if w.name in wanted]
+
+
+def save_frames(frames: list, out_dir: str, stem: str, device: torch.device, quick: bool, tool: str):
+    """The tables of a bench tool's contenders as one CSV, <out_dir>/<stem>_<device>[_quick].csv; the joined table."""
+    import pandas as pd
+
+    out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{stem}_{device.type}{'_quick' if quick else ''}.csv")
+    out.to_csv(path, index=False)
+    print(f"[{tool}] saved {path}")
+    return out

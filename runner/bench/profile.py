@@ -11,17 +11,14 @@ and profile_<device>.csv with every row.
 from __future__ import annotations
 
 import math
-import os
 
 import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from runner.bench.clip import ALL, add_suite_argument, method_contender, suite_workloads, workload_names
-from runner.bench.common import arguments, bench_device, quiet_stderr, synthetic_batch, timed_repeats
-from runner.errors import DprunError
+from runner.bench.clip import contender_arguments, suite_workloads, warmed_contenders
+from runner.bench.common import bench_device, quiet_stderr, save_frames, select_workloads, timed_repeats
 from runner.metrics import synchronize
-from runner.models import MODELS
 
 
 def profiled(step, device: torch.device, steps: int) -> pd.DataFrame:
@@ -46,48 +43,22 @@ def profiled(step, device: torch.device, steps: int) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    ap = arguments("python -m runner.bench.profile", __doc__, repeats=3, warmup=3, budget=math.inf,
-                   quick="batches / 8: a smoke run", workloads=workload_names(), out="profile_<device>.csv")
-    add_suite_argument(ap)
-    ap.add_argument("--methods", default="nonprivate,reweight-bk", help="comma-separated rows of bench-clip: "
-                    + ", ".join(ALL))
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "tf32"])
-    ap.add_argument("--top", type=int, default=20, help="rows printed per contender")
-    args = ap.parse_args(argv)
+    args = contender_arguments("python -m runner.bench.profile", __doc__, repeats=3, warmup=3,
+                               out="profile_<device>.csv", top=20, rows="operators").parse_args(argv)
     device = bench_device(args.device)
-    chosen = [w for w in suite_workloads(args.suite, args.quick)
-              if not args.workloads or w.name in args.workloads.split(",")]
-    if not chosen:
-        raise DprunError(f"--workloads {args.workloads!r} names no workload of --suite {args.suite}; "
-                         f"choose from {', '.join(workload_names())}")
+    chosen = select_workloads(suite_workloads(args.suite, args.quick), args.workloads, "bench-profile")
     frames = []
-    for w in chosen:
-        torch.manual_seed(0)
-        base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
-        x, y = synthetic_batch(w.info, w.batch, device)
-        for label in args.methods.split(","):
-            if label not in ALL:
-                raise DprunError(f"--methods: unknown row {label!r}; choose from {', '.join(ALL)}")
-            c, note = method_contender(label, base, x, y, float(w.batch), w.info.train_size, "", args.precision)
-            if c is None:
-                print(f"[profile] {w.name} {label}: {note}")
-                continue
-            for _ in range(max(1, args.warmup)):
-                c.step()
-            table = profiled(c.step, device, max(1, timed_repeats(args)))
-            total = table.self_ms_per_step.sum()
-            print(f"\n[profile] {w.name} B={w.batch} {label} {args.precision}: {total:.2f} ms "
-                  f"{'device time of the kernels' if device.type == 'cuda' else 'self time of the operators'} per "
-                  f"step, {table.calls_per_step.sum():.0f} operator calls")
-            print(table.head(args.top).to_string(index=False, float_format=lambda v: f"{v:.3f}",
-                                                 formatters={"name": lambda s: s[:90]}))
-            frames.append(table.assign(workload=w.name, method=label, precision=args.precision))
-    out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"profile_{device.type}{'_quick' if args.quick else ''}.csv")
-    out.to_csv(path, index=False)
-    print(f"[profile] saved {path}")
-    return out
+    for w, label, c in warmed_contenders(chosen, args.methods.split(","), device, args.precision, args.warmup,
+                                         "profile"):
+        table = profiled(c.step, device, max(1, timed_repeats(args)))
+        total = table.self_ms_per_step.sum()
+        print(f"\n[profile] {w.name} B={w.batch} {label} {args.precision}: {total:.2f} ms "
+              f"{'device time of the kernels' if device.type == 'cuda' else 'self time of the operators'} per "
+              f"step, {table.calls_per_step.sum():.0f} operator calls")
+        print(table.head(args.top).to_string(index=False, float_format=lambda v: f"{v:.3f}",
+                                             formatters={"name": lambda s: s[:90]}))
+        frames.append(table.assign(workload=w.name, method=label, precision=args.precision))
+    return save_frames(frames, args.out, "profile", device, args.quick, "profile")
 
 
 if __name__ == "__main__":
