@@ -319,3 +319,30 @@ def test_row_norms_of_a_strided_view_and_finite_rows():
     t[1] = float("nan")
     kept = finite_rows(t, torch.tensor([True, False, True, True]))
     assert torch.equal(kept[1], torch.zeros(3)) and torch.equal(kept[[0, 2, 3]], t[[0, 2, 3]])
+
+
+def test_a_grouped_convs_group_bounds_are_summed_for_any_order(monkeypatch):
+    """A grouped conv adds its G groups' certified bounds per example. A reduction in the worst order (sequential,
+    the large term first) lands up to (G - 1) u under their exact sum, more than a layer's own margins cover; the rule
+    sums them through certify.summed_bounds, whose 1 + gamma_{G+2} covers any order."""
+    from runner.norms import conv as conv_rules
+    from runner.norms.certify import gamma, summed_bounds
+
+    G = 64
+    row = torch.full((G,), 0.49 * 2.0**-23)  # each just under half an ulp of 1.0
+    row[0] = 1.0
+    exact = float(row.double().sum())
+    worst = torch.zeros((), dtype=torch.float32)
+    for v in row:  # one float32 addition after another: every small term rounds away
+        worst = worst + v
+    assert float(worst) == 1.0 < exact  # 62u under the exact sum
+    assert float(worst * torch.tensor(1 + gamma(G + 2, 2.0**-24), dtype=torch.float32)) >= exact
+    assert float(summed_bounds(row.view(1, G))[0]) >= exact
+    seen = []
+    monkeypatch.setattr(conv_rules, "summed_bounds", lambda parts: seen.append(tuple(parts.shape)) or parts.sum(1))
+    layer = nn.Conv2d(4, 8, 3, groups=4)
+    x = torch.randn(2, 4, 6, 6)
+    rule = conv_rules.ConvRule()
+    a, g = rule.sequence(layer, x, torch.randn_like(layer(x)))
+    rule.norm_sq(layer, a, g, "auto")
+    assert seen == [(2, 4)]  # (B, G): the groups' bounds go through it

@@ -117,6 +117,16 @@ def summed_vector(parts: torch.Tensor, masses: torch.Tensor, terms: int) -> torc
     return torch.fmin(upper, masses.div(f)).square_().mul_(f * f * (1 + 3 * u))
 
 
+def summed_bounds(parts: torch.Tensor) -> torch.Tensor:
+    """(N,) upper bounds of each row's sum of n non-negative upper bounds, parts (N, n) (a grouped conv's per-group
+    squared norms), whatever order the reduction takes: the computed sum is at least the exact one times
+    1 - gamma_{n-1} (each term through at most n - 1 roundings), and the float32 factor and the product round twice
+    more, so the sum is scaled by 1 + gamma_{n+2} (docs/privacy.md). Without it a sum of 64 group bounds added in the
+    worst order could land 63u under the exact one, more than the layers' own margins cover."""
+    n = parts.shape[1]
+    return parts.sum(1).mul_(1 + gamma(n + 2, unit(parts)))
+
+
 def certified_norms(upper_sq: torch.Tensor, terms: int = 1) -> torch.Tensor:
     """(B,) N_i >= ||G_i|| from the layers' summed upper bounds (B,): `terms` layers' values added in floating point
     (non-negative terms: the computed sum is >= the exact one times 1 - gamma_{terms-1}), then the root, each rounded
