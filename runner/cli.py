@@ -252,7 +252,7 @@ def main() -> None:
                         if a.startswith("hydra.run.dir=") and not Path(a.partition("=")[2]).exists())
         nproc = launch.processes(argv)  # distributed.nproc_per_node=N, or what a resumed run recorded
         if nproc > 1 and Speaker.here().size == 1:  # start the N ranks, each running this command
-            sys.exit(launch.launch(argv, nproc))
+            sys.exit(launch.launch(argv, nproc, new_dirs=set(NEW_DIRS)))
         sys.argv[1:] = rank_argv(hydra_argv)
     except RunComplete as e:  # nothing to train: not an error
         print(f"dprun: {e}")

@@ -62,8 +62,11 @@ def exit_text(code: int) -> str:
     return f"exit code {code}"
 
 
-def launch(argv: list[str], nproc: int) -> int:
-    """Run `python -m runner.cli argv` as nproc ranks under torch.distributed's elastic agent; the exit status."""
+def launch(argv: list[str], nproc: int, new_dirs=()) -> int:
+    """Run `python -m runner.cli argv` as nproc ranks under torch.distributed's elastic agent; the exit status.
+    new_dirs: run folders that did not exist before this command; a job refused (exit status 2) leaves none of them
+    behind when it holds only Hydra's record and dprun.log: rank 0 discards its own, but when another rank refused
+    first the agent stops rank 0 before it can (a race seen under load), so the launcher makes sure."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -81,6 +84,11 @@ def launch(argv: list[str], nproc: int) -> int:
         except ChildFailedError as e:
             line, code = failure_line(e, read_reports(reports))
             print(line, file=sys.stderr)
+            if code == 2:  # refused before training: what a refused single process leaves, nothing
+                from runner.run_dir import discard_unstarted
+
+                for folder in new_dirs:
+                    discard_unstarted(folder)
             return code
         except SignalException as e:  # Ctrl-C or SIGTERM to the launcher: the ranks were stopped; rank 0's line
             said = read_reports(reports).get(0, {})

@@ -3,9 +3,11 @@ nothing written outside out_dir, and one place (runner/speaker.py) deciding what
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +162,33 @@ def test_dprun_help_starts_without_torch_or_the_accountants(tmp_path):
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
     assert "hydra" in imported  # the check can see imports
     assert not {"torch", "dp_accounting", "scipy"} & imported, sorted({"torch", "dp_accounting", "scipy"} & imported)
+
+
+def test_a_refused_distributed_job_leaves_no_new_folder_even_when_rank_0_was_stopped_first(tmp_path, monkeypatch):
+    """When another rank refuses first, the elastic agent stops rank 0 before it discards the run folder Hydra made
+    for it (seen under load): the launcher discards the folders that are new to this command and hold only Hydra's
+    record and dprun.log. A folder with anything else, or one that existed before, stays."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    new, other, used = tmp_path / "new", tmp_path / "with_results", tmp_path / "old"
+    for folder in (new, other):
+        (folder / ".hydra").mkdir(parents=True)
+        (folder / ".hydra" / "config.yaml").write_text("lr: abc\n")
+        (folder / "dprun.log").write_text("refused\n")
+    (other / "metrics.csv").write_text("epoch\n")
+
+    def refused(args):
+        reports = Path(os.environ[REPORT_DIR])
+        for rank in (0, 1):
+            (reports / f"rank{rank}.json").write_text(json.dumps({"kind": "refused", "text": "lr='abc' is not valid"}))
+        failure = ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file="")
+        raise ChildFailedError("runner.cli", {1: failure})
+
+    monkeypatch.setattr(torchrun, "run", refused)
+    assert launch.launch(["lr=abc"], 2, new_dirs={new, other}) == 2
+    assert not new.exists() and other.exists() and (other / "metrics.csv").exists()
+    used.mkdir()
+    monkeypatch.setattr(torchrun, "run", lambda args: None)  # a job that ran: nothing is discarded
+    (used / "dprun.log").write_text("ran\n")
+    assert launch.launch(["lr=0.1"], 2, new_dirs={used}) == 0 and (used / "dprun.log").exists()
