@@ -201,6 +201,37 @@ def test_the_trees_take_turns_going_first():
     assert [row["this_over_base"] for row in rows] == [1.0, 1.0]
 
 
+def test_a_row_one_tree_lacks_is_still_measured_in_the_other():
+    """A method or workload newer than the base tree (GPT-2-small against 0c009e4) keeps this tree's time, memory
+    and kernels, with the base's reason in the note; no ratio between the trees."""
+    from types import SimpleNamespace
+
+    class FakeTree:
+        def __init__(self, name, has):
+            self.name, self.has, self.asked = name, has, []
+
+        def ask(self, **request):
+            if "build" in request:
+                return {"built": [m for m in request["methods"] if m in self.has], "precision": "fp32",
+                        "notes": {m: "no such row here" for m in request["methods"] if m not in self.has}}
+            if "memory" in request:
+                return {"bytes": 2**20}
+            if "ops" in request:
+                return {"kernels": 7}
+            self.asked.append(request["step"])
+            return {"s": 0.01 if self.name == "base" else 0.02}
+
+    trees = {"base": FakeTree("base", {"nonprivate"}), "this": FakeTree("this", {"nonprivate", "reweight-bk"})}
+    rows = compare.compare_workload(trees, SimpleNamespace(name="w", model="m", batch=4), ["nonprivate", "reweight-bk"],
+                                    False, repeats=3, warmup=1, gap_s=0.0)
+    new = next(r for r in rows if r["method"] == "reweight-bk")
+    assert "reweight-bk" not in trees["base"].asked and trees["this"].asked.count("reweight-bk") == 4
+    assert new["this_ms"] == 20.0 and new["this_kernels"] == 7 and new["this_x_nonprivate"] == 1.0
+    assert "base_ms" not in new and "this_over_base" not in new and new["note"] == "base: no such row here"
+    both = next(r for r in rows if r["method"] == "nonprivate")
+    assert both["this_over_base"] == 2.0 and both["note"] == ""
+
+
 def test_repeats_survive_quick_and_a_bad_batch_is_one_line():
     ap = arguments("bench", "doc", repeats=20, warmup=1, budget=0.0, quick="", workloads=[], out="x")
     assert [timed_repeats(ap.parse_args(a)) for a in ([], ["--quick"], ["--quick", "--repeats", "300"])] == [20, 2, 300]

@@ -24,7 +24,8 @@ clipping work). Columns: the median step of each tree, this / base, each tree's 
 step, each tree's peak step memory (bench-clip's measure, one step each) and its computing operators per step
 (~ kernels launched, runner/bench/opcount.py `kernels`: what a host-bound GPU step pays per operator, countable on the
 CPU at the GPU workload's own batch, since which operators a step runs can depend on B: e.g. runner/norms/streaming.py
-CAPTURE_BYTES).
+CAPTURE_BYTES). A row one tree cannot build (a workload or method newer than the base) is measured in the other, with
+the reason in its note and no ratio between the trees.
 Saves outputs/bench/compare_<device>.csv.
 """
 from __future__ import annotations
@@ -131,43 +132,42 @@ def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool,
     for name, b in built.items():  # each worker must have imported its own tree (not an installed copy)
         if "runner" in b and not Path(b["runner"]).resolve().is_relative_to(trees[name].root):
             raise DprunError(f"the {name} worker imported runner from {b['runner']}, not from {trees[name].root}")
-    rows, labels = [], []
+    rows, steps = [], []  # steps: (tree, label) pairs to time; a row only one tree has is still measured there
     for label in methods:
         notes = [f"{name}: {b['error'] if 'error' in b else b['notes'].get(label, '')}" for name, b in built.items()
                  if "error" in b or label not in b.get("built", [])]
         rows.append(dict(workload=w.name, model=w.model, batch=w.batch, method=label, note="; ".join(notes)))
-        if not notes:
-            labels.append(label)
-    times = {(name, label): [] for name in trees for label in labels}
+        steps += [(name, label) for name, b in built.items() if label in b.get("built", [])]
+    times = {key: [] for key in steps}
     for r in range(warmup + repeats):
         # the trees' order alternates by round: a step that always followed the other tree's step of the same kind
         # (and one that always followed a different kind) read up to 4% apart in an A/A run (--base .)
-        order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
-        for label in labels:
-            for name, tree in order:
+        order = list(trees) if r % 2 == 0 else list(reversed(trees))
+        for label in methods:
+            for name in order:
+                if (name, label) not in times:
+                    continue
                 time.sleep(gap_s)
-                answer = tree.ask(step=label)
+                answer = trees[name].ask(step=label)
                 if "error" in answer:
                     raise DprunError(f"{name} tree, {w.name} {label}: {answer['error']}")
                 if r >= warmup:
                     times[(name, label)].append(answer["s"])
     t = {key: median(ts) for key, ts in times.items()}
     memory, ops = {}, {}  # one step each, after the timing (bench-clip's measure: peak tensor bytes above the
-    for label in labels:  # step's start), and one step's computing operators (~ kernels: a host-bound GPU step)
-        for name, tree in trees.items():
-            memory[(name, label)] = tree.ask(memory=label).get("bytes", math.nan) / 2**20
-            ops[(name, label)] = tree.ask(ops=label).get("kernels", math.nan)
+    for name, label in steps:  # step's start), and one step's computing operators (~ kernels: a host-bound GPU step)
+        memory[(name, label)] = trees[name].ask(memory=label).get("bytes", math.nan) / 2**20
+        ops[(name, label)] = trees[name].ask(ops=label).get("kernels", math.nan)
     for row in rows:
         label = row["method"]
-        if label not in labels:
-            continue
-        base, this = t[("base", label)], t[("this", label)]
-        row.update(base_ms=1e3 * base, this_ms=1e3 * this, this_over_base=this / base, steps_timed=repeats,
-                   base_mem_mb=memory[("base", label)], this_mem_mb=memory[("this", label)],
-                   base_kernels=ops[("base", label)], this_kernels=ops[("this", label)])
-        if "nonprivate" in labels:
-            row.update(base_x_nonprivate=base / t[("base", "nonprivate")],
-                       this_x_nonprivate=this / t[("this", "nonprivate")])
+        for name in trees:  # each tree's own columns where it ran the row; ratios where both did
+            if (name, label) in t:
+                row.update({f"{name}_ms": 1e3 * t[(name, label)], f"{name}_mem_mb": memory[(name, label)],
+                            f"{name}_kernels": ops[(name, label)], "steps_timed": repeats})
+                if (name, "nonprivate") in t:
+                    row[f"{name}_x_nonprivate"] = t[(name, label)] / t[(name, "nonprivate")]
+        if ("base", label) in t and ("this", label) in t:
+            row["this_over_base"] = t[("this", label)] / t[("base", label)]
     return rows
 
 
