@@ -346,3 +346,35 @@ def test_a_grouped_convs_group_bounds_are_summed_for_any_order(monkeypatch):
     a, g = rule.sequence(layer, x, torch.randn_like(layer(x)))
     rule.norm_sq(layer, a, g, "auto")
     assert seen == [(2, 4)]  # (B, G): the groups' bounds go through it
+
+
+def test_a_bias_bound_is_added_to_the_weights_in_one_kernel_and_stays_an_upper_bound():
+    """Book-keeping's bias bound (its kept per-example sums' squared norm, upper_sqnorm's factor) is added to the
+    weight's in one addcmul: the same roundings as square, multiply and add, so the same certified value within an
+    ulp, never under the float64 truth, and two kernels fewer per layer with a bias (a GPU step is launch-bound)."""
+    from runner.bench.opcount import kernels
+    from runner.norms.certify import add_sqnorm_, upper_sqnorm
+    from runner.norms.linear import LinearRule
+    from runner.norms.outer import Stash
+
+    torch.manual_seed(0)
+    sums = torch.randn(64, 200) * torch.logspace(-20, 15, 64).unsqueeze(1)  # rows across 35 decades
+    acc = torch.rand(64)
+    before = acc.clone()
+    got = add_sqnorm_(acc, sums)
+    assert got is acc  # in place
+    torch.testing.assert_close(got, before + upper_sqnorm(sums), rtol=3e-7, atol=0)
+    # over the truth but for the add's own rounding (one u, which certified_norms' gamma_L covers, as for every
+    # layer's weight + bias): a bias bound of 1e-38 beside 0.5 is lost in float32 whatever adds it
+    truth = before.double() + sums.double().square().sum(1)
+    assert bool((got.double() >= truth * (1 - 2.0**-24)).all())
+    long_rows = torch.randn(8, 2048)  # past one level: through upper_sqnorm itself
+    torch.testing.assert_close(add_sqnorm_(torch.zeros(8), long_rows), upper_sqnorm(long_rows), rtol=0, atol=0)
+
+    layer = nn.Linear(32, 16)
+    a, g = torch.randn(4, 8, 32), torch.randn(4, 8, 16)  # 8 positions: the weight's bound by ghost or kept G
+    rule = LinearRule()
+    with_bias = kernels(lambda: rule.norm_sq(layer, a, g, "auto", Stash()))
+    layer.bias.requires_grad_(False)
+    weight_only = kernels(lambda: rule.norm_sq(layer, a, g, "auto", Stash()))
+    assert with_bias - weight_only == 3  # the sums, their norm, one addcmul (was 5: + square, multiply, add)

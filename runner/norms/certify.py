@@ -76,6 +76,20 @@ def upper_sqnorm(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(rows, dim=1).square().mul_(1 + gamma(width + m // width + 6, unit(t)))
 
 
+def add_sqnorm_(acc: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """acc (N,) + upper bounds of ||t[i]||^2, in place (a layer's weight bound plus its bias's, book-keeping's kept
+    sums): for rows of at most 1024 entries upper_sqnorm's one-level bound in ONE addcmul, the norm squared, times its
+    factor and added with the same three roundings as square_, mul_ and add (two kernels fewer a layer: a GPU step of
+    a small model is launch-bound); longer rows through upper_sqnorm."""
+    n = t.shape[0]
+    flat = t.reshape(n, -1)
+    m = flat.shape[1]
+    if m > 1024 or acc.dtype != t.dtype:
+        return acc.add_(upper_sqnorm(t))
+    norms = torch.linalg.vector_norm(flat, dim=1)  # (N,)
+    return acc.addcmul_(norms, norms, value=1 + gamma(m + 3, unit(t)))
+
+
 def vector_norms(t: torch.Tensor, dim) -> torch.Tensor:
     """torch.linalg.vector_norm(t, dim=dim). On the CPU, for a t that is not contiguous (a conv's output-gradient
     seen as (B, L, G, o): a view of (B, C_out, L), its feature dim strided by L), as the root of a sum of squares:

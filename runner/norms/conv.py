@@ -16,8 +16,8 @@ from torch import nn
 
 from runner.norms import outer
 from runner.norms.base import NormRule, added, register, total, trains
-from runner.norms.certify import (finite_rows, kept, gamma, norm_factor, summed_bounds, summed_vector, unit,
-                                  upper_sqnorm, vector_norms)
+from runner.norms.certify import (add_sqnorm_, finite_rows, kept, gamma, norm_factor, summed_bounds, summed_vector,
+                                  unit, upper_sqnorm, vector_norms)
 
 
 def unfold(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,10 @@ class ConvRule(NormRule):
             parts.append(weight if G == 1 else summed_bounds(weight.view(B, G)))  # G groups' bounds added
         if trains(layer.bias):  # per-example bias grad sum_l g_l (B, G*o_g), certified (runner/norms/certify.py)
             sums = g.sum(1).reshape(B, -1)  # (B, C_out)
-            if stash is not None:  # book-keeping adds these very sums (one (1, B) x (B, C_out) product)
+            if stash is not None and parts:  # book-keeping adds these very sums (one (1, B) x (B, C_out) product);
+                stash["bias"] = sums  # their bound added to the weight's in one kernel
+                parts[0] = add_sqnorm_(parts[0], sums)
+            elif stash is not None:
                 stash["bias"] = sums
                 parts.append(upper_sqnorm(sums))
             else:

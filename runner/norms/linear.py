@@ -34,6 +34,8 @@ class LinearRule(NormRule):
         parts = []
         if trains(layer.weight):
             parts.append(outer.norm_sq(a, g, how, stash))
+        if trains(layer.bias) and parts and stash is not None:  # book-keeping: the bias's bound added in one kernel
+            return outer.with_bias_norm_sq(parts[0], to_float32(g), stash)
         if trains(layer.bias):
             parts.append(outer.bias_norm_sq(to_float32(g), stash))  # (N, T, o) float32: a bias sum is cheap
         return total(parts, a)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from runner.norms import tensor_cores as tc
-from runner.norms.certify import (finite_rows, kept, gamma, norm_factor, summed_vector, underflow_floor, unit,
-                                  upper_sqnorm, vector_norms)
+from runner.norms.certify import (add_sqnorm_, finite_rows, kept, gamma, norm_factor, summed_vector, underflow_floor,
+                                  unit, upper_sqnorm, vector_norms)
 
 BK_GHOST = 16  # book-keeping: ghost when T^2*(k+o) < 16*k*o
 
@@ -213,6 +213,15 @@ def bias_norm_sq(g: torch.Tensor, stash: dict | None = None) -> torch.Tensor:
         return upper_sqnorm(sums)
     mass = vector_norms(g, -1).sum(1).mul_(norm_factor(o, unit(g)) * (1 + gamma(T + 2, unit(g))))
     return summed_vector(sums, mass, T)
+
+
+def with_bias_norm_sq(weight_sq: torch.Tensor, g: torch.Tensor, stash: dict) -> torch.Tensor:
+    """(N,) weight_sq (the weight's certified bound, fresh: updated in place) + bias_norm_sq(g, stash) of
+    book-keeping, the bias's per-example sums (N, o) kept in `stash` for its clipped sum and their bound added in one
+    kernel (certify.add_sqnorm_)."""
+    sums = g.sum(1)  # (N, o)
+    stash["bias"] = sums
+    return add_sqnorm_(weight_sq, sums)
 
 
 def bias_clipped_sum(g: torch.Tensor, nu: torch.Tensor, stash: dict | None = None) -> torch.Tensor:
