@@ -93,6 +93,11 @@ def test_slow_contenders_are_timed_on_fewer_steps():
     assert len(times["fast"]) == 5 and 1 <= len(times["slow"]) < 5
 
 
+def test_without_a_budget_every_contender_gets_every_repeat():
+    times = interleaved_times({"a": lambda: None, "b": lambda: None}, CPU, repeats=4, warmup=1)  # budget_s = inf
+    assert [len(ts) for ts in times.values()] == [4, 4]
+
+
 def test_cpu_step_memory_counts_the_peak_not_the_end():
     def step():
         a = torch.empty(1_000_000, dtype=torch.uint8)  # 1 MB live ...

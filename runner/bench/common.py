@@ -141,7 +141,7 @@ def interleaved_times(contenders: dict[str, Callable[[], object]], device: torch
     for name, step in contenders.items():
         for _ in range(max(1, warmup)):
             first[name] = timed(step, device)  # the last warm-up step estimates the step's cost
-    quota = {name: max(1, min(repeats, int(budget_s / max(t, 1e-9)))) for name, t in first.items()}
+    quota = {name: max(1, int(min(repeats, budget_s / max(t, 1e-9)))) for name, t in first.items()}  # inf: repeats
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for r in range(repeats):
         for name, step in contenders.items():
