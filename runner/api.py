@@ -210,7 +210,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  target_epsilon: float | None = None, epochs: int | None = None, delta: float | None = 1e-5,
                  generator: torch.Generator | None = None, seed: int | None = None,
                  max_physical_batch_size: int | None = None, precision: str = "fp32",
-                 rng: str = "seeded", validate: bool = True) -> PrivateTraining:
+                 rng: str = "seeded", validate: bool = True, memory_format: str = "auto") -> PrivateTraining:
     """Wrap a model, its optimizer and its training data for DP training with a dprun method.
 
     method: nonprivate | nxbp | multiloss | reweight | jl | sbcd | opacus (runner/methods/; docs/methods.md)
@@ -234,6 +234,9 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     validate: check on the first step what per-example clipping cannot bound (runner/methods/privacy_check/; batch coupling,
         data written by the forward, parameters used outside their module, a loss not of shape (B,)). False (experts)
         skips it with a warning, and private.privacy_notes says the guarantee is unchecked.
+    memory_format: "auto" (a CNN on the CPU: its conv weights put in channels-last, in place, so its activations are
+        channels-last: PyTorch's NCHW max pooling is several times slower there) | "channels_last" | "contiguous"
+        (the model as given); runner/memory_format.py.
     """
     seed = privacy_check.shared_seed(seed, generator, distributed.current())  # several ranks: one sampling seed
     if generator is None and seed is not None and randomness.check_rng(rng) == "seeded":
@@ -246,6 +249,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     request = Request(method=method, method_options=options, clip=float(max_grad_norm), sigma=float(noise_multiplier),
                       sampling="poisson" if poisson else "shuffle", accountant=accountant,
                       physical_batch_size=max_physical_batch_size, precision=precision, epochs=epochs,
+                      memory_format=memory_format,
                       target_epsilon=target_epsilon, delta=delta, names=API_NAMES)
     params_before = [p for g in optimizer.param_groups for p in g["params"]]
     private = assemble(request, model, source.dataset, world, source.sampler)  # runner/assembly.py, as the CLI's

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from runner import accountants, methods
+from runner import accountants, memory_format, methods
 from runner.data.sampler import Sampler
 from runner.distributed import World
 from runner.errors import DprunError
@@ -44,6 +44,7 @@ class Request:
     accountant: str = "auto"
     physical_batch_size: int | None = None
     precision: str = "fp32"
+    memory_format: str = "auto"  # auto | channels_last | contiguous: the CNN activations' layout (runner/memory_format.py)
     epochs: int | None = None
     max_steps_per_epoch: int | None = None  # the CLI's cap on an epoch's steps (calibration counts the capped ones)
     target_epsilon: float | None = None
@@ -66,6 +67,7 @@ class PrivateRun:
     accountant_name: str
     accountant: Any  # an Accountant, or None (non-private, accountant=none)
     target: dict[str, Any]  # target_epsilon: planned_epsilon, target_epsilon_met (summary.json); else {}
+    memory_format: str = "contiguous"  # the layout the model's conv weights were put in (summary.json)
 
 
 def assemble(request: Request, model: torch.nn.Module, data: Any, world: World,
@@ -73,6 +75,9 @@ def assemble(request: Request, model: torch.nn.Module, data: Any, world: World,
     """The phases below, in order. `make_sampler(kind)`: the caller's sampler of that kind over its data."""
     method = build_method(request, world)
     sampler = choose_sampler(request, method, make_sampler)
+    layout = memory_format.apply(model, request.memory_format, method, request.name("memory_format"))
+    if layout == "channels_last" and request.memory_format == "auto":
+        log.info("memory_format=auto: channels_last on the CPU (PyTorch's NCHW max pooling is several times slower)")
     model = method.attach(model, data)  # validates (BatchNorm refused, norm-rule coverage) and prepares
     if any(p.device.type == "cpu" for p in model.parameters()):
         # a CPU step's freed blocks serve the next step (runner/heap.py): without it, glibc hands them back and the
@@ -83,7 +88,7 @@ def assemble(request: Request, model: torch.nn.Module, data: Any, world: World,
     if request.max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, int(request.max_steps_per_epoch))
     name, accountant, target = set_up_privacy(request, method, sampler, steps_per_epoch)
-    return PrivateRun(method, model, sampler, steps_per_epoch, name, accountant, target)
+    return PrivateRun(method, model, sampler, steps_per_epoch, name, accountant, target, layout)
 
 
 def build_method(request: Request, world: World) -> methods.Method:

@@ -227,7 +227,7 @@ def request_from(cfg: DictConfig) -> Request:
     return Request(method=str(cfg.method.name), method_options=cfg.method, clip=float(cfg.clip),
                    sigma=float(cfg.sigma), sampling=str(cfg.sampling), accountant=str(cfg.accountant.name),
                    physical_batch_size=cfg.get("physical_batch_size"), precision=str(cfg.get("precision", "fp32")),
-                   epochs=int(cfg.epochs), max_steps_per_epoch=cfg.get("max_steps_per_epoch"),
+                   memory_format=str(cfg.get("memory_format", "auto")), epochs=int(cfg.epochs), max_steps_per_epoch=cfg.get("max_steps_per_epoch"),
                    target_epsilon=cfg.target_epsilon, delta=float(cfg.delta),
                    calibration_accountant=cfg.get("calibration_accountant"))
 
@@ -284,6 +284,7 @@ def start_summary(run: Run, run_config: dict[str, Any], private: PrivateRun) -> 
         "num_parameters": sum(p.numel() for p in run.model.parameters() if p.requires_grad),
         "device": str(run.device),
         "device_name": device_name(run.device),
+        "memory_format": private.memory_format,  # the conv activations' layout (memory_format=auto: runner/memory_format.py)
         # bf16 Linears' norms and clipped sums on tensor cores (DPRUN_TENSOR_CORES=1; runner/norms/tensor_cores.py)
         "tensor_cores": (tensor_cores.enabled() and str(cfg.get("precision", "fp32")) == "bf16"
                          and run.device.type == "cuda"),

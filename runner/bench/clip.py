@@ -38,6 +38,7 @@ import torch
 from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, contender, faults_per_step,
                                  interleaved_times, median, select_workloads, step_memory_bytes, synthetic_batch,
                                  timing_columns, timed_repeats)
+from runner import memory_format as layout
 from runner.bench import common
 from runner.bench.opcount import kernels, op_counts
 from runner.data.base import DataInfo
@@ -68,7 +69,7 @@ FIG6 = ["nonprivate", "nxbp", "reweight-twopass", "reweight-bk"] + SECURE  # L&K
 IMAGENET256 = DataInfo("imagenet256", (3, 256, 256), 1000, "image", None, 1281167, 50000)
 GPU = ["nonprivate", "reweight-twopass", "reweight-bk", "reweight-recompute", "opacus-hooks", "opacus-ghost",
        "opacus-functorch"] + SECURE
-COLUMNS = ["workload", "model", "batch", "method", "precision", "step_ms", "x_nonprivate", "x_nonprivate_compiled",
+COLUMNS = ["workload", "model", "batch", "method", "precision", "memory_format", "step_ms", "x_nonprivate", "x_nonprivate_compiled",
            "x_opacus_best", "x_seeded", "step_mem_mb", "mem_x_nonprivate", "faults_per_step", "aten_ops", "leaf_ops", "kernels",
            "steps_timed", "note"]
 
@@ -135,17 +136,18 @@ def gpt2_small(T: int, batch: int, quick: bool = False) -> Workload:
 
 
 def method_contender(label: str, base: torch.nn.Module, x, y, expected_batch: float, n: int,
-                     compile_mode: str = "", precision: str = "fp32"):
+                     compile_mode: str = "", precision: str = "fp32", memory_format: str = "auto"):
     """One method variant's Contender (runner/bench/common.py), or None and a note why there is none. A label
     ending in "+compile" steps through runner/methods/compiled.py with `compile_mode`; `precision` as the run's
-    (a method that refuses it is a row with the one-line reason)."""
+    (a method that refuses it is a row with the one-line reason); `memory_format` as the run's (runner/memory_format.py)."""
     if label.startswith("noise-"):
         return noise_contender(label.removeprefix("noise-"), base, x.device), ""
     variant, _, compiled = label.partition("+")
     name, options = METHOD_VARIANTS[variant.removesuffix("-secure")]
     return contender(name, options, base, x, y, lambda ps: torch.optim.SGD(ps, lr=0.01, foreach=True),
                      expected_batch / n, expected_batch, compile_mode=compile_mode if compiled else "",
-                     configure={"precision": precision}, rng="secure" if variant.endswith("-secure") else "seeded")
+                     configure={"precision": precision}, rng="secure" if variant.endswith("-secure") else "seeded",
+                     memory_format=memory_format)
 
 
 def contender_arguments(prog: str, doc: str, *, repeats: int, warmup: int, out: str, top: int, rows: str):
@@ -195,7 +197,7 @@ def noise_contender(rng: str, base: torch.nn.Module, device: torch.device) -> co
 
 
 def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int, budget_s: float,
-                   compile_mode: str = "", precision: str = "fp32") -> list[dict]:
+                   compile_mode: str = "", precision: str = "fp32", memory_format: str = "auto") -> list[dict]:
     labels = list(w.methods)
     if compile_mode:
         labels += [f"{m}+compile" for m in ("nonprivate", "reweight-bk") if m in w.methods]
@@ -206,7 +208,7 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
     contenders, notes = {}, {}
     for label in labels:
         contenders[label], notes[label] = method_contender(label, base, x, y, float(w.batch), w.info.train_size,
-                                                           compile_mode, precision)
+                                                           compile_mode, precision, memory_format)
         if notes[label]:
             print(f"[bench-clip] {w.name} {label}: {notes[label]}")
     contenders = {k: c for k, c in contenders.items() if c is not None}
@@ -223,7 +225,7 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
         if label not in contenders:
             r.update(note=notes[label])
             continue
-        r.update(**timing_columns(label, times, repeats),
+        r.update(**timing_columns(label, times, repeats), memory_format=contenders[label].layout,
                  x_nonprivate_compiled=t[label] / t["nonprivate+compile"] if "nonprivate+compile" in t else math.nan,
                  x_opacus_best=t[label] / min(opacus) if opacus else math.nan,
                  x_seeded=t[label] / t[seeded_twin(label)] if seeded_twin(label) in t else math.nan,
@@ -260,6 +262,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                     help="every row's precision= (runner/precision.py; tf32 and bf16 change the CUDA step)")
     ap.add_argument("--compile", default="", help="also time nonprivate and reweight-bk under compile=MODE "
                     "(default | reduce-overhead | cudagraphs; runner/methods/compiled.py)")
+    ap.add_argument("--memory-format", default="auto", choices=list(layout.CHOICES),
+                    help="every row's memory_format= (runner/memory_format.py; auto: a CPU CNN in channels-last, "
+                    "except for methods that need NCHW)")
     args = ap.parse_args(argv)
     device = bench_device(args.device)
     repeats = timed_repeats(args)
@@ -274,7 +279,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows: list[dict] = []
     for w in chosen:
         print(f"[bench-clip] {w.name}: model={w.model} B={w.batch} ...", flush=True)
-        rows += bench_workload(w, device, repeats, args.warmup, args.budget, args.compile, args.precision)
+        rows += bench_workload(w, device, repeats, args.warmup, args.budget, args.compile, args.precision,
+                               args.memory_format)
     df = table(rows)
     path = Path(args.out) / f"clip_{device.type}{'_quick' if args.quick else ''}.csv"
     write_csv(path, df.to_dict("records"))

@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from runner import memory_format as layout
 from runner.heap import minor_page_faults, retain_freed_memory
 import torch.nn.functional as F
 
@@ -84,19 +85,24 @@ def synthetic_batch(info: DataInfo, batch: int, device: torch.device, seed: int 
 class Contender(NamedTuple):
     step: Callable[[], object]  # one Method.step on the method's own copy of the model
     zero_grad: Callable[[], object]  # frees the last step's gradients (the memory measurement's baseline)
+    layout: str = "contiguous"  # the conv weights' memory format the step ran with (runner/memory_format.py)
 
 
 def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimizer, sample_rate: float,
               expected_batch_size: float, compile_mode: str = "", configure: dict | None = None,
-              rng: str = "seeded") -> tuple[Contender | None, str]:
+              rng: str = "seeded", memory_format: str = "auto") -> tuple[Contender | None, str]:
     """One method's Contender on its own copy of the model (Method.attach: validated and prepared, as in a run),
     or None and a note why there is none (the method rejects the model: "n/a: ..."; a bug: "error: ...").
     compile_mode: step through runner/methods/compiled.py (its first steps compile: they are the warm-up).
     configure: Method.configure's settings (physical_batch_size, precision).
-    rng: "seeded" (noise from a torch.Generator) | "secure" (runner/randomness.py's SecureRandom, as rng=secure)."""
+    rng: "seeded" (noise from a torch.Generator) | "secure" (runner/randomness.py's SecureRandom, as rng=secure).
+    memory_format: as a run's (runner/memory_format.py: auto puts a CPU CNN's conv weights in channels-last, unless
+    the method needs NCHW)."""
     try:
         method = METHODS.build(name, cfg=options, clip=1.0, sigma=1.0).configure(**(configure or {}))
-        model = method.attach(copy.deepcopy(base))
+        model = copy.deepcopy(base)
+        chosen = layout.apply(model, memory_format, method)  # what assemble() does for a run
+        model = method.attach(model)
         opt = make_optimizer(model.parameters())
         gen = SecureRandom() if rng == "secure" else torch.Generator(device=x.device).manual_seed(0)
         method_step = method.step
@@ -117,9 +123,9 @@ def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimi
             if method_step.compiled is None:
                 return None, f"n/a: compile={compile_mode} fell back to eager (see the log line)"
             if method_step.cudagraph_skips:  # compiled, but not captured: its launches stay (the reason, for the row)
-                return (Contender(step, lambda: opt.zero_grad(set_to_none=True)),
+                return (Contender(step, lambda: opt.zero_grad(set_to_none=True), chosen),
                         "no CUDA graph: " + "; ".join(method_step.cudagraph_skips))
-        return Contender(step, lambda: opt.zero_grad(set_to_none=True)), ""
+        return Contender(step, lambda: opt.zero_grad(set_to_none=True), chosen), ""
     except DprunError as e:
         return None, f"n/a: {e}"
     except Exception as e:  # a bug in a method being written: a row that says so, the other rows still run

@@ -119,9 +119,10 @@ class Tree:
 
 
 def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool, repeats: int, warmup: int,
-                     gap_s: float, suite: str = "default", precision: str = "fp32", batch: int | None = None) -> list[dict]:
-    built = {name: t.ask(build=w.name, methods=methods, quick=quick, suite=suite, precision=precision, batch=batch)
-             for name, t in trees.items()}
+                     gap_s: float, suite: str = "default", precision: str = "fp32", batch: int | None = None,
+                     memory_format: str = "auto") -> list[dict]:
+    built = {name: t.ask(build=w.name, methods=methods, quick=quick, suite=suite, precision=precision, batch=batch,
+                         memory_format=memory_format) for name, t in trees.items()}
     if batch:  # each worker built its tree's workload at this batch (it says which)
         used = {b["batch"] for b in built.values() if "batch" in b}
         if used != {batch}:
@@ -129,6 +130,9 @@ def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool,
         w = dataclasses.replace(w, batch=batch)
     if len({b.get("precision") for b in built.values()}) > 1:
         print(f"[bench-compare] {w.name}: precision " + ", ".join(f"{n} {b.get('precision')}" for n, b in built.items()))
+    if len({b.get("memory_format") for b in built.values()}) > 1:
+        print(f"[bench-compare] {w.name}: memory_format " + ", ".join(f"{n} {b.get('memory_format')}"
+                                                                    for n, b in built.items()))
     for name, b in built.items():  # each worker must have imported its own tree (not an installed copy)
         if "runner" in b and not Path(b["runner"]).resolve().is_relative_to(trees[name].root):
             raise DprunError(f"the {name} worker imported runner from {b['runner']}, not from {trees[name].root}")
@@ -189,6 +193,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "tf32"],
                     help="each tree's precision= where it has one (a tree without runs torch's defaults: on CUDA, "
                          "TF32 convolutions and float32 matmuls; tf32 is then the like-for-like choice for conv nets)")
+    ap.add_argument("--memory-format", default="auto", choices=["auto", "channels_last", "contiguous"],
+                    help="each tree's memory_format= where it has one (a tree without runs NCHW: contiguous is then "
+                         "the like-for-like choice for CPU conv nets; runner/memory_format.py)")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in ALL]
@@ -235,7 +242,8 @@ def measure_pairs(args, device, repeats: int, methods: list[str], chosen: list, 
                     print(f"[bench-compare] {w.name}: model={w.model} B={args.batch or w.batch}"
                           + (f", pair {pair + 1} of {args.pairs}" if args.pairs > 1 else "") + " ...", flush=True)
                     found = compare_workload(trees, w, [m for m in methods if m in w.methods], args.quick, repeats,
-                                             args.warmup, args.gap_ms / 1e3, args.suite, args.precision, args.batch)
+                                             args.warmup, args.gap_ms / 1e3, args.suite, args.precision, args.batch,
+                                             args.memory_format)
                     rows += [dict(row, pair=pair + 1) for row in found]
             finally:
                 for tree in trees.values():

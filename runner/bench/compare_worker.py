@@ -5,6 +5,7 @@
 Imports nothing of the tree it lives in: TREE's own `runner` (its models, methods and bench) builds the contenders,
 so each tree is timed with its own code, in its own process, and no module of one tree can reach the other's.
 Requests: {"build": workload, "methods": [...], "quick": bool, "suite": "default" | "gpu", "precision": "fp32"...,
+"memory_format": "auto"...,
 "batch": None | int (the workload's batch replaced)} ->
 {"built": [labels], "notes": {label: why not}, "batch": the batch built}; {"step": label} -> {"s": seconds of one step}; {"memory": label} ->
 {"bytes": peak bytes of one step, as bench-clip measures it}; {"ops": label} -> {"kernels": computing operators of one
@@ -81,8 +82,11 @@ def build(clip, common, MODELS, device, request: dict, steps: dict) -> dict:
     # matmuls), and its reply says so
     knows = "precision" in inspect.signature(clip.method_contender).parameters
     precision = {"precision": request.get("precision", "fp32")} if knows else {}
+    # a tree older than memory_format= (runner/memory_format.py) runs its models NCHW, and its reply says so
+    knows_layout = "memory_format" in inspect.signature(clip.method_contender).parameters
+    layout = {"memory_format": request.get("memory_format", "auto")} if knows_layout else {}
     for label in request["methods"]:
-        c, note = clip.method_contender(label, base, x, y, float(w.batch), w.info.train_size, **precision)
+        c, note = clip.method_contender(label, base, x, y, float(w.batch), w.info.train_size, **precision, **layout)
         if c is None:
             notes[label] = note
         else:
@@ -90,7 +94,8 @@ def build(clip, common, MODELS, device, request: dict, steps: dict) -> dict:
     import runner
 
     return {"built": list(steps), "notes": notes, "runner": runner.__file__,
-            "precision": precision.get("precision", "torch's defaults"), "batch": w.batch}
+            "precision": precision.get("precision", "torch's defaults"), "batch": w.batch,
+            "memory_format": layout.get("memory_format", "contiguous (no memory_format=)")}
 
 
 if __name__ == "__main__":

@@ -105,6 +105,9 @@ class Method:
     # True: privatize calls loss_fn once on the whole batch, so a masked padded batch gives the same step
     # (runner/methods/padding.py), and the whole step runs under compile=... (runner/methods/compiled.py)
     compiles: ClassVar[bool] = False
+    # False: the method's per-example gradients need NCHW activations, so memory_format=auto leaves the model
+    # contiguous and channels_last is refused (runner/memory_format.py; Opacus's unfold assumes row-major strides)
+    channels_last: ClassVar[bool] = True
     # True once a CompiledStep runs this method's privatize under torch.compile (runner/methods/compiled.py): routes
     # that register hooks or tensor hooks inside the traced region (reweight's lean recorder) are not taken then,
     # even where Dynamo falls back to running a frame eagerly (torch.compiler.is_compiling() is False there)

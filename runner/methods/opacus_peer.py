@@ -69,6 +69,10 @@ def not_exact(model: torch.nn.Module):
 class OpacusPeer(Method):
     name = "opacus"
     summary = "Opacus 1.6 per-sample gradients (hooks | functorch) or ghost norms; our clip and noise (DP-SGD-Outer)"
+    # Opacus 1.6's unfold2d builds the patches with row-major strides whatever the input's: on channels-last
+    # activations its per-example conv gradients are wrong (0.07-0.3 off on the zoo's CNNs, hooks and ghost alike;
+    # tests/test_memory_format.py). prepare() puts the model's weights in NCHW, privatize() each batch
+    channels_last = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -88,6 +92,7 @@ class OpacusPeer(Method):
                     self.refuse_uncertified(path or "<model>", m)
         if self.hooks is not None:
             self.hooks.cleanup()  # one model per method instance: detach from the previous one
+        model.to(memory_format=torch.contiguous_format)  # NCHW activations (channels_last above), in place
         kwargs = {"max_grad_norm": self.clip, "use_ghost_clipping": True} if self.mode == "ghost" else {}
         # Opacus's own hooks on a model whose input needs no gradient, and its float64 autocast: expected, harmless
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
@@ -152,6 +157,7 @@ class OpacusPeer(Method):
         if not model.training:
             raise DprunError("method=opacus: Opacus captures activations only in train mode; call model.train() first")
         params = trainable(model)
+        x = x.contiguous() if torch.is_tensor(x) else x  # a channels-last batch would make channels-last activations
         self.hooks.set_grad_sample_to_none()
         for p in params:
             p.__dict__.pop("_norm_sample", None)  # no stale norms from the previous step

@@ -39,6 +39,18 @@ from runner.norms import streaming
 from runner.norms.streaming import StreamingNorms
 from runner.norms.tensor_cores import records
 
+# book-keeping cuts one call's norm into chunks of examples when its transients (a conv's unfolded input, Grams, a
+# per-example gradient) exceed this many times the call's own records: bu_cnn's conv1 im2col at B=256 is 12.3 MB,
+# 3.9x its input and output-gradient, and was the whole bk step's memory peak (1.26x the non-private step's in
+# channels-last; stop 38). Looser than twopass's TRANSIENT_BUDGET: a transformer's feed-forward Grams (1.3x) stay
+# whole, where chunks would add kernels and save nothing (its peak is the attention's backward)
+BK_TRANSIENT_BUDGET = 3.0
+# ... and only above this many bytes of transients on a GPU: a small model's CUDA step is bound by the host's
+# launches (stop 32: bu_cnn's device time < 10% of its step), which each chunk's ~30 more operators would lengthen,
+# while its few MB do not matter there (not measured on a GPU yet; on the CPU the floor is streaming's, 1 MiB, and
+# conv1's two chunks cost bu_cnn's bk step ~0.35 ms, 3%, for 1.26x -> 1.13x the non-private step's memory)
+BK_CUDA_FLOOR_BYTES = 2**28
+
 
 class LeanRecorder(StreamingNorms):
     def __init__(self, plan: Plan, how: str, stashes: dict, keep=KEEP, capture_bytes: int | None = None):
@@ -50,17 +62,23 @@ class LeanRecorder(StreamingNorms):
 
     def _add(self, key: int) -> None:
         path, module, rule, inputs, grads = self._calls(key)
+        stash = self.stashes.setdefault(key, Stash(self.keep, key))
         # bf16: the norm and the clipped sum are formed from the same float32 upcasts (as Recorder), or the same
         # bf16 records on a GPU's tensor cores (a Linear: runner/norms/tensor_cores.py)
-        seq = [rule.sequence(module, *records(i, g, rule.tensor_cores)) for i, g in zip(inputs, grads)]
-        a = torch.cat([s[0] for s in seq], 1) if len(seq) > 1 else seq[0][0]  # (B, T, ...): calls along T
-        g = torch.cat([s[1] for s in seq], 1) if len(seq) > 1 else seq[0][1]
-        stash = self.stashes.setdefault(key, Stash(self.keep, key))
-        with exact_float32(g.device):
-            self._accumulate(rule.norm_sq(module, a, g, self.how, stash).detach())  # (B,) certified upper bounds
+        recs = [records(i, g, rule.tensor_cores) for i, g in zip(inputs, grads)]
+        chunk = self._chunk(rule, module, inputs, grads, stash)
+        if chunk < inputs[0].shape[0]:  # one call, transients (a conv's im2col) cut by examples (BK_TRANSIENT_BUDGET)
+            self._add_chunked(module, rule, recs[0], stash, chunk)
+            seq = a = g = None
+        else:
+            seq = [rule.sequence(module, *r) for r in recs]
+            a = torch.cat([s[0] for s in seq], 1) if len(seq) > 1 else seq[0][0]  # (B, T, ...): calls along T
+            g = torch.cat([s[1] for s in seq], 1) if len(seq) > 1 else seq[0][1]
+            with exact_float32(g.device):
+                self._accumulate(rule.norm_sq(module, a, g, self.how, stash).detach())  # (B,) certified bounds
         if rule.stash_only(module, stash):
             self.kept[key] = []
-        elif len(seq) > 1 and rule.sequence_is_call and a.dtype == inputs[0].dtype:
+        elif seq is not None and len(seq) > 1 and rule.sequence_is_call and a.dtype == inputs[0].dtype:
             # a module called many times (a recurrent cell's h_proj, T calls): the concatenated (a, g) the norm was
             # formed from, kept as one call, so its clipped sum is one GEMM over B*T rows, not T small ones; the
             # same bytes as the T records (which the backward may now free)
@@ -68,6 +86,31 @@ class LeanRecorder(StreamingNorms):
         else:
             self.kept[key] = list(zip(inputs, grads))
         del seq, a, g
+
+    def _chunk(self, rule, module, inputs: list, grads: list, stash: Stash) -> int:
+        """Examples per norm chunk: the batch, unless one call's norm transients exceed BK_TRANSIENT_BUDGET times
+        its records (and BK_CUDA_FLOOR_BYTES on a GPU). A per-step budget (method.keep_mb) decides per call with
+        the batch's N: no chunks then."""
+        if len(inputs) > 1 or not isinstance(stash.keep, (int, float)):
+            return inputs[0].shape[0]
+        floor = BK_CUDA_FLOOR_BYTES if inputs[0].is_cuda else None  # None: streaming.TRANSIENT_FLOOR_BYTES
+        return streaming.chunk_size(rule, module, inputs, grads, floor, budget=BK_TRANSIENT_BUDGET)
+
+    def _add_chunked(self, module, rule, rec: tuple, stash: Stash, chunk: int) -> None:
+        """One call's norm over chunks of examples (per-example norms are independent: exact), each with a stash of
+        its own (the keep rule is a ratio: the same choice in every chunk), then joined along the batch."""
+        inp, grad = rec
+        parts, subs = [], []
+        for start in range(0, inp.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            a, g = rule.sequence(module, inp[rows], grad[rows])
+            subs.append(Stash(stash.keep, stash.key))
+            with exact_float32(g.device):
+                parts.append(rule.norm_sq(module, a, g, self.how, subs[-1]).detach())  # (chunk,) certified
+            del a, g
+        for name in subs[0]:
+            stash[name] = torch.cat([sub[name] for sub in subs])  # (B, ...) the very tensors measured
+        self._accumulate(torch.cat(parts))
 
     def backward(self, loss: torch.Tensor, batch_size: int, keep_graph: bool = False) -> torch.Tensor | None:
         """The one backward of book-keeping, graph freed as it goes; (B,) squared norms, or None if incomplete."""

@@ -238,10 +238,11 @@ def summed_terms(terms: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor
     return torch.stack(terms).sum(0)
 
 
-def chunk_size(rule, module, inputs: list, grads: list, floor_bytes: int | None = None) -> int:
-    """Examples per chunk so that one chunk's norm transients are at most the layer's own recorded input and
-    output-gradient (all calls), or floor_bytes (default TRANSIENT_FLOOR_BYTES) if more; the whole batch when they
-    already fit."""
+def chunk_size(rule, module, inputs: list, grads: list, floor_bytes: int | None = None,
+               budget: float = TRANSIENT_BUDGET) -> int:
+    """Examples per chunk so that one chunk's norm transients are at most `budget` times the layer's own recorded
+    input and output-gradient (all calls), or floor_bytes (default TRANSIENT_FLOOR_BYTES) if more; the whole batch
+    when they already fit."""
     floor_bytes = TRANSIENT_FLOOR_BYTES if floor_bytes is None else floor_bytes
     B = inputs[0].shape[0]
     own = sum(t[0].numel() for t in inputs) + sum(g[0].numel() for g in grads)  # per example
@@ -251,7 +252,7 @@ def chunk_size(rule, module, inputs: list, grads: list, floor_bytes: int | None 
         T = a1.shape[1] if a1.dim() > 1 else 1
         k, o = a1.numel() // T, g1.numel() // T
         transient += a1.numel() + g1.numel() + min(2 * T * T, o * k)  # (a, g), then a Gram or a per-example grad
-    budget = max(own * TRANSIENT_BUDGET, floor_bytes / inputs[0].element_size() / B)  # elements per example
+    budget = max(own * budget, floor_bytes / inputs[0].element_size() / B)  # elements per example
     if transient <= budget:
         return B
     return max(1, int(B * budget // transient))

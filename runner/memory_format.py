@@ -1,0 +1,63 @@
+"""memory_format=auto | channels_last | contiguous: the layout of a CNN's activations (issue 31, stop 38).
+
+On the CPU, PyTorch's NCHW max-pooling kernel is slow (pytorch/pytorch#51393): bu_cnn's non-private step at B=256
+spent 8 of its ~15 ms in max_pool2d_with_indices; the same pooling on channels-last activations takes ~0.9 ms.
+Conv weights in channels-last make mkldnn's convolutions return channels-last activations whatever the input's
+layout, and ReLU, pooling, GroupNorm and the next convolution keep it up to Flatten (a reshape: it copies into
+the logical order, so Linear layers see the same numbers). The step computes the same values in another memory
+order: every method's gradients agree with the NCHW step's to float rounding (tests/test_memory_format.py), and
+the conv norm rule's unfold is a view of a channels-last input where it copied an NCHW one.
+
+    auto            channels_last for a float32/bf16 model with a Conv2d on the CPU, when the method computes on
+                    it correctly; contiguous otherwise (on CUDA the NCHW kernels are not the slow ones, and no
+                    GPU has measured the change yet; float64 runs the slow_conv2d path, which gains nothing)
+    channels_last   asked for: refused in one line for a method that needs NCHW
+    contiguous      the model as built
+
+A method that needs NCHW says so with `channels_last = False`: Opacus 1.6's unfold2d hard-codes row-major strides,
+so its per-example conv gradients are wrong on channels-last activations (measured: 0.07-0.3 off on the zoo's
+CNNs, hooks and ghost alike); the peer puts the model back in NCHW (runner/methods/opacus_peer.py).
+
+    fmt = choose(model, "auto", method, device)          # torch.channels_last | torch.contiguous_format
+    model.to(memory_format=fmt)                          # apply(model, setting, method) does both: assemble(), bench
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runner.errors import DprunError
+
+CHOICES = ("auto", "channels_last", "contiguous")
+FORMATS = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
+FAST_DTYPES = (torch.float32, torch.bfloat16)  # mkldnn's convolutions; float64 takes slow_conv2d either way
+
+
+def has_conv2d(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def choose(model: nn.Module, setting: str, method, name: str = "memory_format") -> torch.memory_format:
+    """The layout `setting` means for this model and method (module docstring); one line for a bad value or a
+    method that cannot take channels_last. `name`: the caller's word for the knob, in errors."""
+    setting = str(setting)
+    if setting not in CHOICES:
+        raise DprunError(f"{name}={setting!r} is not a memory format; choose one of {', '.join(CHOICES)}")
+    supports = getattr(method, "channels_last", True)
+    if setting == "channels_last" and not supports:
+        raise DprunError(f"{name}=channels_last: method={method.name} needs NCHW activations (Opacus's unfold "
+                         f"assumes row-major strides: wrong per-example gradients otherwise); use {name}=auto")
+    if setting != "auto":
+        return FORMATS[setting]
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Conv2d)]
+    if supports and weights and all(w.device.type == "cpu" and w.dtype in FAST_DTYPES for w in weights):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def apply(model: nn.Module, setting: str, method, name: str = "memory_format") -> str:
+    """Put the model's 4-D parameters in the layout `setting` chooses, in place (the same Parameter objects: an
+    optimizer built on them still holds them); returns the layout's name (summary.json's memory_format)."""
+    fmt = choose(model, setting, method, name)
+    model.to(memory_format=fmt)
+    return "channels_last" if fmt == torch.channels_last else "contiguous"

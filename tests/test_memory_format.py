@@ -1,0 +1,125 @@
+"""memory_format (runner/memory_format.py): auto puts a CPU CNN in channels-last; every method computes the same
+step there (exact methods: nxBP's NCHW numbers); Opacus, whose unfold assumes row-major strides, stays NCHW."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import dprun
+from runner import memory_format
+from runner.errors import DprunError
+from runner.methods import METHODS
+from runner.models import MODELS
+from runner.train import train
+from tests.conftest import compose_config
+from tests.test_exact_methods import TOYS, VARIANTS, ZOO, batch, image, oracle, run
+
+CL = torch.channels_last
+CONV_CASES = ["cnn", "bu_cnn", "papernot_cnn", "toy_conv_groupnorm"]
+EXACT_HERE = [("reweight", cfg) for cfg in VARIANTS["reweight"]] + [("multiloss", {}), ("opacus", {})]
+
+
+def build_case(case):
+    if case in ZOO:
+        info, kw = ZOO[case]
+        return (lambda i: MODELS.build(case, i, **kw)), info
+    return TOYS[case]
+
+
+def strictly_channels_last(t: torch.Tensor) -> bool:
+    return t.is_contiguous(memory_format=CL) and not t.is_contiguous()
+
+
+def test_auto_means_channels_last_for_a_float32_cnn_on_the_cpu_only():
+    reweight, opacus = METHODS.build("reweight"), METHODS.build("opacus")
+    cnn = MODELS.build("bu_cnn", image((1, 16, 16)), widths=(3, 4), hidden=5)
+    assert memory_format.choose(cnn, "auto", reweight) == CL
+    assert memory_format.choose(cnn, "contiguous", reweight) == torch.contiguous_format
+    assert memory_format.choose(cnn, "auto", opacus) == torch.contiguous_format  # Opacus needs NCHW
+    assert memory_format.choose(cnn.double(), "auto", reweight) == torch.contiguous_format  # slow_conv2d: no gain
+    assert memory_format.choose(cnn.double(), "channels_last", reweight) == CL  # asked for: done
+    mlp = MODELS.build("mlp", image((1, 4, 4)), depth=2, widths=(6, 5))
+    assert memory_format.choose(mlp, "auto", reweight) == torch.contiguous_format
+
+
+def test_bad_values_are_one_line_errors():
+    cnn = MODELS.build("cnn", image((1, 8, 8)), widths=(3, 4), hidden=5)
+    with pytest.raises(DprunError, match=r"^memory_format='nhwc' is not a memory format; choose one of auto, "
+                                         r"channels_last, contiguous$"):
+        memory_format.choose(cnn, "nhwc", METHODS.build("reweight"))
+    with pytest.raises(DprunError, match=r"^memory_format=channels_last: method=opacus needs NCHW"):
+        memory_format.choose(cnn, "channels_last", METHODS.build("opacus"))
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+@pytest.mark.parametrize("name,cfg", EXACT_HERE, ids=["-".join([n, *map(str, c.values())]) for n, c in EXACT_HERE])
+def test_exact_methods_on_a_channels_last_model_equal_nxbp_in_nchw(name, cfg, case):
+    """The model's weights and the batch in channels-last (float64, as the exactness suite): norms, losses and
+    every clipped sum equal NCHW nxBP's. Opacus gets a channels-last model and batch too: the peer puts them back
+    in NCHW (its own unfold reads the wrong patches otherwise: this test failed before it did)."""
+    if name == "opacus" and case == "toy_conv_groupnorm":
+        pytest.skip("Opacus 1.6's conv grad sampler ignores padding_mode (tests/test_exact_methods.py KNOWN_WRONG)")
+    if name == "multiloss" and case == "papernot_cnn":
+        pytest.skip("torch.func.vmap of float64 slow_conv2d refuses a channels-last weight gradient (float32 runs)")
+    build, info = build_case(case)
+    torch.manual_seed(0)
+    model = build(info).double().to(memory_format=CL)
+    assert any(strictly_channels_last(p) for p in model.parameters())
+    method = METHODS.build(name, cfg=cfg, clip=1.0, sigma=0.0)
+    model = method.attach(model)
+    x, y, clips = oracle(case, build, info, 3)
+    for clip, (want, want_grads) in clips.items():
+        method.clip = clip
+        got, got_grads = run(method, model, x.contiguous(memory_format=CL), y)
+        torch.testing.assert_close(got.norms, want.norms, rtol=1e-6, atol=1e-9)
+        for n in want_grads:
+            torch.testing.assert_close(got_grads[n], want_grads[n], rtol=1e-6, atol=1e-9, msg=n)
+
+
+@pytest.mark.parametrize("name", ["jl", "nonprivate"])
+def test_inexact_methods_take_the_same_step_in_either_layout(name):
+    info, kw = ZOO["bu_cnn"]
+    x, y = batch(info, 4, seed=1)
+    grads = []
+    for fmt in (torch.contiguous_format, CL):
+        torch.manual_seed(0)
+        model = MODELS.build("bu_cnn", info, **kw).double().to(memory_format=fmt)
+        method = METHODS.build(name, clip=0.5, sigma=0.0)
+        model = method.attach(model)
+        torch.manual_seed(1)  # JL's projections
+        grads.append(run(method, model, x.contiguous(memory_format=fmt), y)[1])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_make_private_puts_a_cpu_cnn_in_channels_last_and_opacus_in_nchw():
+    info = image((1, 16, 16))
+    x, y = torch.randn(16, 1, 16, 16), torch.randint(0, 3, (16,))
+    cnn = MODELS.build("bu_cnn", info, widths=(3, 4), hidden=5)
+    private = dprun.make_private(cnn, torch.optim.SGD(cnn.parameters(), lr=0.1), (x, y), method="reweight",
+                                 batch_size=8, seed=0)
+    conv2 = [m for m in cnn.modules() if isinstance(m, nn.Conv2d)][1]
+    assert strictly_channels_last(conv2.weight)
+    xb, yb = next(iter(private.batches()))
+    private.step(xb, yb, lambda out, t: nn.functional.cross_entropy(out, t, reduction="none"))  # trains so
+    cnn = MODELS.build("bu_cnn", info, widths=(3, 4), hidden=5).to(memory_format=CL)
+    dprun.make_private(cnn, torch.optim.SGD(cnn.parameters(), lr=0.1), (x, y), method="opacus", batch_size=8, seed=0)
+    assert not any(strictly_channels_last(p) for p in cnn.parameters())
+    kept = MODELS.build("bu_cnn", info, widths=(3, 4), hidden=5)
+    dprun.make_private(kept, torch.optim.SGD(kept.parameters(), lr=0.1), (x, y), batch_size=8, seed=0,
+                       memory_format="contiguous")
+    assert not any(strictly_channels_last(p) for p in kept.parameters())
+
+
+def test_the_cli_records_the_layout_it_trained_in(tmp_path):
+    train(compose_config(["dataset=digits", "model=cnn", "method=reweight", "epochs=1", "max_steps_per_epoch=2",
+                          "progress=false", "checkpoint=false"]), tmp_path / "auto")
+    train(compose_config(["dataset=digits", "model=cnn", "method=reweight", "epochs=1", "max_steps_per_epoch=2",
+                          "progress=false", "checkpoint=false", "memory_format=contiguous"]), tmp_path / "nchw")
+    summaries = {d: json.loads((tmp_path / d / "summary.json").read_text()) for d in ("auto", "nchw")}
+    assert summaries["auto"]["memory_format"] == "channels_last"
+    assert summaries["nchw"]["memory_format"] == "contiguous"
+    assert all(s["status"] == "finished" for s in summaries.values())
