@@ -345,7 +345,7 @@ def test_installed_call_hooks_record_only_for_their_own_open_recorder():
 
 def test_a_conv_norm_cut_into_chunks_is_exact_and_peaks_lower(monkeypatch):
     """bu_cnn's conv1 im2col is ~4x its records: book-keeping forms its norm (and its kept per-example gradients)
-    over chunks of examples (lean.BK_TRANSIENT_BUDGET). With the 1 MiB floor lifted the chunks run at this small
+    over chunks of examples (lean.BK_TRANSIENT_BUDGET). With the 8 MiB floor lifted the chunks run at this small
     batch: exact against nxBP (float64, clip below the norms), chunked for conv1 and for keep=0 (no stash) too,
     and the step peaks lower than the same step in one piece."""
     from runner.norms import lean
@@ -358,7 +358,7 @@ def test_a_conv_norm_cut_into_chunks_is_exact_and_peaks_lower(monkeypatch):
     real = lean.LeanRecorder._add_chunked
     monkeypatch.setattr(lean.LeanRecorder, "_add_chunked",
                         lambda self, module, *a: (chunked.append(type(module).__name__), real(self, module, *a))[1])
-    monkeypatch.setattr(streaming, "TRANSIENT_FLOOR_BYTES", 0)
+    monkeypatch.setattr(lean, "BK_FLOOR_BYTES", 0)
     method = assert_lean_equals_nxbp(model, x, y, clip=0.05)
     assert method._lean and chunked.count("Conv2d") >= 1
     assert_same_sums(model, x, y, [{"keep": 0.0}, {"keep": 1.1}])

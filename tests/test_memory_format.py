@@ -39,6 +39,9 @@ def test_auto_means_channels_last_for_a_float32_cnn_on_the_cpu_only():
     assert memory_format.choose(cnn, "auto", reweight) == CL
     assert memory_format.choose(cnn, "contiguous", reweight) == torch.contiguous_format
     assert memory_format.choose(cnn, "auto", opacus) == torch.contiguous_format  # Opacus needs NCHW
+    double_vjp = METHODS.build("jl", cfg={"jvp": "double_vjp"})  # its vmap cannot query a channels-last layout
+    assert memory_format.choose(cnn, "auto", double_vjp) == torch.contiguous_format
+    assert memory_format.choose(cnn, "auto", METHODS.build("jl")) == CL  # forward-mode jvp
     assert memory_format.choose(cnn.double(), "auto", reweight) == torch.contiguous_format  # slow_conv2d: no gain
     assert memory_format.choose(cnn.double(), "channels_last", reweight) == CL  # asked for: done
     mlp = MODELS.build("mlp", image((1, 4, 4)), depth=2, widths=(6, 5))

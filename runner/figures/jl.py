@@ -615,7 +615,7 @@ def table4(runs, epochs, scale) -> pd.DataFrame:
                "paper s/epoch (CNN, TF/PyTorch)": paper[0], "paper s/epoch (AlexNet)": paper[1],
                "paper memory (AlexNet, of 16 GB)": paper[2]}
         if c is not None:
-            step, zero = c
+            step, zero = c.step, c.zero_grad
             for _ in range(TABLE4_STEPS[0]):
                 step()
             times = []

@@ -170,6 +170,9 @@ class JL(Method):
         if self.chunk < 0:
             raise DprunError(f"method.chunk={self.chunk} must be >= 0 (0 = all r directions in one vmap call)")
         self.active = "double_vjp" if self.mode == "double_vjp" else "forward"  # auto may switch, once
+        # double_vjp's vmap cannot ask a channels-last tensor's layout ("NYI: querying is_contiguous inside of vmap"):
+        # memory_format=auto leaves its model NCHW (runner/memory_format.py); auto's switch puts the model back
+        self.channels_last = self.mode != "double_vjp"
 
     def prepare(self, model, data=None):
         if not trainable_params(model):
@@ -224,6 +227,7 @@ class JL(Method):
                 log.warning("method=jl: forward-mode AD failed (%s); using method.jvp=double_vjp from now on",
                             first_line[:200])
                 self.active = "double_vjp"
+                model.to(memory_format=torch.contiguous_format)  # vmap needs NCHW weights (channels_last above)
         return PROJECTORS[self.active](model, loss_fn, x, y, directions, self.chunk)
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:

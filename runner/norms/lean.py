@@ -45,10 +45,13 @@ from runner.norms.tensor_cores import records
 # channels-last; stop 38). Looser than twopass's TRANSIENT_BUDGET: a transformer's feed-forward Grams (1.3x) stay
 # whole, where chunks would add kernels and save nothing (its peak is the attention's backward)
 BK_TRANSIENT_BUDGET = 3.0
-# ... and only above this many bytes of transients on a GPU: a small model's CUDA step is bound by the host's
-# launches (stop 32: bu_cnn's device time < 10% of its step), which each chunk's ~30 more operators would lengthen,
-# while its few MB do not matter there (not measured on a GPU yet; on the CPU the floor is streaming's, 1 MiB, and
-# conv1's two chunks cost bu_cnn's bk step ~0.35 ms, 3%, for 1.26x -> 1.13x the non-private step's memory)
+# ... and only where one call's transients exceed this many bytes (twopass's floor is 1 MiB): each chunk adds ~15-30
+# operators, which a small step pays for (L&K's fig. 6 CNN at B=16 would have cut conv2 into 3 chunks, +18 kernels on
+# a 94-kernel step, tests/test_kernel_budget.py). bu_cnn's conv1 at B=256 (17 MB) is cut in two: ~0.35 ms on its CPU
+# step (3%) for 1.26x -> 1.13x the non-private step's memory (channels-last; stop 38)
+BK_FLOOR_BYTES = 2**23
+# on a GPU, only above this: a small model's CUDA step is bound by the host's launches (stop 32: bu_cnn's device time
+# < 10% of its step) while a few MB do not matter there (chunks on a GPU: not measured yet)
 BK_CUDA_FLOOR_BYTES = 2**28
 
 
@@ -89,11 +92,11 @@ class LeanRecorder(StreamingNorms):
 
     def _chunk(self, rule, module, inputs: list, grads: list, stash: Stash) -> int:
         """Examples per norm chunk: the batch, unless one call's norm transients exceed BK_TRANSIENT_BUDGET times
-        its records (and BK_CUDA_FLOOR_BYTES on a GPU). A per-step budget (method.keep_mb) decides per call with
-        the batch's N: no chunks then."""
+        its records and BK_FLOOR_BYTES (BK_CUDA_FLOOR_BYTES on a GPU). A per-step budget (method.keep_mb) decides
+        per call with the batch's N: no chunks then."""
         if len(inputs) > 1 or not isinstance(stash.keep, (int, float)):
             return inputs[0].shape[0]
-        floor = BK_CUDA_FLOOR_BYTES if inputs[0].is_cuda else None  # None: streaming.TRANSIENT_FLOOR_BYTES
+        floor = BK_CUDA_FLOOR_BYTES if inputs[0].is_cuda else BK_FLOOR_BYTES
         return streaming.chunk_size(rule, module, inputs, grads, floor, budget=BK_TRANSIENT_BUDGET)
 
     def _add_chunked(self, module, rule, rec: tuple, stash: Stash, chunk: int) -> None:
