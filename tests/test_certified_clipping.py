@@ -378,3 +378,20 @@ def test_a_bias_bound_is_added_to_the_weights_in_one_kernel_and_stays_an_upper_b
     layer.bias.requires_grad_(False)
     weight_only = kernels(lambda: rule.norm_sq(layer, a, g, "auto", Stash()))
     assert with_bias - weight_only == 3  # the sums, their norm, one addcmul (was 5: + square, multiply, add)
+
+
+CONV = [c for c in ALL if c[0] is nn.Conv2d]
+REWEIGHT = [c for c in CASES if c[0] == "reweight"]
+
+
+@pytest.mark.parametrize("kind,case,build,example", CONV, ids=[c[1] for c in CONV])
+@pytest.mark.parametrize("name,cfg", REWEIGHT, ids=[case_id(*c) for c in REWEIGHT])
+def test_crafted_conv_example_contributes_at_most_C_in_channels_last(name, cfg, kind, case, build, example):
+    """memory_format=auto runs a CPU CNN channels-last (runner/memory_format.py): the conv rule's unfold is then a
+    view of a channels-last input, its output-gradient channels-last. The same bound on the same crafted inputs."""
+    torch.manual_seed(0)
+    model = build(0).to(memory_format=torch.channels_last)
+    x = example(torch.Generator().manual_seed(1), EPS).contiguous(memory_format=torch.channels_last)
+    assert any(p.dim() == 4 and not p.is_contiguous() for p in model.parameters())  # really channels-last
+    worst = max(contribution(name, cfg, model, x, fraction) for fraction in (0.01, 0.9))
+    assert worst <= 1 + TOL, f"{case}: an example contributed {worst:.6g} x C in channels-last"
