@@ -263,7 +263,17 @@ def init(device_name: str, timeout_s: float, seed: int, backend: str = "auto") -
     return world
 
 
-def shutdown(world: World) -> None:
-    """Leave the process group (only one dprun started)."""
+def shutdown(world: World, wait: bool = False) -> None:
+    """Leave the process group (only one dprun started); wait: the run ended normally on every rank (leave)."""
     if world.owned and dist.is_initialized():
-        dist.destroy_process_group()
+        leave(wait)
+
+
+def leave(wait: bool = True) -> None:
+    """Destroy the process group, after a barrier when `wait` (every rank finished normally: a failed rank must
+    not wait for peers that may be gone). A rank that tore its gloo group down while another still finished its last
+    collective aborted in the interpreter's exit ("terminate called without an active exception", SIGABRT after
+    every result was written: 2-rank CPU tests under load, stop 38)."""
+    if wait and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()

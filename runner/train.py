@@ -119,6 +119,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         ensure_fresh(out_dir)  # before any data is loaded: never replace another run's results
     world = distributed.init(str(cfg.device), float(cfg.distributed.timeout_s), int(cfg.seed),
                              str(cfg.distributed.backend))
+    completed = False  # every epoch done and recorded: the ranks leave the group together (distributed.leave)
     try:
         try:
             run = set_up(cfg, out_dir, world)
@@ -145,8 +146,9 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
             raise
         finally:
             finish(run)
+        completed = True
     finally:
-        distributed.shutdown(world)
+        distributed.shutdown(world, wait=completed)  # a failed rank must not wait for the others
     return run.summary
 
 

@@ -124,7 +124,7 @@ def _library_worker(rank, world, init_file, out_dir):
     except Exception as e:  # noqa: BLE001
         results["check"] = str(e)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    distributed.leave()
 
 
 def spawn(fn, world, workdir: Path, *args):
@@ -172,7 +172,7 @@ def _train_worker(rank, world, init_file, out_dir, overrides, folder):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=__import__("datetime").timedelta(seconds=60))
     train(compose_config(overrides), Path(out_dir) / folder)
-    dist.destroy_process_group()
+    distributed.leave()
 
 
 def test_a_two_process_run_stopped_and_resumed_equals_the_straight_run(tmp_path):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner import distributed
 from runner.data.base import DataInfo
 from runner.errors import DprunError
 from runner.methods import METHODS
@@ -472,7 +473,7 @@ def _ranks_worker(rank, world, init_file, out_dir):
     except DprunError as e:
         results["different_data"] = str(e)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    distributed.leave()  # the ranks leave together (runner/distributed.py)
 
 
 def test_ranks_share_the_sampling_seed_and_hold_the_same_data(tmp_path):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from scipy.special import ndtr
 
 from conftest import compose_config, dprun_in_process
-from runner import randomness
+from runner import distributed, randomness
 from runner.data.sampler import Sampler
 from runner.errors import DprunError
 from runner.methods.noise import add_noise_and_scale
@@ -210,7 +210,7 @@ def _secure_worker(rank, world, init_file, out_dir):
     # the command line's run on the same 2 processes: check_replicas after every epoch raises if they differ; JL's
     # directions come from torch's RNG under a secret seed that rank 0 broadcast
     train(compose_config(SHORT + ["rng=secure", "method=jl", "method.r=2"]), Path(out_dir) / "run")
-    dist.destroy_process_group()
+    distributed.leave()  # the ranks leave together (runner/distributed.py)
 
 
 def test_two_ranks_in_secure_mode_hold_the_same_parameters_after_every_step(tmp_path):

@@ -74,7 +74,7 @@ def worker(args) -> None:
             "backend": world.backend or "-", "batch": args.batch, "per_rank": args.batch // world.size,
             "step_ms": 1e3 * slowest, "steps_per_s": 1.0 / slowest, "bytes_allreduced_per_step": int(reduced),
             "device": device_name(device)}))
-    distributed.shutdown(world)
+    distributed.shutdown(world, wait=True)
 
 
 def run_one(args, n: int) -> dict:
