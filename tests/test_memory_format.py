@@ -19,7 +19,7 @@ from tests.test_exact_methods import TOYS, VARIANTS, ZOO, batch, image, oracle, 
 
 CL = torch.channels_last
 CONV_CASES = ["cnn", "bu_cnn", "papernot_cnn", "toy_conv_groupnorm"]
-EXACT_HERE = [("reweight", cfg) for cfg in VARIANTS["reweight"]] + [("multiloss", {}), ("opacus", {})]
+EXACT_HERE = [("reweight", cfg) for cfg in VARIANTS["reweight"]] + [("nxbp", {}), ("multiloss", {}), ("opacus", {})]
 
 
 def build_case(case):
