@@ -35,7 +35,7 @@ def worker(args) -> None:
     """One rank: the same steps as a dprun run's (Method.step on this rank's share), timed on rank 0."""
     import torch
 
-    from runner import distributed
+    from runner import distributed, memory_format
     from runner.bench.common import loss_fn, synthetic_batch
     from runner.data.synthetic import like_info
     from runner.methods import METHODS
@@ -51,6 +51,7 @@ def worker(args) -> None:
     name, _, mode = args.method.partition("-")
     method = METHODS.build(name, cfg={"mode": mode} if mode else {}, clip=1.0, sigma=1.0).configure(
         physical_batch_size=args.physical, world=world)
+    memory_format.apply(model, "auto", method)  # as assemble() does for a run: a CPU CNN channels-last
     model = method.attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = synthetic_batch(info, args.batch, device)
