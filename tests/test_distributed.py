@@ -367,7 +367,7 @@ def test_no_test_leaves_a_launcher_environment_behind():
 
 def test_ranks_that_finished_leave_together_and_a_failed_one_at_once(monkeypatch):
     """distributed.leave: a barrier before destroy_process_group when every rank finished (a rank tearing gloo down
-    while a peer still ends its last collective aborted at exit: SIGABRT in 3 of 3 full suites before it), none
+    while a peer still ends its last collective aborted at exit: SIGABRT in 4 of 4 full suites before it), none
     for a failed rank (its peers may be gone: a barrier would wait out the timeout)."""
     calls = []
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
