@@ -5,21 +5,22 @@ spent 8 of its ~15 ms in max_pool2d_with_indices; the same pooling on channels-l
 Conv weights in channels-last make mkldnn's convolutions return channels-last activations whatever the input's
 layout, and ReLU, pooling, GroupNorm and the next convolution keep it up to Flatten (a reshape: it copies into
 the logical order, so Linear layers see the same numbers). The step computes the same values in another memory
-order: every method's gradients agree with the NCHW step's to float rounding (tests/test_memory_format.py), and
-the conv norm rule's unfold is a view of a channels-last input where it copied an NCHW one.
+order: every method's gradients agree with the NCHW step's to float rounding (tests/test_memory_format.py); the
+conv norm rule's unfold skips its channels-last copy of the input (the patches are still one copy).
 
     auto            channels_last for a float32/bf16 model with a Conv2d on the CPU, when the method computes on
-                    it correctly; contiguous otherwise (on CUDA the NCHW kernels are not the slow ones, and no
-                    GPU has measured the change yet; float64 runs the slow_conv2d path, which gains nothing)
+                    it correctly; NCHW for a method that needs it; otherwise the model as built (on CUDA the NCHW
+                    kernels are not the slow ones and no GPU has measured the change yet; float64 runs the
+                    slow_conv2d path, which gains nothing)
     channels_last   asked for: refused in one line for a method that needs NCHW
-    contiguous      the model as built
+    contiguous      NCHW, whatever the model was built in
 
 A method that needs NCHW says so with `channels_last = False`: Opacus 1.6's unfold2d hard-codes row-major strides,
 so its per-example conv gradients are wrong on channels-last activations (measured: 0.07-0.3 off on the zoo's
 CNNs, hooks and ghost alike); the peer puts the model back in NCHW (runner/methods/opacus_peer.py).
 
-    fmt = choose(model, "auto", method, device)          # torch.channels_last | torch.contiguous_format
-    model.to(memory_format=fmt)                          # apply(model, setting, method) does both: assemble(), bench
+    fmt = choose(model, "auto", method)                  # torch.channels_last | torch.contiguous_format | None
+    model.to(memory_format=fmt)                          # (None: nothing) apply() does both: assemble(), the benches
 """
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ def has_conv2d(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
-def choose(model: nn.Module, setting: str, method, name: str = "memory_format") -> torch.memory_format:
-    """The layout `setting` means for this model and method (module docstring); one line for a bad value or a
-    method that cannot take channels_last. `name`: the caller's word for the knob, in errors."""
+def choose(model: nn.Module, setting: str, method, name: str = "memory_format") -> torch.memory_format | None:
+    """The layout `setting` means for this model and method (module docstring); None: leave the model as built.
+    One line for a bad value or a method that cannot take channels_last. `name`: the caller's word for the knob."""
     setting = str(setting)
     if setting not in CHOICES:
         raise DprunError(f"{name}={setting!r} is not a memory format; choose one of {', '.join(CHOICES)}")
@@ -49,15 +50,25 @@ def choose(model: nn.Module, setting: str, method, name: str = "memory_format") 
                          f"assumes row-major strides: wrong per-example gradients otherwise); use {name}=auto")
     if setting != "auto":
         return FORMATS[setting]
+    if not supports:
+        return torch.contiguous_format  # whatever the model was built in, the method needs NCHW
     weights = [m.weight for m in model.modules() if isinstance(m, nn.Conv2d)]
-    if supports and weights and all(w.device.type == "cpu" and w.dtype in FAST_DTYPES for w in weights):
+    if weights and all(w.device.type == "cpu" and w.dtype in FAST_DTYPES for w in weights):
         return torch.channels_last
-    return torch.contiguous_format
+    return None  # no conv, a GPU, float64: the model as built (a user's own channels-last model stays so)
 
 
 def apply(model: nn.Module, setting: str, method, name: str = "memory_format") -> str:
     """Put the model's 4-D parameters in the layout `setting` chooses, in place (the same Parameter objects: an
-    optimizer built on them still holds them); returns the layout's name (summary.json's memory_format)."""
+    optimizer built on them still holds them); returns the layout it trains in (summary.json's memory_format)."""
     fmt = choose(model, setting, method, name)
-    model.to(memory_format=fmt)
-    return "channels_last" if fmt == torch.channels_last else "contiguous"
+    if fmt is not None:
+        model.to(memory_format=fmt)
+    return describe(model)
+
+
+def describe(model: nn.Module) -> str:
+    """'channels_last' when a conv weight is stored channels-last (and not also NCHW-contiguous), else 'contiguous'."""
+    cl = any(m.weight.is_contiguous(memory_format=torch.channels_last) and not m.weight.is_contiguous()
+             for m in model.modules() if isinstance(m, nn.Conv2d))
+    return "channels_last" if cl else "contiguous"

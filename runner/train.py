@@ -229,7 +229,8 @@ def request_from(cfg: DictConfig) -> Request:
     return Request(method=str(cfg.method.name), method_options=cfg.method, clip=float(cfg.clip),
                    sigma=float(cfg.sigma), sampling=str(cfg.sampling), accountant=str(cfg.accountant.name),
                    physical_batch_size=cfg.get("physical_batch_size"), precision=str(cfg.get("precision", "fp32")),
-                   memory_format=str(cfg.get("memory_format", "auto")), epochs=int(cfg.epochs), max_steps_per_epoch=cfg.get("max_steps_per_epoch"),
+                   memory_format=str(cfg.get("memory_format", "auto")), epochs=int(cfg.epochs),
+                   max_steps_per_epoch=cfg.get("max_steps_per_epoch"),
                    target_epsilon=cfg.target_epsilon, delta=float(cfg.delta),
                    calibration_accountant=cfg.get("calibration_accountant"))
 

@@ -359,12 +359,14 @@ def test_a_conv_norm_cut_into_chunks_is_exact_and_peaks_lower(monkeypatch):
     monkeypatch.setattr(lean.LeanRecorder, "_add_chunked",
                         lambda self, module, *a: (chunked.append(type(module).__name__), real(self, module, *a))[1])
     monkeypatch.setattr(lean, "BK_FLOOR_BYTES", 0)
+    monkeypatch.setattr(lean, "CHUNKS", {})  # sized afresh under these settings
     method = assert_lean_equals_nxbp(model, x, y, clip=0.05)
     assert method._lean and chunked.count("Conv2d") >= 1
     assert_same_sums(model, x, y, [{"keep": 0.0}, {"keep": 1.1}])
 
     def peak(budget):
         monkeypatch.setattr(lean, "BK_TRANSIENT_BUDGET", budget)
+        monkeypatch.setattr(lean, "CHUNKS", {})
         m = METHODS.build("reweight", cfg={"mode": "bk"}, clip=1.0, sigma=0.0)
         m.privacy_check = False
         net = m.attach(copy.deepcopy(model))

@@ -42,10 +42,20 @@ def test_auto_means_channels_last_for_a_float32_cnn_on_the_cpu_only():
     double_vjp = METHODS.build("jl", cfg={"jvp": "double_vjp"})  # its vmap cannot query a channels-last layout
     assert memory_format.choose(cnn, "auto", double_vjp) == torch.contiguous_format
     assert memory_format.choose(cnn, "auto", METHODS.build("jl")) == CL  # forward-mode jvp
-    assert memory_format.choose(cnn.double(), "auto", reweight) == torch.contiguous_format  # slow_conv2d: no gain
+    assert memory_format.choose(cnn.double(), "auto", reweight) is None  # slow_conv2d: no gain, left as built
     assert memory_format.choose(cnn.double(), "channels_last", reweight) == CL  # asked for: done
     mlp = MODELS.build("mlp", image((1, 4, 4)), depth=2, widths=(6, 5))
-    assert memory_format.choose(mlp, "auto", reweight) == torch.contiguous_format
+    assert memory_format.choose(mlp, "auto", reweight) is None
+
+
+def test_auto_leaves_a_users_own_channels_last_model_as_built_where_it_does_not_switch():
+    """auto decides only where it gains (a float32 CPU CNN) or where the method needs NCHW: a float64 (or GPU)
+    channels-last model a user built stays channels-last, and summary.json says what it trains in."""
+    cnn = MODELS.build("bu_cnn", image((1, 16, 16)), widths=(3, 4), hidden=5).double().to(memory_format=CL)
+    assert memory_format.apply(cnn, "auto", METHODS.build("reweight")) == "channels_last"
+    assert any(strictly_channels_last(p) for p in cnn.parameters())
+    assert memory_format.apply(cnn, "contiguous", METHODS.build("reweight")) == "contiguous"
+    assert not any(strictly_channels_last(p) for p in cnn.parameters())
 
 
 def test_bad_values_are_one_line_errors():
@@ -126,3 +136,35 @@ def test_the_cli_records_the_layout_it_trained_in(tmp_path):
     assert summaries["auto"]["memory_format"] == "channels_last"
     assert summaries["nchw"]["memory_format"] == "contiguous"
     assert all(s["status"] == "finished" for s in summaries.values())
+
+
+class CentredConv(nn.Module):
+    """A CNN whose forward centres the batch: every example's activations move with the others'."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(1, 3, 3), nn.Linear(3 * 6 * 6, 3)
+
+    def forward(self, x):  # (B, 1, 8, 8)
+        h = torch.relu(self.conv(x))
+        return self.head((h - h.mean(0, keepdim=True)).flatten(1))
+
+
+@pytest.mark.parametrize("name,cfg", [("reweight", {"mode": "bk"}), ("reweight", {"mode": "twopass"}), ("jl", {"r": 2})])
+def test_the_privacy_validator_works_the_same_in_channels_last(name, cfg):
+    """The first step's check (runner/methods/privacy_check/) on channels-last models, as memory_format=auto makes
+    them: batch coupling still refused in one line, the paper CNNs still accepted (no false alarm from layout)."""
+    from tests.test_privacy_validator import first_step
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 1, 8, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+    x[0] *= 20  # the outlier whose influence the coupling spreads
+    with pytest.raises(DprunError, match="depend on the other examples") as e:
+        first_step((name, cfg), CentredConv().to(memory_format=CL), x.contiguous(memory_format=CL), y)
+    assert "\n" not in str(e.value)
+    for case in ("cnn", "bu_cnn", "papernot_cnn"):
+        info, kw = ZOO[case]
+        torch.manual_seed(0)
+        model = MODELS.build(case, info, **kw).to(memory_format=CL)
+        xb, yb = batch(info, 5, seed=1)
+        first_step((name, cfg), model, xb.float().contiguous(memory_format=CL), yb)

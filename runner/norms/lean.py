@@ -53,6 +53,7 @@ BK_FLOOR_BYTES = 2**23
 # on a GPU, only above this: a small model's CUDA step is bound by the host's launches (stop 32: bu_cnn's device time
 # < 10% of its step) while a few MB do not matter there (chunks on a GPU: not measured yet)
 BK_CUDA_FLOOR_BYTES = 2**28
+CHUNKS: dict = {}  # (module, shapes, dtype, device type) -> examples per chunk (LeanRecorder._chunk)
 
 
 class LeanRecorder(StreamingNorms):
@@ -96,8 +97,16 @@ class LeanRecorder(StreamingNorms):
         per call with the batch's N: no chunks then."""
         if len(inputs) > 1 or not isinstance(stash.keep, (int, float)):
             return inputs[0].shape[0]
-        floor = BK_CUDA_FLOOR_BYTES if inputs[0].is_cuda else BK_FLOOR_BYTES
-        return streaming.chunk_size(rule, module, inputs, grads, floor, budget=BK_TRANSIENT_BUDGET)
+        # the same shapes every step: sized once (chunk_size builds one example's (a, g): a conv's unfold, kernels a
+        # host-bound GPU step would pay each step). A stale entry could only change the chunk size, never the norms
+        key = (id(module), type(module), tuple(inputs[0].shape), tuple(grads[0].shape), inputs[0].dtype,
+               inputs[0].device.type)
+        if key not in CHUNKS:
+            if len(CHUNKS) > 4096:
+                CHUNKS.clear()
+            floor = BK_CUDA_FLOOR_BYTES if inputs[0].is_cuda else BK_FLOOR_BYTES
+            CHUNKS[key] = streaming.chunk_size(rule, module, inputs, grads, floor, budget=BK_TRANSIENT_BUDGET)
+        return CHUNKS[key]
 
     def _add_chunked(self, module, rule, rec: tuple, stash: Stash, chunk: int) -> None:
         """One call's norm over chunks of examples (per-example norms are independent: exact), each with a stash of
