@@ -95,9 +95,12 @@ def print_result(summary: dict, out_dir, table: bool = True) -> None:
 
 
 def print_guarantee(summary: dict) -> None:
-    """A private run's last line: whether its guarantee assumes a secret seed (runner/randomness.py)."""
+    """A private run's last lines: why its epsilon is inf where it is (summary's epsilon_note), and whether its
+    guarantee assumes a secret seed (runner/randomness.py)."""
     from runner.randomness import end_line  # (torch: imported when a run has ended, not for --help)
 
+    if summary.get("epsilon_note"):
+        print(f"dprun: {summary['epsilon_note']}")
     note = end_line(summary)
     if note:
         print(f"dprun: {note}")

@@ -58,6 +58,20 @@ def test_r1_is_worse_than_gaussian_and_reported_as_a_bound():
     assert acc.epsilon_lower_bound(1e-5) > 16.0  # certified: the analysis' epsilon is beyond the grid
 
 
+def test_smallest_finite_r_is_the_edge_of_the_certainly_infinite_region():
+    """The advice an infinite run prints (why_infinite): r - 1 is certainly infinite, r is not, and its epsilon is a
+    finite number (MNIST's paper setting: r = 1, 2, 4 are inf, r = 8 gives ~15.8)."""
+    q, sigma, steps = 256 / 60000, 1.3, 3516
+    acc = jl(1, q, sigma, steps)
+    r = acc.smallest_finite_r(1e-5)
+    assert 4 < r <= 8
+    assert jl(r - 1, q, sigma, steps)._certainly_infinite(1e-5) and not jl(r, q, sigma, steps)._certainly_infinite(1e-5)
+    note = acc.why_infinite(1e-5)
+    eps = jl(r, q, sigma, steps).epsilon(1e-5)
+    assert math.isfinite(eps) and f"r={r} is the smallest" in note and f"epsilon {eps:.4g}" in note
+    assert jl(1, q, 0.0, steps).smallest_finite_r(1e-5) is None  # no noise: no r gives a finite epsilon
+
+
 def test_infinity_mass_shortcut_agrees_with_the_pld():
     args = (SMALL["q"], SMALL["sigma"], 6, 1e-3, 12.0)
     pld = jl_pld.step_pld(*args)

@@ -304,3 +304,6 @@ def test_infinite_epsilon_is_standard_json_with_the_certified_lower_bound(tmp_pa
     assert 0 < final["epsilon_lower_bound"] < math.inf
     metrics = pd.read_csv(tmp_path / "metrics.csv")
     assert math.isinf(metrics["epsilon"].iloc[-1]) and metrics["epsilon_lower_bound"].iloc[-1] > 0
+    # and the line the CLI prints says why, and which r would give a finite epsilon for the same steps
+    r = acc.smallest_finite_r(summary["config"]["delta"])
+    assert summary["epsilon_note"].startswith("epsilon is inf: accountant=jl") and f"r={r} is the smallest" in summary["epsilon_note"]

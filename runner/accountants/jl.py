@@ -107,6 +107,37 @@ class JLAccountant(Accountant):
             eps *= 0.999
         return eps
 
+    def smallest_finite_r(self, delta: float, limit: int = 4096) -> int | None:
+        """The smallest JL dimension r that, put in place of every step's r (same q, sigma and steps), leaves at most
+        delta of composed infinity mass: below it epsilon(delta) is certainly inf. Cheap (no PLD is built); None when
+        none up to `limit` does (sigma = 0). Scanned r = 1..64, then doubled, so it does not assume monotonicity."""
+        if self.steps == 0 or any(s == 0 for _, s, _, _ in self._runs()):
+            return None
+        candidates = list(range(1, 65)) + [2**k for k in range(7, limit.bit_length())]
+        for r in candidates:
+            trial = JLAccountant(self.discretization, self.max_loss)
+            for m, n in self.history.items():
+                trial.step(SubsampledJL(m.sample_rate, m.noise_multiplier, r), count=n)
+            if not trial._certainly_infinite(delta):
+                return r
+        return None
+
+    def why_infinite(self, delta: float) -> str:
+        """One line for a run whose epsilon is inf: why, how far (the certified lower bound) and the smallest r that
+        can give a finite epsilon with the same sigma, batch and steps (and that epsilon, one PLD: a few seconds)."""
+        rs = sorted({r for _, _, r, _ in self._runs()})
+        text = (f"epsilon is inf: accountant=jl certifies no finite epsilon at delta={delta:g} for r={'/'.join(map(str, rs))} "
+                f"(the analysis' epsilon is > {self.epsilon_lower_bound(delta):.3g}): the JL norm estimate's heavy tail "
+                f"(P(Z_r > a) ~ a^-r) leaves more than delta of probability to an unbounded privacy loss")
+        r = self.smallest_finite_r(delta)
+        if r is None:
+            return text + "; no r helps here (sigma = 0 adds no noise)"
+        trial = JLAccountant(self.discretization, self.max_loss)
+        for m, n in self.history.items():
+            trial.step(SubsampledJL(m.sample_rate, m.noise_multiplier, r), count=n)
+        return (text + f". r={r} is the smallest r without that (epsilon {trial.epsilon(delta):.4g} with this run's "
+                f"sigma, batch and steps); larger r approaches exact DP-SGD (README, 'JL epsilon')")
+
     def extra_metrics(self, delta: float) -> dict[str, float]:
         """An infinite epsilon also gets its certified lower bound (metrics.csv, summary.json), as dprun-eps prints
         it: "inf" alone cannot be written as JSON and says nothing about how far from private the run is."""
