@@ -234,9 +234,10 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     validate: check on the first step what per-example clipping cannot bound (runner/methods/privacy_check/; batch coupling,
         data written by the forward, parameters used outside their module, a loss not of shape (B,)). False (experts)
         skips it with a warning, and private.privacy_notes says the guarantee is unchecked.
-    memory_format: "auto" (a CNN on the CPU: its conv weights put in channels-last, in place, so its activations are
-        channels-last: PyTorch's NCHW max pooling is several times slower there) | "channels_last" | "contiguous"
-        (the model as given); runner/memory_format.py.
+    memory_format: "auto" (the model as given, unless it is one of dprun's CNNs measured faster channels-last on the
+        CPU: then its conv weights are put in channels-last, in place) | "channels_last" (any CNN: PyTorch's NCHW max
+        pooling is several times slower on the CPU; time your model both ways) | "contiguous" (NCHW);
+        runner/memory_format.py.
     """
     seed = privacy_check.shared_seed(seed, generator, distributed.current())  # several ranks: one sampling seed
     if generator is None and seed is not None and randomness.check_rng(rng) == "seeded":

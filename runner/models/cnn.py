@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from runner.memory_format import prefer_channels_last_on_cpu
 from runner.models.base import MODELS, flat_size, require_image
 
 
@@ -22,5 +23,6 @@ def build_cnn(info, widths=(20, 50), hidden: int = 128, kernel: int = 5):
         layers += [nn.Conv2d(c, int(width), kernel, padding=padding), nn.ReLU(), nn.MaxPool2d(2)]
         c = int(width)
     features = nn.Sequential(*layers, nn.Flatten())
-    return nn.Sequential(features, nn.Linear(flat_size(features, info.input_shape), int(hidden)), nn.ReLU(),
-                         nn.Linear(int(hidden), info.num_classes))
+    return prefer_channels_last_on_cpu(nn.Sequential(  # its pooling: several times faster channels-last on the CPU
+        features, nn.Linear(flat_size(features, info.input_shape), int(hidden)), nn.ReLU(),
+        nn.Linear(int(hidden), info.num_classes)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from runner.memory_format import prefer_channels_last_on_cpu
 from runner.models.base import MODELS, flat_size, require_image
 
 
@@ -36,12 +37,14 @@ def conv_stack(channels: int, widths=(32, 32, "M", 64, 64, "M", 128, 128, "M")) 
 def build_papernot_cnn(info, last_width: int = 256):
     c, _, _ = require_image(info, "papernot_cnn", min_side=8)
     features = nn.Sequential(*conv_stack(c), nn.Conv2d(128, int(last_width), 3, padding=1), nn.Tanh(), nn.Flatten())
-    return nn.Sequential(features, nn.Linear(flat_size(features, info.input_shape), info.num_classes))
+    return prefer_channels_last_on_cpu(  # measured faster channels-last on the CPU (runner/memory_format.py)
+        nn.Sequential(features, nn.Linear(flat_size(features, info.input_shape), info.num_classes)))
 
 
 @MODELS.register("papernot_cnn_fc")
 def build_papernot_cnn_fc(info, hidden: int = 128):
     c, _, _ = require_image(info, "papernot_cnn_fc", min_side=8)
     features = nn.Sequential(*conv_stack(c), nn.Flatten())
-    return nn.Sequential(features, nn.Linear(flat_size(features, info.input_shape), int(hidden)), nn.Tanh(),
-                         nn.Linear(int(hidden), info.num_classes))
+    return prefer_channels_last_on_cpu(nn.Sequential(  # measured faster channels-last on the CPU
+        features, nn.Linear(flat_size(features, info.input_shape), int(hidden)), nn.Tanh(),
+        nn.Linear(int(hidden), info.num_classes)))
