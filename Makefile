@@ -94,6 +94,10 @@ bench-compare: ## this tree's steps vs another commit's (BASE=<commit>), interle
 bench-profile: ## where a bench step's time goes, by operator (CPU self time; CUDA: its kernels' device time) -> outputs/bench/profile_<device>.csv
 	$(PY) -m runner.bench.profile $(BENCH_ARGS)
 
+.PHONY: bench-layout
+bench-layout: ## each workload's steps in NCHW and channels-last side by side (one process), and what memory_format=auto picks -> outputs/bench/layout_<device>.csv
+	$(PY) -m runner.bench.layout --suite gpu --quick --workloads cnn_mnist,papernot_cifar10,vgg11_cifar10,resnet18_cifar10 $(BENCH_ARGS)
+
 .PHONY: bench-peak
 bench-peak: ## what a bench step holds at its memory peak: each live tensor, its operator and line -> outputs/bench/peak_<device>.csv
 	$(PY) -m runner.bench.peak $(BENCH_ARGS)
@@ -147,9 +151,9 @@ device-check: ## what the open issues still need from a GPU, one command (~6 min
 	mkdir -p $(BENCH_OUT)/check_compiled_bf16 && $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu \
 	  --precision bf16 --compile $(COMPILE_MODE) --workloads gpt2small_t128 --methods nonprivate,reweight-bk $(OPEN_RUNS) \
 	  --out $(BENCH_OUT)/check_compiled_bf16 $(BENCH_ARGS)
-	for f in contiguous channels_last; do mkdir -p $(BENCH_OUT)/check_layout_$$f && $(PY) -m runner.bench.clip \
-	  --device $(BENCH_DEVICE) --suite gpu --precision tf32 --memory-format $$f --workloads cnn_mnist,resnet18_cifar10 \
-	  --methods nonprivate,reweight-bk $(OPEN_RUNS) --out $(BENCH_OUT)/check_layout_$$f $(BENCH_ARGS) || exit 1; done
+	mkdir -p $(BENCH_OUT)/check_layout && $(PY) -m runner.bench.layout --device $(BENCH_DEVICE) --suite gpu \
+	  --precision tf32 --workloads cnn_mnist,papernot_cifar10,resnet18_cifar10 --methods nonprivate,reweight-bk \
+	  $(OPEN_RUNS) --out $(BENCH_OUT)/check_layout $(BENCH_ARGS)
 
 COMPILE_MODE ?= reduce-overhead
 COMPILED_PRECISIONS ?= bf16 fp32
