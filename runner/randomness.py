@@ -404,8 +404,9 @@ def guarantee_note(rng: str, seed: int | None) -> str:
 
 
 def end_line(summary: dict) -> str | None:
-    """The end-of-run line's privacy statement (runner/cli.py); None for a non-private run."""
-    if summary.get("sigma") is None:
+    """The end-of-run line's privacy statement (runner/cli.py); None for a non-private run, or one whose epsilon is
+    inf (no guarantee to qualify: its epsilon_note says why)."""
+    if summary.get("sigma") is None or summary.get("epsilon_note"):
         return None
     config = summary.get("config", {})
     return guarantee_note(str(config.get("rng", "seeded")), config.get("seed"))

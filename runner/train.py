@@ -435,8 +435,9 @@ def finish(run: Run) -> None:
     summary["final"] = rows[-1] if rows else {}
     if rows and rows[-1]["epsilon"] == float("inf") and hasattr(accountant, "epsilon_lower_bound"):
         summary["epsilon_lower_bound"] = accountant.epsilon_lower_bound(float(run.cfg.delta))  # docs/privacy.md
-        if hasattr(accountant, "why_infinite"):  # the CLI prints it: why inf, and which r would give a number
-            summary["epsilon_note"] = accountant.why_infinite(float(run.cfg.delta))
+    if rows and rows[-1]["epsilon"] == float("inf") and accountant is not None:
+        # the CLI prints it: why inf (sigma = 0; JL's tail, and which r would give a number)
+        summary["epsilon_note"] = accountant.why_infinite(float(run.cfg.delta))
     summary["epochs_completed"] = len(rows)
     if run.world.main:
         write_json_last_resort(run.out_dir / "summary.json", summary)  # a full disk must not leave `running`

@@ -52,3 +52,22 @@ def test_unknown_name_and_bad_delta_are_one_line_errors():
     acc.step(SubsampledGaussian(0.01, 1.0))
     with pytest.raises(DprunError, match="delta must be in"):
         acc.epsilon(0.0)
+
+
+NOISELESS = (SubsampledGaussian(sample_rate=0.01, noise_multiplier=0.0),
+             SubsampledJL(sample_rate=0.01, noise_multiplier=0.0, r=4))
+WITH_SIGMA = [n for n in ACCOUNTANTS.names() if any(ACCOUNTANTS.build(n).supports(m) for m in NOISELESS)]
+
+
+def test_the_noise_multiplier_accountants_are_most_of_them():
+    assert {"pld", "rdp", "gdp", "jl"} <= set(WITH_SIGMA)
+
+
+@pytest.mark.parametrize("name", WITH_SIGMA)
+def test_a_noiseless_step_is_inf_and_says_why(name):
+    """sigma = 0 releases the clipped sum exactly: every accountant answers inf, and the line a run ends with
+    (why_infinite, summary.json's epsilon_note) names sigma=0, not the accountant's numerics."""
+    acc = ACCOUNTANTS.build(name)
+    acc.step(next(m for m in NOISELESS if acc.supports(m)), count=3)
+    assert acc.epsilon(1e-5) == float("inf")
+    assert acc.why_infinite(1e-5).startswith("epsilon is inf: sigma=0 adds no noise")

@@ -259,8 +259,11 @@ def test_seeded_notes_name_the_seed_and_the_end_of_run_line_says_which_holds(cap
     print_guarantee({"sigma": 1.0, "config": {"seed": 7}})  # the run's last line, after "dprun: ... -> <folder>"
     print_guarantee({"sigma": 1.0, "config": {"seed": 7, "rng": "secure"}})
     print_guarantee({"sigma": None, "config": {}})  # non-private: nothing to say
+    inf = "epsilon is inf: sigma=0 adds no noise, so the clipped sums are released exactly (no privacy)"
+    print_guarantee({"sigma": 0.0, "config": {"seed": 7}, "epsilon_note": inf})  # no guarantee to qualify: why not
     assert capsys.readouterr().out.splitlines() == [f"dprun: {note}",
-                                                    f"dprun: {randomness.guarantee_note('secure', 7)}"]
+                                                    f"dprun: {randomness.guarantee_note('secure', 7)}",
+                                                    f"dprun: {inf}"]
 
 
 # -- bad values --------------------------------------------------------------------------------------------------

@@ -78,6 +78,12 @@ class Accountant:
     def _epsilon(self, delta: float) -> float:
         raise NotImplementedError
 
+    def why_infinite(self, delta: float) -> str:
+        """One line for a run whose epsilon(delta) is inf (the CLI's last lines, summary.json's epsilon_note)."""
+        if any(getattr(m, "noise_multiplier", None) == 0 for m in self.history):
+            return "epsilon is inf: sigma=0 adds no noise, so the clipped sums are released exactly (no privacy)"
+        return f"epsilon is inf: accountant={self.name} certifies no finite epsilon at delta={delta:g} for these steps"
+
     def extra_metrics(self, delta: float) -> dict[str, float]:
         """Extra per-epoch columns for metrics.csv (jl: the certified lower bound where epsilon is inf)."""
         return {}

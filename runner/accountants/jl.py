@@ -125,13 +125,15 @@ class JLAccountant(Accountant):
     def why_infinite(self, delta: float) -> str:
         """One line for a run whose epsilon is inf: why, how far (the certified lower bound) and the smallest r that
         can give a finite epsilon with the same sigma, batch and steps (and that epsilon, one PLD: a few seconds)."""
+        if any(s == 0 for _, s, _, _ in self._runs()):
+            return super().why_infinite(delta)  # sigma = 0: no r helps
         rs = sorted({r for _, _, r, _ in self._runs()})
         text = (f"epsilon is inf: accountant=jl certifies no finite epsilon at delta={delta:g} for r={'/'.join(map(str, rs))} "
                 f"(the analysis' epsilon is > {self.epsilon_lower_bound(delta):.3g}): the JL norm estimate's heavy tail "
                 f"(P(Z_r > a) ~ a^-r) leaves more than delta of probability to an unbounded privacy loss")
         r = self.smallest_finite_r(delta)
         if r is None:
-            return text + "; no r helps here (sigma = 0 adds no noise)"
+            return text + "; no r up to 4096 gives a finite one here"
         trial = JLAccountant(self.discretization, self.max_loss)
         for m, n in self.history.items():
             trial.step(SubsampledJL(m.sample_rate, m.noise_multiplier, r), count=n)
