@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--compile", default="", help="also time nonprivate and reweight-bk under compile=MODE "
                     "(default | reduce-overhead | cudagraphs; runner/methods/compiled.py)")
     ap.add_argument("--memory-format", default="auto", choices=list(layout.CHOICES),
-                    help="every row's memory_format= (runner/memory_format.py; auto: a CPU CNN in channels-last, "
-                    "except for methods that need NCHW)")
+                    help="every row's memory_format= (runner/memory_format.py; auto: the CPU CNNs measured faster "
+                    "so in channels-last, except for methods that need NCHW; make bench-layout compares)")
     args = ap.parse_args(argv)
     device = bench_device(args.device)
     repeats = timed_repeats(args)

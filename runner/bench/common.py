@@ -96,8 +96,8 @@ def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimi
     compile_mode: step through runner/methods/compiled.py (its first steps compile: they are the warm-up).
     configure: Method.configure's settings (physical_batch_size, precision).
     rng: "seeded" (noise from a torch.Generator) | "secure" (runner/randomness.py's SecureRandom, as rng=secure).
-    memory_format: as a run's (runner/memory_format.py: auto puts a CPU CNN's conv weights in channels-last, unless
-    the method needs NCHW)."""
+    memory_format: as a run's (runner/memory_format.py: auto puts the CPU CNNs measured faster so in channels-last,
+    unless the method needs NCHW)."""
     try:
         method = METHODS.build(name, cfg=options, clip=1.0, sigma=1.0).configure(**(configure or {}))
         model = copy.deepcopy(base)

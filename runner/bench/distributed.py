@@ -51,7 +51,7 @@ def worker(args) -> None:
     name, _, mode = args.method.partition("-")
     method = METHODS.build(name, cfg={"mode": mode} if mode else {}, clip=1.0, sigma=1.0).configure(
         physical_batch_size=args.physical, world=world)
-    memory_format.apply(model, "auto", method)  # as assemble() does for a run: a CPU CNN channels-last
+    memory_format.apply(model, "auto", method)  # as assemble() does for a run (bu_cnn: channels-last on the CPU)
     model = method.attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = synthetic_batch(info, args.batch, device)
