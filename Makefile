@@ -143,7 +143,7 @@ bench-gpu-compiled: ## issue 31's compiled rows: a bk chunk as one graph under C
 	  --out $(BENCH_OUT)/compiled_$$p $(BENCH_ARGS) || exit 1; done
 
 .PHONY: device-check
-device-check: ## what the open issues still need from a GPU, one command (~6 min on an H100): issue 26's budget on bu_cnn and papernot_cnn vs .base (tf32 then fp32), issue 31's compiled GPT-2-small bk step (bf16, CUDA graphs?), then whether channels-last pays on CUDA (memory_format=auto leaves CUDA NCHW until measured) -> $(BENCH_OUT)/check_*
+device-check: ## what the open issues still need from a GPU, one command (~7 min on an H100): issue 26's budget on bu_cnn and papernot_cnn vs .base (tf32 then fp32), issue 31's compiled GPT-2-small bk step (bf16, CUDA graphs?), then whether channels-last pays on CUDA (memory_format=auto leaves CUDA NCHW until measured) -> $(BENCH_OUT)/check_*
 	test -d "$(BASE_TREE)/runner" || { echo "device-check: no $(BASE_TREE)/runner; run make base-tree here and carry $(BASE_TREE)"; exit 2; }
 	for p in tf32 fp32; do mkdir -p $(BENCH_OUT)/check_compare_$$p && $(PY) -m runner.bench.compare --device $(BENCH_DEVICE) \
 	  --suite gpu --base $(BASE_TREE) --precision $$p --workloads cnn_mnist,papernot_cifar10 --methods nonprivate,reweight-bk \
