@@ -18,9 +18,9 @@ conv norm rule's unfold skips its channels-last copy of the input (the patches a
     contiguous      NCHW, whatever the model was built in
 
 Measured on the 2-core CPU (in-process, interleaved; channels-last step time / NCHW's, non-private and bk): bu_cnn
-B=256 ~0.5; L&K's cnn B=16 0.77 / 0.86, B=128 0.65 / 0.76; papernot_cnn B=32 0.82 / 0.86; VGG-11 B=16 1.09 / 1.07,
-B=64 1.13 / 1.09 (1.10 without GroupNorm); ResNet-18 B=16 1.04 / 1.05, B=64 1.05 / 1.03 (docs/bench.md, stop 39).
-The mark is set where that was measured, so `auto` never makes a model slower than measured.
+B=256 ~0.5; L&K's cnn B=16 0.77 / 0.86, B=128 0.65 / 0.76; papernot_cnn B=32 0.82 / 0.84, papernot_cnn_fc 0.80 / 0.84;
+VGG-11 B=16 1.14 / 1.05, B=64 1.13 / 1.09 (1.10 without GroupNorm); ResNet-18 B=16 1.03 / 1.05, B=64 1.05 / 1.03
+(docs/bench.md, stop 39). Only the models measured faster carry the mark (on this CPU; `make bench-layout` re-reads it).
 
 A method that needs NCHW says so with `channels_last = False`: Opacus 1.6's unfold2d hard-codes row-major strides,
 so its per-example conv gradients are wrong on channels-last activations (measured: 0.07-0.3 off on the zoo's

@@ -114,13 +114,14 @@ class JLAccountant(Accountant):
         if self.steps == 0 or any(s == 0 for _, s, _, _ in self._runs()):
             return None
         candidates = list(range(1, 65)) + [2**k for k in range(7, limit.bit_length())]
-        for r in candidates:
-            trial = JLAccountant(self.discretization, self.max_loss)
-            for m, n in self.history.items():
-                trial.step(SubsampledJL(m.sample_rate, m.noise_multiplier, r), count=n)
-            if not trial._certainly_infinite(delta):
-                return r
-        return None
+        return next((r for r in candidates if not self._with_r(r)._certainly_infinite(delta)), None)
+
+    def _with_r(self, r: int) -> JLAccountant:
+        """This accountant's steps (same q, sigma and counts) with every step's JL dimension set to r."""
+        trial = JLAccountant(self.discretization, self.max_loss)
+        for m, n in self.history.items():
+            trial.step(SubsampledJL(m.sample_rate, m.noise_multiplier, r), count=n)
+        return trial
 
     def why_infinite(self, delta: float) -> str:
         """One line for a run whose epsilon is inf: why, how far (the certified lower bound) and the smallest r that
@@ -134,10 +135,7 @@ class JLAccountant(Accountant):
         r = self.smallest_finite_r(delta)
         if r is None:
             return text + "; no r up to 4096 gives a finite one here"
-        trial = JLAccountant(self.discretization, self.max_loss)
-        for m, n in self.history.items():
-            trial.step(SubsampledJL(m.sample_rate, m.noise_multiplier, r), count=n)
-        return (text + f". r={r} is the smallest r without that (epsilon {trial.epsilon(delta):.4g} with this run's "
+        return (text + f". r={r} is the smallest r without that (epsilon {self._with_r(r).epsilon(delta):.4g} with this run's "
                 f"sigma, batch and steps); larger r approaches exact DP-SGD (README, 'JL epsilon')")
 
     def extra_metrics(self, delta: float) -> dict[str, float]:
