@@ -98,6 +98,10 @@ bench-profile: ## where a bench step's time goes, by operator (CPU self time; CU
 bench-layout: ## each workload's steps in NCHW and channels-last side by side (one process), and what memory_format=auto picks -> outputs/bench/layout_<device>.csv
 	$(PY) -m runner.bench.layout --suite gpu --quick --workloads cnn_mnist,papernot_cifar10,vgg11_cifar10,resnet18_cifar10 $(BENCH_ARGS)
 
+.PHONY: bench-threads
+bench-threads: ## each workload's steps with the backward on autograd's CUDA thread and in the calling thread, side by side (one process; the CPU: the same step twice) -> outputs/bench/threads_<device>.csv
+	$(PY) -m runner.bench.threads --suite gpu --quick --workloads cnn_mnist,papernot_cifar10,transformer_imdb,resnet18_cifar10 $(BENCH_ARGS)
+
 .PHONY: bench-peak
 bench-peak: ## what a bench step holds at its memory peak: each live tensor, its operator and line -> outputs/bench/peak_<device>.csv
 	$(PY) -m runner.bench.peak $(BENCH_ARGS)
@@ -143,17 +147,20 @@ bench-gpu-compiled: ## issue 31's compiled rows: a bk chunk as one graph under C
 	  --out $(BENCH_OUT)/compiled_$$p $(BENCH_ARGS) || exit 1; done
 
 .PHONY: device-check
-device-check: ## what the open issues still need from a GPU, one command (~7 min on an H100): issue 26's budget on bu_cnn and papernot_cnn vs .base (tf32 then fp32), issue 31's compiled GPT-2-small bk step (bf16, CUDA graphs?), then whether channels-last pays on CUDA (memory_format=auto leaves CUDA NCHW until measured) -> $(BENCH_OUT)/check_*
+device-check: ## what the open issues still need from a GPU, one command (~8 min on an H200): issue 26's budget vs .base (bench-compare: bu_cnn and papernot_cnn in tf32, the transformer in fp32, ResNet-18 in tf32), the backward's thread (bench-threads), issue 31's compiled GPT-2-small bk step (bf16, CUDA graphs) -> $(BENCH_OUT)/check_*
 	test -d "$(BASE_TREE)/runner" || { echo "device-check: no $(BASE_TREE)/runner; run make base-tree here and carry $(BASE_TREE)"; exit 2; }
-	for p in tf32 fp32; do mkdir -p $(BENCH_OUT)/check_compare_$$p && $(PY) -m runner.bench.compare --device $(BENCH_DEVICE) \
-	  --suite gpu --base $(BASE_TREE) --precision $$p --workloads cnn_mnist,papernot_cifar10 --methods nonprivate,reweight-bk \
-	  --pairs $(COMPARE_PAIRS) --repeats 20 --warmup 3 --out $(BENCH_OUT)/check_compare_$$p $(BENCH_ARGS) || exit 1; done
+	mkdir -p $(BENCH_OUT)/check_compare_tf32 && $(PY) -m runner.bench.compare --device $(BENCH_DEVICE) --suite gpu \
+	  --base $(BASE_TREE) --precision tf32 --workloads cnn_mnist,papernot_cifar10,resnet18_cifar10 \
+	  --methods nonprivate,reweight-bk --pairs $(COMPARE_PAIRS) --repeats 20 --warmup 3 --out $(BENCH_OUT)/check_compare_tf32 $(BENCH_ARGS)
+	mkdir -p $(BENCH_OUT)/check_compare_fp32 && $(PY) -m runner.bench.compare --device $(BENCH_DEVICE) --suite gpu \
+	  --base $(BASE_TREE) --precision fp32 --workloads transformer_imdb --methods nonprivate,reweight-bk \
+	  --pairs $(COMPARE_PAIRS) --repeats 20 --warmup 3 --out $(BENCH_OUT)/check_compare_fp32 $(BENCH_ARGS)
+	mkdir -p $(BENCH_OUT)/check_threads && $(PY) -m runner.bench.threads --device $(BENCH_DEVICE) --suite gpu \
+	  --precision tf32 --workloads cnn_mnist,papernot_cifar10,resnet18_cifar10 --methods nonprivate,reweight-bk \
+	  --repeats 40 --warmup 5 --out $(BENCH_OUT)/check_threads $(BENCH_ARGS)
 	mkdir -p $(BENCH_OUT)/check_compiled_bf16 && $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu \
 	  --precision bf16 --compile $(COMPILE_MODE) --workloads gpt2small_t128 --methods nonprivate,reweight-bk $(OPEN_RUNS) \
 	  --out $(BENCH_OUT)/check_compiled_bf16 $(BENCH_ARGS)
-	mkdir -p $(BENCH_OUT)/check_layout && $(PY) -m runner.bench.layout --device $(BENCH_DEVICE) --suite gpu \
-	  --precision tf32 --workloads cnn_mnist,papernot_cifar10,resnet18_cifar10 --methods nonprivate,reweight-bk \
-	  $(OPEN_RUNS) --out $(BENCH_OUT)/check_layout $(BENCH_ARGS)
 
 COMPILE_MODE ?= reduce-overhead
 COMPILED_PRECISIONS ?= bf16 fp32

@@ -12,8 +12,8 @@ conv norm rule's unfold skips its channels-last copy of the input (the patches a
                     prefer_channels_last_on_cpu's mark: the zoo's pooling CNNs bu_cnn, cnn, papernot_cnn[_fc]),
                     when the method computes on it correctly; NCHW for a method that needs it; otherwise the
                     model as built (VGG and ResNet: their mkldnn convolutions and GroupNorms lose more in
-                    channels-last than their pooling gains; a user's own model: unmeasured; CUDA: the NCHW kernels
-                    are not the slow ones and no GPU has measured the change yet; float64: slow_conv2d gains nothing)
+                    channels-last than their pooling gains; a user's own model: unmeasured; CUDA: the NCHW
+                    kernels are not the slow ones, an H200's bk step gained nothing, stop 40; float64: nothing)
     channels_last   asked for: refused in one line for a method that needs NCHW
     contiguous      NCHW, whatever the model was built in
 

@@ -38,6 +38,7 @@ from runner.distributed import World
 from runner.errors import DprunError
 from runner.trainable import trainable  # noqa: F401  (methods import it from here)
 from runner.accountants.mechanisms import Mechanism, NoPrivacy, SubsampledGaussian
+from runner.backward_thread import backward_in_this_thread
 from runner.methods.features import Feature
 from runner.methods.noise import add_noise_and_scale
 from runner.precision import PRECISIONS, ROUNDING_MARGIN, autocast, matmul_precision
@@ -289,6 +290,7 @@ class Method:
     def clipped_sum(self, model, loss_fn: LossFn, x, y, privatize=None) -> Privatized:
         """p.grad = the sum over the whole logical batch (every chunk, every rank) of the clipped per-example
         gradients. `privatize` (default self.privatize) runs one chunk: compile= passes a compiled, padded one."""
+        given = privatize is not None  # compile='s (compiled.py) or padding's: autograd's own threads kept there
         privatize = privatize or self.privatize
         if self.private and self.privacy_check:  # once per run, whatever runs the chunks (compile=, chunks, ranks)
             from runner.methods.privacy_check import check_first_step
@@ -300,7 +302,9 @@ class Method:
         parts: list[Privatized] = []
         total = None
         try:
-            with self.world.forward_rng(x.device), matmul_precision(x.device, self.precision):
+            # (on CUDA the backward runs in this thread: book-keeping's norm hooks are Python, runner/backward_thread.py)
+            with self.world.forward_rng(x.device), matmul_precision(x.device, self.precision), \
+                    backward_in_this_thread(x.device, compiled=given):
                 for xc, yc in chunks(x, y, self.physical_batch_size):
                     if parts:  # the earlier chunks' sum is in `total`; this chunk's privatize writes p.grad afresh
                         for p in params:
