@@ -17,10 +17,9 @@ import pandas as pd
 import torch
 
 from runner import backward_thread
-from runner.bench.clip import ALL, add_suite_argument, method_contender, suite_workloads, workload_names
-from runner.bench.common import (arguments, bench_device, interleaved_times, median, save_frames, select_workloads,
-                                 synthetic_batch, timed_repeats)
-from runner.errors import DprunError
+from runner.bench.clip import method_contender
+from runner.bench.common import interleaved_times, median, synthetic_batch
+from runner.bench.side_by_side import side_by_side_main
 from runner.models import MODELS
 
 WHERE = {"worker": False, "caller": True}  # column -> backward_thread.IN_CALLING_THREAD
@@ -64,27 +63,7 @@ def compare_threads(w, labels: list[str], device: torch.device, repeats: int, wa
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    ap = arguments("python -m runner.bench.threads", __doc__, repeats=20, warmup=3, budget=60.0,
-                   quick="batches / 8: a smoke run", workloads=workload_names(), out="threads_<device>.csv")
-    add_suite_argument(ap)
-    ap.add_argument("--methods", default="nonprivate,reweight-bk", help="comma-separated eager rows of bench-clip: "
-                    + ", ".join(m for m in ALL if not m.endswith("+compile")))
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "tf32"])
-    args = ap.parse_args(argv)
-    labels = args.methods.split(",")
-    unknown = [m for m in labels if m not in ALL or m.endswith("+compile")]
-    if unknown:
-        raise DprunError(f"--methods: unknown or compiled row {unknown[0]!r}; choose from "
-                         f"{', '.join(m for m in ALL if not m.endswith('+compile'))}")
-    device = bench_device(args.device)
-    chosen = select_workloads(suite_workloads(args.suite, args.quick), args.workloads, "bench-threads")
-    rows = []
-    for w in chosen:
-        print(f"[bench-threads] {w.name}: model={w.model} B={w.batch} ...", flush=True)
-        rows += compare_threads(w, labels, device, timed_repeats(args), args.warmup, args.budget, args.precision)
-    df = pd.DataFrame(rows)
-    print(df.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    return save_frames([df], args.out, "threads", device, args.quick, "bench-threads")
+    return side_by_side_main("threads", __doc__, argv, compare_threads, repeats=20, warmup=3)
 
 
 if __name__ == "__main__":
