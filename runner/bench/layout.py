@@ -17,11 +17,9 @@ import torch
 
 from runner import memory_format
 from runner.bench.clip import method_contender
-from runner.bench.common import interleaved_times, median, synthetic_batch
-from runner.bench.side_by_side import side_by_side_main
+from runner.bench.side_by_side import side_by_side_main, timed_each_way
 from runner.errors import DprunError
 from runner.methods import METHODS
-from runner.models import MODELS
 
 LAYOUTS = ("contiguous", "channels_last")
 
@@ -29,31 +27,26 @@ LAYOUTS = ("contiguous", "channels_last")
 def compare_layouts(w, labels: list[str], device: torch.device, repeats: int, warmup: int, budget_s: float,
                     precision: str) -> list[dict]:
     """One row per method: its median step in each layout, the ratio, and what auto picks for this model."""
-    torch.manual_seed(0)
-    base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
-    x, y = synthetic_batch(w.info, w.batch, device)
-    auto = memory_format.choose(base, "auto", METHODS.build("reweight"))
-    steps, notes = {}, {}
-    for label in labels:
+    def contenders(label, model, x, y):
+        steps, note = {}, ""
         for fmt in LAYOUTS:
             try:
-                c, note = method_contender(label, base, x, y, float(w.batch), w.info.train_size, "", precision, fmt)
+                c, why = method_contender(label, model, x, y, float(w.batch), w.info.train_size, "", precision, fmt)
             except DprunError as e:  # e.g. channels_last for a method that needs NCHW: its row says so
-                c, note = None, str(e)
+                c, why = None, str(e)
             if c is None:
-                notes[label] = note
-                continue
-            steps[(label, fmt)] = c.step
-    times = interleaved_times(steps, device, repeats, warmup, budget_s)
-    rows = []
-    for label in labels:
-        ms = {fmt: 1e3 * median(times.get((label, fmt), [])) for fmt in LAYOUTS}
-        rows.append(dict(workload=w.name, model=w.model, batch=w.batch, method=label, precision=precision,
-                         nchw_ms=ms["contiguous"], channels_last_ms=ms["channels_last"],
-                         cl_over_nchw=ms["channels_last"] / ms["contiguous"] if ms["contiguous"] > 0 else math.nan,
-                         auto="channels_last" if auto == torch.channels_last else "as built",
-                         note=notes.get(label, "")))
-    return rows
+                note = why
+            else:
+                steps[fmt] = c.step
+        return steps, note
+
+    ms, notes, model = timed_each_way(w, labels, device, repeats, warmup, budget_s, LAYOUTS, contenders)
+    auto = memory_format.choose(model, "auto", METHODS.build("reweight"))
+    return [dict(workload=w.name, model=w.model, batch=w.batch, method=label, precision=precision,
+                 nchw_ms=t["contiguous"], channels_last_ms=t["channels_last"],
+                 cl_over_nchw=t["channels_last"] / t["contiguous"] if t["contiguous"] > 0 else math.nan,
+                 auto="channels_last" if auto == torch.channels_last else "as built", note=notes.get(label, ""))
+            for label, t in ms.items()]
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:

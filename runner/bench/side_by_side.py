@@ -5,10 +5,32 @@ from __future__ import annotations
 from typing import Callable
 
 import pandas as pd
+import torch
 
 from runner.bench.clip import ALL, add_suite_argument, suite_workloads, workload_names
-from runner.bench.common import arguments, bench_device, save_frames, select_workloads, timed_repeats
+from runner.bench.common import (arguments, bench_device, interleaved_times, median, save_frames, select_workloads,
+                                 synthetic_batch, timed_repeats)
 from runner.errors import DprunError
+from runner.models import MODELS
+
+
+def timed_each_way(w, labels: list[str], device: torch.device, repeats: int, warmup: int, budget_s: float,
+                   ways: tuple[str, ...], contenders: Callable) -> tuple[dict, dict, torch.nn.Module]:
+    """The workload's model (seed 0) and batch; contenders(label, model, x, y) -> ({way: step}, note) for each
+    label; every step timed in turn (interleaved). Returns ({label: {way: median ms}} (nan: not built that way),
+    {label: note}, the model)."""
+    torch.manual_seed(0)
+    model = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
+    x, y = synthetic_batch(w.info, w.batch, device)
+    steps, notes = {}, {}
+    for label in labels:
+        built, note = contenders(label, model, x, y)
+        if note:
+            notes[label] = note
+        steps.update({(label, way): step for way, step in built.items()})
+    times = interleaved_times(steps, device, repeats, warmup, budget_s)
+    ms = {label: {way: 1e3 * median(times.get((label, way), [])) for way in ways} for label in labels}
+    return ms, notes, model
 
 
 def side_by_side_main(name: str, doc: str, argv: list[str] | None, compare: Callable[..., list[dict]],

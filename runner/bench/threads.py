@@ -18,9 +18,7 @@ import torch
 
 from runner import backward_thread
 from runner.bench.clip import method_contender
-from runner.bench.common import interleaved_times, median, synthetic_batch
-from runner.bench.side_by_side import side_by_side_main
-from runner.models import MODELS
+from runner.bench.side_by_side import side_by_side_main, timed_each_way
 
 WHERE = {"worker": False, "caller": True}  # column -> backward_thread.IN_CALLING_THREAD
 
@@ -40,26 +38,16 @@ def in_thread(step, in_calling_thread: bool):
 def compare_threads(w, labels: list[str], device: torch.device, repeats: int, warmup: int, budget_s: float,
                     precision: str) -> list[dict]:
     """One row per method: its median step with the backward on each thread, and the ratio."""
-    torch.manual_seed(0)
-    base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
-    x, y = synthetic_batch(w.info, w.batch, device)
-    steps, notes = {}, {}
-    for label in labels:
-        c, note = method_contender(label, base, x, y, float(w.batch), w.info.train_size, "", precision)
-        if c is None:
-            notes[label] = note
-            continue
-        for where, flag in WHERE.items():
-            steps[(label, where)] = in_thread(c.step, flag)
-    times = interleaved_times(steps, device, repeats, warmup, budget_s)
-    rows = []
-    for label in labels:
-        ms = {where: 1e3 * median(times.get((label, where), [])) for where in WHERE}
-        rows.append(dict(workload=w.name, model=w.model, batch=w.batch, method=label, precision=precision,
-                         worker_ms=ms["worker"], caller_ms=ms["caller"],
-                         caller_over_worker=ms["caller"] / ms["worker"] if ms["worker"] > 0 else math.nan,
-                         note=notes.get(label, "")))
-    return rows
+    def contenders(label, model, x, y):
+        c, note = method_contender(label, model, x, y, float(w.batch), w.info.train_size, "", precision)
+        return ({} if c is None else {where: in_thread(c.step, flag) for where, flag in WHERE.items()}), note
+
+    ms, notes, _ = timed_each_way(w, labels, device, repeats, warmup, budget_s, tuple(WHERE), contenders)
+    return [dict(workload=w.name, model=w.model, batch=w.batch, method=label, precision=precision,
+                 worker_ms=t["worker"], caller_ms=t["caller"],
+                 caller_over_worker=t["caller"] / t["worker"] if t["worker"] > 0 else math.nan,
+                 note=notes.get(label, ""))
+            for label, t in ms.items()]
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
