@@ -6,7 +6,9 @@ thread waits. Book-keeping computes each layer's norm inside the backward, in Py
 threads, and a host-bound step paid for it: on an H200 (torch 2.11, one process, 40 interleaved rounds, stop 40,
 docs/bench.md) the reweight-bk step with the backward in the calling thread (`set_multithreading_enabled(False)`)
 took 0.94 / 0.98 / 0.94 / 1.00x of the default's on bu_cnn / papernot_cnn / the transformer / ResNet-18, and the
-non-private step 0.87 / 0.90 / 1.01 / 0.98x (the hand-over to the worker alone costs a small step ~0.3 ms).
+non-private step 0.87 / 0.90 / 1.01 / 0.98x (the hand-over to the worker alone costs a small step ~0.3 ms). On an
+H100 (stop 41, in one process, 30 rounds) the worker's bk step took 1.15 / 1.18 / 1.25x the calling thread's on
+ResNet-18 / papernot_cnn / bu_cnn (docs/bench.md "On an H100 (stop 41)").
 A single-device step gains nothing from the worker thread (the CPU and the device are still asynchronous: the
 calling thread launches the same kernels); several ranks reduce after the backward (Method.clipped_sum), not in
 hooks inside it. The CPU's backward already runs in the calling thread: nothing changes there.

@@ -171,6 +171,7 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     if world.main:
         out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(str(cfg.device), world.local_rank)
+    tensor_cores.mode()  # a bad DPRUN_TENSOR_CORES is refused before anything runs
     if str(cfg.get("precision", "fp32")) == "tf32" and device.type != "cuda":
         log.warning("precision=tf32 changes nothing on %s (TF32 is a CUDA tensor-core format): the step is fp32",
                     device.type)
@@ -288,8 +289,9 @@ def start_summary(run: Run, run_config: dict[str, Any], private: PrivateRun) -> 
         "device": str(run.device),
         "device_name": device_name(run.device),
         "memory_format": private.memory_format,  # the conv activations' layout (memory_format=auto: runner/memory_format.py)
-        # bf16 Linears' norms and clipped sums on tensor cores (DPRUN_TENSOR_CORES=1; runner/norms/tensor_cores.py)
-        "tensor_cores": (tensor_cores.enabled() and str(cfg.get("precision", "fp32")) == "bf16"
+        # bf16 Linears' norms and clipped sums on tensor cores (DPRUN_TENSOR_CORES: auto = compiled steps; 1 = always)
+        "tensor_cores": (tensor_cores.enabled(compiled=str(cfg.get("compile", "off")) != "off")
+                         and str(cfg.get("precision", "fp32")) == "bf16"
                          and run.device.type == "cuda"),
         "world_size": run.world.size,
         "backend": run.world.backend,

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runner.errors import DprunError
 from runner.norms import outer
+from runner.norms.coverage import plan_model
+from runner.norms.lean import LeanRecorder
 from runner.norms import tensor_cores as tc
 from tests.test_certified_clipping import ALL, EPS, TOL, UNDER, contribution
 from tests.test_precision import test_bf16_norms_and_clipped_sums_against_the_float64_oracle as oracle_check
@@ -95,17 +98,50 @@ def test_bf16_records_outside_a_gpu_are_upcast():
     assert outer.use_ghost(128, 768, 768, "auto") and not outer.use_ghost(512, 768, 768, "auto")
 
 
-def test_the_route_is_opt_in_on_a_gpu(monkeypatch):
-    assert not tc.enabled()  # the default: the float32 route (measured faster in an eager step, see the module)
-    monkeypatch.setenv("DPRUN_TENSOR_CORES", "1")
+def test_the_route_is_taken_in_compiled_steps_by_default(monkeypatch):
+    """DPRUN_TENSOR_CORES: auto (unset) takes the route in a compiled step only (an eager step is bound by launching
+    the route's extra operators; a replayed graph is not: 1.55x vs 3.29x the compiled non-private step, see the
+    module), 1 always, 0 never; anything else refused in one line naming the value and the modes."""
+    monkeypatch.delenv("DPRUN_TENSOR_CORES", raising=False)
+    assert tc.mode() == "auto" and not tc.enabled() and tc.enabled(compiled=True) and not tc.enabled(compiled=False)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # what a step being traced sees
     assert tc.enabled()
+    monkeypatch.setenv("DPRUN_TENSOR_CORES", "0")
+    assert not tc.enabled() and not tc.enabled(compiled=True)
+    monkeypatch.setenv("DPRUN_TENSOR_CORES", "1")
+    assert tc.enabled(compiled=False)
     g = torch.ones(2, 3, dtype=torch.bfloat16)
     assert tc.records(torch.ones(2, 4), g, tensor_cores=True)[0].dtype == torch.float32  # still no CUDA here
+    monkeypatch.setenv("DPRUN_TENSOR_CORES", "yes")
+    with pytest.raises(DprunError, match=r"DPRUN_TENSOR_CORES='yes'.*auto.*1.*0") as err:
+        tc.enabled()
+    assert "\n" not in str(err.value)
+
+
+def test_a_steps_route_is_fixed_when_its_recorder_is_made(monkeypatch):
+    """The route is decided once per step (CallHooks.tensor_cores): a recorder made while the step was traced keeps
+    it for every layer's norm and clipped sum, though the code after a graph break runs eagerly (a norm from bf16
+    records and a clipped sum from float32 ones would not be the same tensor: up to ~2^-8 of S_i apart)."""
+    monkeypatch.setattr(tc, "used_for", lambda g: g.dtype == torch.bfloat16)  # as a bf16 record on CUDA
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    x, y = torch.randn(4, 6), torch.tensor([0, 1, 2, 1])
+    plan = plan_model(model)
+    for traced, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        with monkeypatch.context() as m:
+            m.setattr(torch.compiler, "is_compiling", lambda: traced)
+            rec = LeanRecorder(plan, "auto", {}, capture_bytes=0)
+        assert rec.tensor_cores is traced  # is_compiling() is False again from here on
+        with rec, torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = torch.nn.functional.cross_entropy(model(x).float(), y, reduction="none")
+        assert rec.backward(losses.sum(), len(y)) is not None
+        kept = [calls for _, _, _, calls in rec.raw_layers()]
+        assert kept and all(t.dtype == dtype for calls in kept for call in calls for t in call)
 
 
 def test_the_summary_says_whether_the_route_was_used(tmp_path, monkeypatch):
-    """summary.json's `tensor_cores`: on only for precision=bf16 on CUDA with DPRUN_TENSOR_CORES=1 (here: a CPU run
-    that asked for it records False, the route it did not take)."""
+    """summary.json's `tensor_cores`: on only for precision=bf16 on CUDA where the route is on (DPRUN_TENSOR_CORES=1, or
+    auto with compile=); here a CPU run that asked for it records False, the route it did not take."""
     from conftest import compose_config
     from runner.train import train
 

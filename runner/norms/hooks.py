@@ -25,6 +25,7 @@ import torch
 
 from runner.errors import DprunError
 from runner.norms.coverage import Plan
+from runner.norms import tensor_cores
 from runner.norms.tensor_cores import records
 
 
@@ -68,6 +69,9 @@ class CallHooks:
         self.plan = plan
         self.covered = frozenset(id(m) for _, m, _ in plan.layers)
         self.handles: list = []
+        # bf16 on the tensor-core route or not, decided once for the step (runner/norms/tensor_cores.py): a layer's
+        # norm and its clipped sum are formed from the same records even if a graph break splits a compiled step
+        self.tensor_cores = tensor_cores.enabled()
 
     def __enter__(self):
         for _, module, _ in self.plan.layers:
@@ -125,7 +129,8 @@ class Recorder(CallHooks):
                 for c in calls:
                     self._check(path, module, c)
                 # bf16: the norm (layers()) and the clipped sum are formed from the same float32 upcasts
-                yield path, module, rule, [records(c.inp, c.grad, rule.tensor_cores) for c in calls]
+                route = rule.tensor_cores and self.tensor_cores
+                yield path, module, rule, [records(c.inp, c.grad, route) for c in calls]
             del calls
 
     @staticmethod
@@ -147,7 +152,7 @@ class Recorder(CallHooks):
             for c in calls:
                 self._check(path, module, c)
                 grad = c.grad if c.grad is not None else torch.zeros_like(c.out)
-                parts.append(rule.sequence(module, *records(c.inp, grad, rule.tensor_cores)))
+                parts.append(rule.sequence(module, *records(c.inp, grad, rule.tensor_cores and self.tensor_cores)))
             a = torch.cat([p[0] for p in parts], 1) if len(parts) > 1 else parts[0][0]
             g = torch.cat([p[1] for p in parts], 1) if len(parts) > 1 else parts[0][1]
             yield path, module, rule, a, g

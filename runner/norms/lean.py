@@ -69,7 +69,7 @@ class LeanRecorder(StreamingNorms):
         stash = self.stashes.setdefault(key, Stash(self.keep, key))
         # bf16: the norm and the clipped sum are formed from the same float32 upcasts (as Recorder), or the same
         # bf16 records on a GPU's tensor cores (a Linear: runner/norms/tensor_cores.py)
-        recs = [records(i, g, rule.tensor_cores) for i, g in zip(inputs, grads)]
+        recs = [records(i, g, rule.tensor_cores and self.tensor_cores) for i, g in zip(inputs, grads)]
         chunk = self._chunk(rule, module, inputs, grads, stash)
         if chunk < inputs[0].shape[0]:  # one call, transients (a conv's im2col) cut by examples (BK_TRANSIENT_BUDGET)
             self._add_chunked(module, rule, recs[0], stash, chunk)
@@ -134,7 +134,7 @@ class LeanRecorder(StreamingNorms):
         for path, module, rule in self.plan.layers:
             calls = self.kept.get(id(module))
             if calls is not None:
-                yield path, module, rule, [records(i, g, rule.tensor_cores) for i, g in calls]
+                yield path, module, rule, [records(i, g, rule.tensor_cores and self.tensor_cores) for i, g in calls]
 
     def release(self, module) -> None:
         """Free a module's records once its clipped sum is formed."""

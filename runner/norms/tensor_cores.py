@@ -19,20 +19,23 @@ way: bf16(a) is what the layer's GEMM saw) and every product is `torch.mm/bmm(..
 Anywhere else (the CPU, float32 records, torch without out_dtype GEMMs) the records are upcast as before. The tests run
 the same arithmetic on the CPU (EMULATE: bf16 operands multiplied exactly in float32 and accumulated in float32).
 
-Opt-in (DPRUN_TENSOR_CORES=1), from what an H100 showed (torch 2.11, python -m runner.bench.profile and bench-clip,
-GPT-2-small stack, T = 512, B = 8, bf16): the bk step's kernels took 40.0 ms of device time with it, 56.1 ms without
-(the float32 SIMT GEMMs gone), but the eager step took 146.5 ms of wall time with it, 99.8 ms without: the step is
-bound by the CPU launching ~11,000 operators, and the route adds ~3,900 (casts, the split, two GEMMs a layer). It
-pays where the GPU is the bottleneck (a compiled step, larger batches): not measured yet (an H200, stop 40: the
-compiled bf16 bk step of GPT-2-small is replayed from CUDA graphs, 3.29x the compiled non-private step on the
-float32 route; `make device-check` times this route there).
+When (DPRUN_TENSOR_CORES: "auto", the default; "1" always; "0" never): "auto" takes the route in a compiled step
+only. An eager step is bound by the CPU launching its operators, and the route adds ~3,900 on GPT-2-small (casts, the
+split, two GEMMs a layer): H100, T = 512, B = 8, bf16, the eager bk step took 146.5 ms with it and 99.8 ms without,
+though its kernels took 40.0 ms of device time against 56.1. A compiled step (compile=reduce-overhead) replays its
+graphs with no launches to pay for: GPT-2-small, T = 128, B = 32, bf16, its compiled bk step took 18.76 ms with the
+route on an H100 (1.55x the compiled non-private step, 12.10 ms; stop 41) against 35.11 ms without it on an H200
+(3.29x its 10.66 ms; stop 40), a card that is never slower than the H100 (the same GH100 compute, faster memory).
+The route is fixed once per step (CallHooks.tensor_cores, when the step's recorder is made): a layer's norm and its
+clipped sum are formed from the same records, whichever route that is.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
+
+from runner.errors import DprunError
 
 U_ACCUMULATE = 2.0**-22  # tensor-core float32 accumulation, taken as 4x float32's unit roundoff (see above)
 # hi rounds t = nu g (float32, itself rounded: 2^-24) to bf16 (2^-8 |t|); t - hi is exact (Sterbenz) and lo rounds
@@ -42,34 +45,45 @@ SPLIT_LOSS = 2.0**-15
 EMULATE = False  # tests: take the tensor-core route on the CPU with float32 arithmetic of the bf16 operands
 
 
-@functools.cache
-def _out_dtype_gemm() -> bool:
-    """torch.mm(bf16, bf16, out_dtype=float32) exists on this CUDA build (torch >= 2.8)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        x = torch.ones(8, 8, dtype=torch.bfloat16, device="cuda")
-        return torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError):
-        return False
+# torch.mm/bmm(bf16, bf16, out_dtype=float32) exist (torch >= 2.8; CUDA kernels): read once from the operator
+# registry, a constant (no probe GEMM, which Dynamo would trace into every compiled step)
+OUT_DTYPE_GEMM = all("dtype" in op.overloads() for op in (torch.ops.aten.mm, torch.ops.aten.bmm))
 
 
-def enabled() -> bool:
-    """DPRUN_TENSOR_CORES=1 in the environment: opt-in (measured on an H100 below: less device time, more wall time
-    in an eager step that is bound by the CPU's kernel launches)."""
-    return os.environ.get("DPRUN_TENSOR_CORES", "0") == "1"
+MODES = {"auto": "in a compiled step only (the default)", "1": "always", "0": "never"}
+
+
+def mode() -> str:
+    """DPRUN_TENSOR_CORES from the environment ("auto" when unset or empty); any other value is refused in one line."""
+    value = os.environ.get("DPRUN_TENSOR_CORES", "").strip().lower() or "auto"
+    if value not in MODES:
+        raise DprunError(f"DPRUN_TENSOR_CORES={value!r} is not a mode; use one of: "
+                         + ", ".join(f"{m} ({why})" for m, why in MODES.items()))
+    return value
+
+
+def enabled(compiled: bool | None = None) -> bool:
+    """Is the route on for a step? "1", or "auto" in a compiled step (`compiled`, by default
+    torch.compiler.is_compiling(): the step is being traced now); always in the tests' EMULATE. Where it is on, a bf16
+    record still takes it only on CUDA (used_for)."""
+    value = mode()
+    if compiled is None:
+        compiled = torch.compiler.is_compiling()
+    return EMULATE or value == "1" or (value == "auto" and compiled)
 
 
 def used_for(g: torch.Tensor) -> bool:
-    """A layer whose output-gradient `g` is bf16 on CUDA (precision=bf16) takes the tensor-core route when enabled()."""
+    """A layer whose output-gradient `g` is bf16 on CUDA (precision=bf16) can take the tensor-core route (where the
+    step's route is on: enabled())."""
     if g.dtype != torch.bfloat16:
         return False
-    return EMULATE or (enabled() and g.is_cuda and _out_dtype_gemm())
+    return EMULATE or (g.is_cuda and OUT_DTYPE_GEMM)
 
 
 def records(inp: torch.Tensor, grad: torch.Tensor, tensor_cores: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A call's (input, output-gradient) as its rule will use them: bf16 both for the tensor-core route (a float32
-    input cast as autocast casts it for the layer's GEMM), else float32 both (the bf16 ones upcast, exactly)."""
+    """A call's (input, output-gradient) as its rule will use them: bf16 both for the tensor-core route (`tensor_cores`:
+    the rule takes it and the step's route is on; a float32 input cast as autocast casts it for the layer's GEMM), else
+    float32 both (the bf16 ones upcast, exactly)."""
     if tensor_cores and used_for(grad):
         return inp.to(torch.bfloat16) if inp.is_floating_point() else inp, grad
     return to_float32(inp), to_float32(grad)
