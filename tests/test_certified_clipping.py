@@ -301,6 +301,46 @@ def test_a_non_finite_record_cannot_poison_the_release(name, cfg, record, act, v
     with_record, without = release(x, y), release(x[keep], y[keep])
     assert torch.isfinite(with_record).all(), f"one record ({record}) turned the release into nan/inf"
     assert float((with_record - without).norm()) <= C * (1 + 1e-4)
+    if record in ("inf", "nan") and name == "reweight":  # its gradient is not finite: it adds exactly nothing, and
+        # every other example all of its clipped gradient (book-keeping's masked second pass: every layer's sum)
+        torch.testing.assert_close(with_record, without, rtol=1e-5, atol=1e-7)
+
+
+class SeqMlp(nn.Module):
+    """A Linear over 32 positions whose per-example gradient book-keeping keeps (4 x 4 <= 1.1 x 32 x 8; direct, not
+    ghost: the stash alone gives its clipped sum and its records are freed), then a mean and a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):  # x (B, 32, 4)
+        return self.b(torch.tanh(self.a(x)).mean(1))
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+@pytest.mark.parametrize("mode", ["bk", "twopass", "recompute"])
+def test_a_non_finite_record_adds_nothing_and_the_others_everything(mode, value):
+    """One of four examples not finite: it adds exactly nothing and the other three all of their clipped gradients,
+    in every layer, those whose clipped sum comes from a kept per-example gradient too (book-keeping sums unmasked
+    first and, the one read saying an example was dropped, again with its rows masked: the second pass needs every
+    layer's stash as it was)."""
+    torch.manual_seed(0)
+    model = SeqMlp()
+    x, y = torch.randn(4, 32, 4), torch.tensor([0, 1, 2, 0])
+    x[2, 3] = value
+
+    def release(xs, ys):
+        method = METHODS.build("reweight", cfg={"mode": mode}, clip=0.5, sigma=0.0)
+        method.privacy_check = False
+        m = method.attach(copy.deepcopy(model))
+        method.step(m, ce, xs, ys, torch.optim.SGD(m.parameters(), lr=0.0), sample_rate=1.0, expected_batch_size=1.0)
+        return torch.cat([p.grad.double().flatten() for p in m.parameters()])
+
+    keep = torch.tensor([0, 1, 3])
+    without = release(x[keep], y[keep])
+    assert float(without.norm()) > 0.1  # the others do contribute
+    torch.testing.assert_close(release(x, y), without, rtol=1e-5, atol=1e-7)
 
 
 def test_row_norms_of_a_strided_view_and_finite_rows():

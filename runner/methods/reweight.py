@@ -36,6 +36,7 @@ from runner.norms.keep_budget import KeepBudget, keep_budget
 from runner.norms.outer import KEEP, Stash
 from runner.norms.streaming import StreamingNorms, summed_terms
 from runner.norms.base import HOW
+from runner.norms import certify
 from runner.norms.certify import certified_norms, clipped_sums_of, exact_float32, finite_rows
 
 MODES = ("bk", "twopass", "recompute")
@@ -209,21 +210,44 @@ class ReweightGP(Method):
     @staticmethod
     @torch.no_grad()
     def book_keeping(params, rec, stashes, nu):
-        """Each layer's clipped sum from its recorded inputs and output-gradients; no second backward. A layer's
-        records are freed as soon as its sum is formed. Under no_grad: the conv rule calls the weight-gradient
-        kernel with the layer's weight, and recorded history would keep the step's records alive in p.grad (and,
-        over the chunks of a logical batch, every chunk's)."""
-        sums = {}
-        with clipped_sums_of(nu):  # nu > 0 once, and no masking of the records when every example is kept
-            for _, module, rule, calls in rec.raw_layers():
-                for name, s in rule.clipped_sums_calls(module, calls, nu, stashes.pop(id(module), None)).items():
-                    sums[id(getattr(module, name))] = s
-                del calls
-                rec.release(module)
+        """Each layer's clipped sum from its recorded inputs and output-gradients; no second backward. Under no_grad:
+        the conv rule calls the weight-gradient kernel with the layer's weight, and recorded history would keep the
+        step's records alive in p.grad (and, over the chunks of a logical batch, every chunk's).
+
+        A record whose norm is not finite has nu = 0 and must add exactly nothing (no 0 * inf): its rows are masked.
+        The sums are first formed unmasked, as if every example were kept (the common case: no record copied); then
+        the one read of the step asks whether every one was (every_record_kept), with all the sums already launched,
+        so a GPU's host waits for their last kernels only (asked before them, it waited for the backward's: 7% of
+        ResNet-18's bk step on an H100, docs/bench.md "On an H100 (stop 41)"); only if one was not are the sums formed
+        again, masked, from the same records. Unmasked and masked sums are equal when every example is kept (a row
+        with nu = 0 and finite values adds zeros), so the released sum is always the masked one. The records are
+        freed when the sums are final. Compiled: one masked pass, nothing read."""
+        keep = nu > 0  # (B,)
+        if torch.compiler.is_compiling():
+            sums = ReweightGP.clipped_sums(rec, stashes, nu, keep, all_kept=False)
+        else:
+            sums = ReweightGP.clipped_sums(rec, {k: dict(s) for k, s in stashes.items()}, nu, keep, all_kept=True)
+            if not certify.every_record_kept(keep):  # the step's one read (tests count it there)
+                sums = ReweightGP.clipped_sums(rec, stashes, nu, keep, all_kept=False)
+        stashes.clear()
+        for _, module, _ in rec.plan.layers:
+            rec.release(module)
         for p in params:  # a covered module that was not called this step contributes zero
             p.grad = sums.pop(id(p), None)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if sums:
             raise RuntimeError("reweight: a rule returned a gradient for a parameter that is not trainable")
+
+    @staticmethod
+    def clipped_sums(rec, stashes, nu, keep, all_kept: bool) -> dict:
+        """{id(parameter): its clipped sum} from every layer's records (the rules pop what they use from `stashes`),
+        the rows of examples not kept masked unless all_kept (certify.clipped_sums_of)."""
+        sums = {}
+        with clipped_sums_of(nu, keep, all_kept):
+            for _, module, rule, calls in rec.raw_layers():
+                for name, s in rule.clipped_sums_calls(module, calls, nu, stashes.pop(id(module), None)).items():
+                    sums[id(getattr(module, name))] = s
+                del calls  # this layer's float32 upcasts (bf16 records), if any
+        return sums
 

@@ -154,17 +154,18 @@ _STEP: contextvars.ContextVar = contextvars.ContextVar("dprun_clipped_sums", def
 
 
 @contextlib.contextmanager
-def clipped_sums_of(nu: torch.Tensor):
-    """Around one step's clipped sums, nu (B,) its clip factors: keep = nu > 0 is formed once (kept(nu)), and whether
-    every example is kept is asked once: then finite_rows masks nothing (each layer's records went through a where
-    per tensor and a nu > 0 before: ~60 small kernels a step on the IMDB transformer, most of the certified step's
-    cost over the uncertified one on a GPU, issue 26). On a GPU the question is one device sync per step; inside a
-    compiled graph it is not asked (a branch on data) and the rows are masked as before."""
-    if torch.compiler.is_compiling():  # dynamo cannot trace a ContextVar (a graph break per call): mask as before
+def clipped_sums_of(nu: torch.Tensor, keep: torch.Tensor, all_kept: bool):
+    """Around one pass of a step's clipped sums, nu (B,) its clip factors and keep = nu > 0 (formed once: kept(nu)).
+    all_kept True: finite_rows masks nothing, no record is copied (each layer's records went through a where per
+    tensor before: ~60 small kernels a step on the IMDB transformer, most of the certified step's cost over the
+    uncertified one on a GPU, issue 26); False: the rows of the examples not kept are masked out. Book-keeping forms
+    its sums with True, then asks every_record_kept(keep) once, and forms them again with False only if an example was
+    dropped (runner/methods/reweight.py book_keeping). Inside a compiled graph nothing is set (dynamo cannot trace a
+    ContextVar: a graph break per call) and the rows are masked."""
+    if torch.compiler.is_compiling():
         yield
         return
-    keep = nu > 0
-    token = _STEP.set((nu, keep, every_record_kept(keep)))
+    token = _STEP.set((nu, keep, all_kept))
     try:
         yield
     finally:
@@ -173,7 +174,8 @@ def clipped_sums_of(nu: torch.Tensor):
 
 def every_record_kept(keep: torch.Tensor) -> bool:
     """bool(keep.all()): the one value an eager private step reads back from the device, by design (issue 12's rule
-    is none: this read saves more than its stall, measured on an H100 in docs/bench.md; a compiled step skips it)."""
+    is none: asked after the clipped sums are launched, it costs the step a wait for its last kernels, not for the
+    backward's; a compiled step masks instead of asking)."""
     return bool(keep.all())
 
 
