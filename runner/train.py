@@ -171,7 +171,7 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     if world.main:
         out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(str(cfg.device), world.local_rank)
-    tensor_cores.mode()  # a bad DPRUN_TENSOR_CORES is refused before anything runs
+    tensor_cores.mode(), tensor_cores.sum_mode()  # a bad DPRUN_TENSOR_CORES(_SUM) is refused before anything runs
     if str(cfg.get("precision", "fp32")) == "tf32" and device.type != "cuda":
         log.warning("precision=tf32 changes nothing on %s (TF32 is a CUDA tensor-core format): the step is fp32",
                     device.type)
@@ -266,6 +266,9 @@ def resume(run: Run, run_config: dict[str, Any]) -> None:
 def start_summary(run: Run, run_config: dict[str, Any], private: PrivateRun) -> dict[str, Any]:
     """summary.json as the run starts (status running); finish() completes it."""
     cfg, method, accountant, sampler, data = run.cfg, run.method, run.accountant, run.sampler, run.data
+    # bf16 Linears' norms and clipped sums on tensor cores (DPRUN_TENSOR_CORES: auto = compiled steps; 1 = always)
+    tensor_cores_route = (tensor_cores.enabled(compiled=str(cfg.get("compile", "off")) != "off")
+                          and str(cfg.get("precision", "fp32")) == "bf16" and run.device.type == "cuda")
     return {
         "status": "running",
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),  # UTC; dprun-report sorts by it
@@ -289,10 +292,8 @@ def start_summary(run: Run, run_config: dict[str, Any], private: PrivateRun) -> 
         "device": str(run.device),
         "device_name": device_name(run.device),
         "memory_format": private.memory_format,  # the conv activations' layout (memory_format=auto: runner/memory_format.py)
-        # bf16 Linears' norms and clipped sums on tensor cores (DPRUN_TENSOR_CORES: auto = compiled steps; 1 = always)
-        "tensor_cores": (tensor_cores.enabled(compiled=str(cfg.get("compile", "off")) != "off")
-                         and str(cfg.get("precision", "fp32")) == "bf16"
-                         and run.device.type == "cuda"),
+        "tensor_cores": tensor_cores_route,
+        "tensor_cores_sum": tensor_cores.sum_mode() if tensor_cores_route else None,  # DPRUN_TENSOR_CORES_SUM
         "world_size": run.world.size,
         "backend": run.world.backend,
         "evaluation": ("the whole test split" if run.eval_idx is None else

@@ -19,9 +19,11 @@ BK = [("reweight", {"mode": "bk", "norm": h}) for h in ("auto", "direct", "ghost
 LINEAR_CASES = [c for c in ALL + UNDER if c[0] is torch.nn.Linear]  # UNDER: scaled for underflow (stop 35)
 
 
-@pytest.fixture
-def tensor_cores(monkeypatch):
-    """The tensor-core route on the CPU, and a count of its GEMMs (it must be taken, not silently skipped)."""
+@pytest.fixture(params=["split", "single"])
+def tensor_cores(monkeypatch, request):
+    """The tensor-core route on the CPU, with each form of the clipped sum (DPRUN_TENSOR_CORES_SUM), and a count of
+    its GEMMs (it must be taken, not silently skipped)."""
+    monkeypatch.setattr(tc, "SUM", request.param)
     monkeypatch.setattr(tc, "EMULATE", True)
     calls = []
     real_mm, real_bmm = tc.mm, tc.bmm
@@ -82,13 +84,44 @@ def worst_sum_over_c(T: int, how: str) -> float:
 
 
 @pytest.mark.parametrize("T,how", [(1, "auto"), (5, "ghost"), (5, "direct")])
-def test_the_split_sum_stays_within_C_where_one_bf16_rounding_would_not(monkeypatch, tensor_cores, T, how):
+def test_the_sum_stays_within_C_where_one_bf16_rounding_would_not(monkeypatch, tensor_cores, T, how):
     """nu g rounded once to bf16 moves every entry the same way here (up to 2^-8): the sum exceeds C by ~0.3%. The
-    split (hi + lo) and the SPLIT_LOSS term of the bound keep it within C; both removed, this test sees the excess."""
+    split (hi + lo) and its SPLIT_LOSS term of the bound, or the single GEMM's SINGLE_LOSS term, keep it within C;
+    without them this test sees the excess."""
     assert worst_sum_over_c(T, how) <= 1 + TOL
-    monkeypatch.setattr(tc, "SPLIT_LOSS", 0.0)
-    monkeypatch.setattr(tc, "split", lambda t: (t.to(torch.bfloat16), torch.zeros_like(t, dtype=torch.bfloat16)))
+    if tc.SUM == "split":
+        monkeypatch.setattr(tc, "SPLIT_LOSS", 0.0)
+        monkeypatch.setattr(tc, "split", lambda t: (t.to(torch.bfloat16), torch.zeros_like(t, dtype=torch.bfloat16)))
+    else:
+        monkeypatch.setattr(tc, "SINGLE_LOSS", 0.0)
     assert worst_sum_over_c(T, how) > 1 + 1e-3
+
+
+def test_single_sums_in_one_gemm_split_in_two_and_a_bad_mode_is_refused(monkeypatch):
+    """DPRUN_TENSOR_CORES_SUM: "single" forms a Linear's clipped sum as one bf16 GEMM (the split's second one is a
+    weight gradient's worth of work), with a bound 2^-8 S_i looser; anything but split/single is refused in one line."""
+    monkeypatch.setattr(tc, "EMULATE", True)
+    a = torch.randn(2, 5, 4).to(torch.bfloat16)
+    g = torch.randn(2, 5, 3).to(torch.bfloat16)
+    nu = torch.tensor([0.3, 0.7])
+    gemms = {}
+    for mode in ("split", "single"):
+        monkeypatch.setattr(tc, "SUM", mode)
+        calls = []
+        with monkeypatch.context() as m:
+            m.setattr(tc, "mm", lambda x, y, real=tc.mm: calls.append(1) or real(x, y))
+            outer.clipped_sum(a, g, nu)
+        gemms[mode] = len(calls)
+        bound = outer.norm_sq(a, g, "ghost").sqrt()  # (2,)
+        if mode == "split":
+            split_bound = bound
+    assert gemms == {"split": 2, "single": 1}
+    ratio = bound / split_bound
+    assert bool((ratio > 1).all() and (ratio < 1.02).all()), ratio  # looser by 2^-8 S_i: ~1% on this random data
+    monkeypatch.setattr(tc, "SUM", "fast")
+    with pytest.raises(DprunError, match=r"DPRUN_TENSOR_CORES_SUM='fast'.*split.*single") as err:
+        outer.norm_sq(a, g, "ghost")
+    assert "\n" not in str(err.value)
 
 
 def test_bf16_records_outside_a_gpu_are_upcast():
@@ -149,3 +182,14 @@ def test_the_summary_says_whether_the_route_was_used(tmp_path, monkeypatch):
     summary = train(compose_config(["progress=false", "method=reweight", "epochs=1", "max_steps_per_epoch=2",
                                     "precision=bf16", "max_eval_batches=1", "eval_batch_size=64"]), tmp_path)
     assert summary["tensor_cores"] is False and summary["config"]["precision"] == "bf16"
+    assert summary["tensor_cores_sum"] is None  # the form of the sum only where the route ran
+
+
+def test_a_run_with_a_bad_sum_form_stops_before_it_starts(tmp_path, monkeypatch):
+    from conftest import compose_config
+    from runner.train import train
+
+    monkeypatch.setattr(tc, "SUM", "double")  # DPRUN_TENSOR_CORES_SUM=double when dprun started
+    with pytest.raises(DprunError, match="DPRUN_TENSOR_CORES_SUM='double' is not a mode"):
+        train(compose_config(["progress=false", "method=reweight", "epochs=1", "max_steps_per_epoch=1"]), tmp_path)
+    assert not list(tmp_path.glob("**/summary.json"))

@@ -133,19 +133,20 @@ def direct_norm_sq(per_example: torch.Tensor, a: torch.Tensor, g: torch.Tensor, 
 def norm_sq_tensor_cores(a: torch.Tensor, g: torch.Tensor, how: str, stash, key: str) -> torch.Tensor:
     """norm_sq for bf16 records on the tensor-core route (runner/norms/tensor_cores.py): Grams and per-example
     gradients as bf16 GEMMs with float32 output, their accumulation taken at U_ACCUMULATE; the clipped sum will be the
-    split GEMM (clipped_sum), so each bound also covers its SPLIT_LOSS S_i. G_i is never kept: float32, it would be
+    split GEMM (clipped_sum), so each bound also covers its SPLIT_LOSS S_i (SINGLE_LOSS S_i with one GEMM:
+    tc.sum_loss()). G_i is never kept: float32, it would be
     twice the bf16 records it replaces."""
     N, T, k = a.shape
     o, u = g.shape[-1], 2.0**-24
     if T == 1:  # rank one: ||G_i|| = ||g_i|| ||a_i||, plus the split sum's loss
         fk, fo = norm_factor(k, u), norm_factor(o, u)
         norm = floored_norms(tc.norms, a[:, 0], k, fk, u).mul_(floored_norms(tc.norms, g[:, 0], o, fo, u))  # (N,)
-        return norm.square_().mul_((fk * fo * (1 + tc.SPLIT_LOSS)) ** 2 * (1 + u) ** 4 * (1 + 5 * u))
+        return norm.square_().mul_((fk * fo * (1 + tc.sum_loss())) ** 2 * (1 + u) ** 4 * (1 + 5 * u))
     if use_ghost(T, k, o, how):
         upper, mass_sq = ghost_parts(tc.bmm(a, a.transpose(1, 2)), tc.bmm(g, g.transpose(1, 2)), k, o,
                                      tc.U_ACCUMULATE)
-        return summed_vector_sq(upper, mass_sq.sqrt_(), tc.SPLIT_LOSS, u, tc.SPLIT_LOSS)
-    return direct_norm_sq(tc.bmm(g.transpose(1, 2), a), a, g, None, key, tc.U_ACCUMULATE, tc.SPLIT_LOSS)
+        return summed_vector_sq(upper, mass_sq.sqrt_(), tc.sum_loss(), u, tc.sum_loss())
+    return direct_norm_sq(tc.bmm(g.transpose(1, 2), a), a, g, None, key, tc.U_ACCUMULATE, tc.sum_loss())
 
 
 def summed_vector_sq(value: torch.Tensor, mass: torch.Tensor, slack: float, u: float,
@@ -171,10 +172,13 @@ def clipped_sum(a: torch.Tensor, g: torch.Tensor, nu: torch.Tensor, stash: dict 
         per_example = finite_rows(stash.pop(key), keep)  # (N, o, k)
         return torch.mm(nu.unsqueeze(0), per_example.flatten(1)).view(per_example.shape[1:])
     o, k = g.shape[-1], a.shape[-1]
-    if a.dtype == torch.bfloat16:  # the tensor-core route: nu g split into two bf16 parts (tensor_cores.split)
-        hi, lo = tc.split(finite_rows(g.float() * nu.view(-1, 1, 1), keep).reshape(-1, o))  # (N T, o) each
+    if a.dtype == torch.bfloat16:  # the tensor-core route: nu g as bf16 operands, split in two (tc.summands)
+        parts = tc.summands(finite_rows(g.float() * nu.view(-1, 1, 1), keep).reshape(-1, o))  # (N T, o) each
         rows = finite_rows(a, keep).reshape(-1, k)  # (N T, k) bf16
-        return tc.mm(hi.t(), rows).add_(tc.mm(lo.t(), rows))  # (o, k) float32
+        total = tc.mm(parts[0].t(), rows)  # (o, k) float32
+        for part in parts[1:]:
+            total.add_(tc.mm(part.t(), rows))
+        return total
     weighted = finite_rows(g * nu.view(-1, 1, 1), keep)  # (N, T, o)
     return weighted.reshape(-1, o).t() @ finite_rows(a, keep).reshape(-1, k)  # (o, k)
 

@@ -11,10 +11,14 @@ way: bf16(a) is what the layer's GEMM saw) and every product is `torch.mm/bmm(..
   Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021). The certificate uses
   U_ACCUMULATE = 2^-22 (4x float32's unit roundoff) in every gamma_n of a tensor-core reduction; measured on an H100
   (torch 2.11, bf16 inputs with cancelling terms, k = 64..16384): |error| <= 6.3e-7 sum|terms|, inside gamma_k.
-- the clipped sum needs nu_i g_i in bf16, which rounds (2^-8 relative): it is split, hi = bf16(nu g),
-  lo = bf16(nu g - hi), and summed as two GEMMs; what is left out is at most SPLIT_LOSS |nu g| per entry, so
-  example i's summed gradient is off from nu_i G_i by at most SPLIT_LOSS nu_i S_i (S_i = sum_t ||a_t|| ||g_t||), and
-  the norm rule adds SPLIT_LOSS S_i to its certified ||G_i|| (runner/norms/outer.py). Over-clipping: ~1e-5 relative.
+- the clipped sum needs nu_i g_i in bf16, which rounds (2^-8 relative): by default (DPRUN_TENSOR_CORES_SUM=split)
+  it is split, hi = bf16(nu g), lo = bf16(nu g - hi), and summed as two GEMMs; what is left out is at most
+  SPLIT_LOSS |nu g| per entry, so example i's summed gradient is off from nu_i G_i by at most SPLIT_LOSS nu_i S_i
+  (S_i = sum_t ||a_t|| ||g_t||), and the norm rule adds SPLIT_LOSS S_i to its certified ||G_i||
+  (runner/norms/outer.py). Over-clipping: ~1e-5 relative. DPRUN_TENSOR_CORES_SUM=single sums bf16(nu g) in ONE GEMM
+  (the split's second weight-gradient-sized GEMM a Linear is a third of GPT-2-small's non-private step) and the
+  bound adds SINGLE_LOSS S_i instead (2^-8: ~0.4% more clipping on the transformers' layers, S_i / ||G_i|| ~ 1.5
+  measured at initialisation); an example not clipped (nu = 1) has bf16(g) = g, no rounding at all.
 
 Anywhere else (the CPU, float32 records, torch without out_dtype GEMMs) the records are upcast as before. The tests run
 the same arithmetic on the CPU (EMULATE: bf16 operands multiplied exactly in float32 and accumulated in float32).
@@ -42,6 +46,13 @@ U_ACCUMULATE = 2.0**-22  # tensor-core float32 accumulation, taken as 4x float32
 # it (2^-8 of it): hi + lo misses nu g by < 2^-16 + 2^-24 relative, and by < 2^-133 absolute where lo underflows
 # (bf16 has float32's exponent range; negligible beside any C in use)
 SPLIT_LOSS = 2.0**-15
+# one rounding of the float32 nu g (itself within 2^-24 of nu g) to bf16's 8 significant bits: within
+# (1 + 2^-24)(1 + 2^-8) - 1 < 2^-8 + 2^-23 relative (and 2^-134 absolute where it underflows: negligible, as above)
+SINGLE_LOSS = 2.0**-8 + 2.0**-23
+SUMS = {"split": "two bf16 GEMMs, hi + lo, each example within 2^-15 S_i of nu_i G_i (the default)",
+        "single": "one bf16 GEMM of bf16(nu g), within 2^-8 S_i, which the bound adds (more clipping, one GEMM fewer)"}
+# the clipped sums' form, read once, when this module is imported (a step's norms and sums must agree on it)
+SUM = os.environ.get("DPRUN_TENSOR_CORES_SUM", "").strip().lower() or "split"
 EMULATE = False  # tests: take the tensor-core route on the CPU with float32 arithmetic of the bf16 operands
 
 
@@ -113,6 +124,24 @@ def bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return torch.bmm(x, y, out_dtype=torch.float32)
     return torch.bmm(x.float(), y.float())
+
+
+def sum_mode() -> str:
+    """DPRUN_TENSOR_CORES_SUM as read at import ("split" unless set); any other value refused in one line."""
+    if SUM not in SUMS:
+        raise DprunError(f"DPRUN_TENSOR_CORES_SUM={SUM!r} is not a mode; use one of: "
+                         + ", ".join(f"{m} ({why})" for m, why in SUMS.items()))
+    return SUM
+
+
+def sum_loss() -> float:
+    """What the clipped sum's bf16 operand may miss of nu g, relative per entry: the slack each norm bound adds."""
+    return SPLIT_LOSS if sum_mode() == "split" else SINGLE_LOSS
+
+
+def summands(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """float32 t (nu g) as the bf16 operands of the clipped sum: (hi, lo) from split, or (bf16(t),) for "single"."""
+    return split(t) if sum_mode() == "split" else (t.to(torch.bfloat16),)
 
 
 def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
