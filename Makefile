@@ -102,6 +102,10 @@ bench-layout: ## each workload's steps in NCHW and channels-last side by side (o
 bench-threads: ## each workload's steps with the backward on autograd's CUDA thread and in the calling thread, side by side (one process; the CPU: the same step twice) -> outputs/bench/threads_<device>.csv
 	$(PY) -m runner.bench.threads --suite gpu --quick --workloads cnn_mnist,papernot_cifar10,transformer_imdb,resnet18_cifar10 $(BENCH_ARGS)
 
+.PHONY: bench-syncs
+bench-syncs: ## every synchronizing CUDA call of one step, by thread and innermost Python frames (torch's sync warn mode; the CPU: nothing to wait for) -> outputs/bench/syncs_<device>.csv
+	$(PY) -m runner.bench.syncs --suite gpu --quick --workloads cnn_mnist,papernot_cifar10,transformer_imdb,resnet18_cifar10 $(BENCH_ARGS)
+
 .PHONY: bench-peak
 bench-peak: ## what a bench step holds at its memory peak: each live tensor, its operator and line -> outputs/bench/peak_<device>.csv
 	$(PY) -m runner.bench.peak $(BENCH_ARGS)
@@ -147,7 +151,7 @@ bench-gpu-compiled: ## issue 31's compiled rows: a bk chunk as one graph under C
 	  --out $(BENCH_OUT)/compiled_$$p $(BENCH_ARGS) || exit 1; done
 
 .PHONY: device-check
-device-check: ## what the open issues still need from a GPU, one command (~7 min on an H100): issue 26's budget vs .base (bench-compare: bu_cnn and papernot_cnn in tf32, the transformer in fp32, ResNet-18 in tf32), issue 31's compiled GPT-2-small bk step in bf16 on the tensor-core route with the split and the single clipped sum, and without the route, on one card (DPRUN_TENSOR_CORES=1 / 0, DPRUN_TENSOR_CORES_SUM=split / single) -> $(BENCH_OUT)/check_* (a step that fails does not stop the next)
+device-check: ## what the open issues still need from a GPU, one command (~7 min on an H100): issue 26's budget vs .base (bench-compare: bu_cnn and papernot_cnn in tf32, the transformer in fp32, ResNet-18 in tf32), the syncs of one step by thread and frame (bench-syncs), issue 31's compiled GPT-2-small bk step in bf16 on the tensor-core route with the split and the single clipped sum, and without the route, on one card (DPRUN_TENSOR_CORES=1 / 0, DPRUN_TENSOR_CORES_SUM=split / single) -> $(BENCH_OUT)/check_* (a step that fails does not stop the next)
 	test -d "$(BASE_TREE)/runner" || { echo "device-check: no $(BASE_TREE)/runner; run make base-tree here and carry $(BASE_TREE)"; exit 2; }
 	-mkdir -p $(BENCH_OUT)/check_compare_tf32 && $(PY) -m runner.bench.compare --device $(BENCH_DEVICE) --suite gpu \
 	  --base $(BASE_TREE) --precision tf32 --workloads cnn_mnist,papernot_cifar10,resnet18_cifar10 \
@@ -155,6 +159,8 @@ device-check: ## what the open issues still need from a GPU, one command (~7 min
 	-mkdir -p $(BENCH_OUT)/check_compare_fp32 && $(PY) -m runner.bench.compare --device $(BENCH_DEVICE) --suite gpu \
 	  --base $(BASE_TREE) --precision fp32 --workloads transformer_imdb --methods nonprivate,reweight-bk \
 	  --pairs $(COMPARE_PAIRS) --repeats 20 --warmup 3 --out $(BENCH_OUT)/check_compare_fp32 $(BENCH_ARGS)
+	-mkdir -p $(BENCH_OUT)/check_syncs && $(PY) -m runner.bench.syncs --device $(BENCH_DEVICE) --suite gpu --precision tf32 \
+	  --workloads cnn_mnist,papernot_cifar10,resnet18_cifar10 --methods nonprivate,reweight-bk --out $(BENCH_OUT)/check_syncs $(BENCH_ARGS)
 	-for v in 1_split 1_single 0_split; do mkdir -p $(BENCH_OUT)/check_compiled_bf16_tc$$v && \
 	  DPRUN_TENSOR_CORES=$${v%%_*} DPRUN_TENSOR_CORES_SUM=$${v#*_} $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) \
 	  --suite gpu --precision bf16 --compile $(COMPILE_MODE) --workloads gpt2small_t128 --methods nonprivate,reweight-bk \
