@@ -318,17 +318,36 @@ class SeqMlp(nn.Module):
         return self.b(torch.tanh(self.a(x)).mean(1))
 
 
+class ConvNormNet(nn.Module):
+    """Conv2d (its clipped sum from a kept per-example gradient or the weight-gradient kernel), GroupNorm and
+    LayerNorm (theirs from kept per-example sums): the other rules' masked second pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn = nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4)
+        self.ln, self.fc = nn.LayerNorm(4), nn.Linear(4, 3)
+
+    def forward(self, x):  # x (B, 2, 6, 6)
+        h = torch.tanh(self.gn(self.conv(x))).mean((2, 3))
+        return self.fc(self.ln(h))
+
+
+FAMILIES = {"seq_linear": (SeqMlp, (32, 4), (3,)), "conv_norms": (ConvNormNet, (2, 6, 6), (1, 2, 3))}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
 @pytest.mark.parametrize("mode", ["bk", "twopass", "recompute"])
-def test_a_non_finite_record_adds_nothing_and_the_others_everything(mode, value):
+def test_a_non_finite_record_adds_nothing_and_the_others_everything(mode, value, family):
     """One of four examples not finite: it adds exactly nothing and the other three all of their clipped gradients,
     in every layer, those whose clipped sum comes from a kept per-example gradient too (book-keeping sums unmasked
     first and, the one read saying an example was dropped, again with its rows masked: the second pass needs every
     layer's stash as it was)."""
+    build, shape, bad = FAMILIES[family]
     torch.manual_seed(0)
-    model = SeqMlp()
-    x, y = torch.randn(4, 32, 4), torch.tensor([0, 1, 2, 0])
-    x[2, 3] = value
+    model = build()
+    x, y = torch.randn(4, *shape), torch.tensor([0, 1, 2, 0])
+    x[(2, *bad)] = value
 
     def release(xs, ys):
         method = METHODS.build("reweight", cfg={"mode": mode}, clip=0.5, sigma=0.0)
