@@ -106,6 +106,11 @@ bench-threads: ## each workload's steps with the backward on autograd's CUDA thr
 bench-syncs: ## every synchronizing CUDA call of one step, by thread and innermost Python frames (torch's sync warn mode; the CPU: nothing to wait for) -> outputs/bench/syncs_<device>.csv
 	$(PY) -m runner.bench.syncs --suite gpu --quick --workloads cnn_mnist,papernot_cifar10,transformer_imdb,resnet18_cifar10 $(BENCH_ARGS)
 
+.PHONY: bench-search
+bench-search: ## search every rule x setting for an input that releases more than C (restarts, gradient descent to cancellation, climbing; SEARCH_MINUTES, default 10); exit 1 on a violation -> outputs/bench/search_cpu.csv
+	$(PY) -m runner.bench.violation_search --minutes $(SEARCH_MINUTES) $(BENCH_ARGS)
+SEARCH_MINUTES ?= 10
+
 .PHONY: bench-peak
 bench-peak: ## what a bench step holds at its memory peak: each live tensor, its operator and line -> outputs/bench/peak_<device>.csv
 	$(PY) -m runner.bench.peak $(BENCH_ARGS)
@@ -165,6 +170,13 @@ device-check: ## what the open issues still need from a GPU, one command (~7 min
 	  DPRUN_TENSOR_CORES=$${v%%_*} DPRUN_TENSOR_CORES_SUM=$${v#*_} $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) \
 	  --suite gpu --precision bf16 --compile $(COMPILE_MODE) --workloads gpt2small_t128 --methods nonprivate,reweight-bk \
 	  $(OPEN_RUNS) --out $(BENCH_OUT)/check_compiled_bf16_tc$$v $(BENCH_ARGS); done
+
+.PHONY: device-search
+device-search: ## the certified-clipping search (bench-search) on a GPU's own kernels, the settings whose arithmetic differs there: TF32, bf16, the tensor-core route in both sums (~2 min) -> $(BENCH_OUT)/check_search/search_cuda.csv
+	-mkdir -p $(BENCH_OUT)/check_search && $(PY) -m runner.bench.violation_search --device $(BENCH_DEVICE) \
+	  --minutes $(DEVICE_SEARCH_MINUTES) --settings "$(DEVICE_SEARCH_SETTINGS)" --out $(BENCH_OUT)/check_search $(BENCH_ARGS)
+DEVICE_SEARCH_MINUTES ?= 2
+DEVICE_SEARCH_SETTINGS ?= reweight (defaults: bk, auto),bk tf32,bk bf16,bk bf16 tensor cores split,bk bf16 tensor cores single
 
 COMPILE_MODE ?= reduce-overhead
 COMPILED_PRECISIONS ?= bf16 fp32

@@ -176,10 +176,15 @@ def exact_norm(model, x):
 
 
 def measured(name: str, cfg: dict, model: nn.Module, x: torch.Tensor, fraction: float = 0.01,
-             precision: str = "fp32", device: str = "cpu", compile_backend: str | None = None) -> float:
+             precision: str = "fp32", device: str = "cpu", compile_backend: str | None = None,
+             neighbour: torch.Tensor | None = None) -> float:
     """One crafted example, one step on `device`: ||released|| / C with C = fraction * its exact gradient norm (float64,
-    on the CPU). DprunError (one line) where the method refuses the model. compile_backend: see released."""
+    on the CPU). DprunError (one line) where the method refuses the model. compile_backend: see released.
+    neighbour: a second example in the same step whose gradient is not finite (inf or nan inputs), which must add
+    nothing: the release is still the crafted example's alone (book-keeping's masked second pass)."""
     C = fraction * exact_norm(model, x)
+    if neighbour is not None:
+        x = torch.cat([x, neighbour])
     model, x = copy.deepcopy(model).to(device), x.to(device)  # .to moves a module in place: the caller keeps its own
     method = METHODS.build(name, cfg=cfg, clip=C, sigma=0.0)
     method.configure(precision=precision)
