@@ -14,7 +14,7 @@ from runner.bench.adversarial import CONSTRUCTIONS, exact_norm
 from runner.errors import DprunError
 from runner.norms import certify, outer
 
-CASES = [case for cases in CONSTRUCTIONS.values() for case, _, _ in cases]
+CASES = [case for case, _, _ in vs.SEARCHED]
 
 
 def float32_ghost(aa, gg, k, o, u):
@@ -82,6 +82,13 @@ def test_the_command_exits_1_on_a_violation_and_0_without(tmp_path, monkeypatch,
     monkeypatch.setattr(outer, "ghost_parts", float32_ghost)
     assert vs.main(args) == 1
     assert "VIOLATION" in capsys.readouterr().out
+
+
+def test_settings_with_commas_inside_their_parentheses_are_one_setting(tmp_path, capsys):
+    assert vs.main(["--restarts", "1", "--cases", "linear512x256_one_position", "--settings",
+                    "reweight (defaults: bk, auto),bk bf16", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reweight (defaults: bk, auto)" in out and "bk bf16" in out
 
 
 def test_an_unknown_case_is_one_line():

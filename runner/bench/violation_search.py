@@ -1,7 +1,8 @@
 """`make bench-search`: search for an input that breaks the certified-clipping contract (issue 26), on every rule.
 
 The contract: one example's contribution to the release, measured in float64, is at most C (1 + 1e-6), for ANY input.
-runner/bench/adversarial.py builds one crafted input per rule; this searches around them, per (construction, setting),
+runner/bench/adversarial.py builds one crafted input per rule; this searches around them and around three stacks of
+rules (STACKS: Linear / LayerNorm / RMSNorm, conv / GroupNorm, Embedding / Linear), per (construction, setting),
 for the input that makes the measured ratio ||released|| / C largest, by three moves:
 
 - restarts: a new sign pattern and read-out (the construction's seed), a new deviation eps = 10^U(-7, -1) from the
@@ -33,12 +34,16 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import time
 
 import pandas as pd
 import torch
 
-from runner.bench.adversarial import CONSTRUCTIONS, SETTINGS, exact_norm, loss_fn, measured
+from torch import nn
+
+from runner.bench.adversarial import (CONSTRUCTIONS, SETTINGS, Cancelling, channels_last, exact_norm, loss_fn, measured,
+                                      near_constant, seq, tokens)
 from runner.errors import DprunError
 from runner.norms import tensor_cores as tc
 
@@ -50,6 +55,22 @@ UNCERTIFIED = ("opacus ghost (timed only)",)  # promises nothing: the search's p
 SEARCH_SETTINGS = dict(SETTINGS, **{"bk bf16 tensor cores split": ("reweight", {}, "bf16", "split"),
                                     "bk bf16 tensor cores single": ("reweight", {}, "bf16", "single")})
 GPU_ONLY = ("tf32",)  # the CPU runs precision=tf32 as fp32: those columns are searched on a GPU only
+
+
+# whole stacks as well as single layers: each example's bound is the sum of its layers' (their rounding added too),
+# and the descent can make every layer cancel at once
+STACKS = [
+    ("stack_linear_norms_T32", lambda s: Cancelling(nn.Sequential(
+        nn.Linear(64, 128), nn.LayerNorm(128), nn.Tanh(), nn.Linear(128, 128), nn.RMSNorm(128), nn.Linear(128, 64)),
+        torch.zeros(1, 32, 64), seq, s), lambda g, eps: near_constant((32, 64), eps, g)),
+    ("stack_conv_groupnorm_8x8", lambda s: Cancelling(nn.Sequential(
+        nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.Tanh(), nn.Conv2d(32, 32, 3, padding=1)),
+        torch.zeros(1, 16, 8, 8), channels_last, s), lambda g, eps: near_constant((16, 8, 8), eps, g)),
+    ("stack_embedding_linear", lambda s: Cancelling(nn.Sequential(nn.Embedding(10, 64), nn.Linear(64, 64)),
+                                                    torch.zeros(1, 33, dtype=torch.long), seq, s),
+     lambda g, eps: tokens(33, 10, g)),
+]
+SEARCHED = [c for cases in CONSTRUCTIONS.values() for c in cases] + STACKS  # (case, build, example)
 
 
 def settings_for(device: str) -> list[str]:
@@ -178,11 +199,11 @@ def search(cases: list[str] | None = None, settings: list[str] | None = None, mi
            restarts: int | None = None, seed: int = 0, steps: int = 8, climbs: int = 6, progress=print,
            device: str = "cpu") -> pd.DataFrame:
     """Every (construction, setting) pair, round after round (one restart each) until `minutes` or `restarts`."""
-    pairs = [(case, build, example, label) for kind, found in CONSTRUCTIONS.items() for case, build, example in found
-             for label in settings_for(device) if (cases is None or case in cases) and (settings is None or label in settings)]
+    pairs = [(case, build, example, label) for case, build, example in SEARCHED for label in settings_for(device)
+             if (cases is None or case in cases) and (settings is None or label in settings)]
     if not pairs:
         raise DprunError(f"bench-search: nothing to search for cases={cases} settings={settings}; valid cases: "
-                         f"{', '.join(c for cs in CONSTRUCTIONS.values() for c, _, _ in cs)}; settings: "
+                         f"{', '.join(c for c, _, _ in SEARCHED)}; settings: "
                          f"{', '.join(settings_for(device))}")
     deadline = time.monotonic() + (60 * minutes if minutes is not None else math.inf)
     rows: dict = {}
@@ -222,7 +243,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="outputs/bench", help="folder for search_<device>.csv")
     args = parser.parse_args(argv)
     restarts = args.restarts if args.restarts is not None or args.minutes is not None else 3
-    table = search(args.cases.split(",") if args.cases else None, args.settings.split(",") if args.settings else None,
+    # settings split at commas outside parentheses: "reweight (defaults: bk, auto)" is one
+    table = search(args.cases.split(",") if args.cases else None,
+                   [label.strip() for label in re.split(r",(?![^(]*\))", args.settings)] if args.settings else None,
                    args.minutes, restarts, args.seed, device=args.device)
     with pd.option_context("display.max_rows", None, "display.width", 250):
         print(table.to_string(index=False, float_format=lambda v: f"{v:.9f}"))
