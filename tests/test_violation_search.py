@@ -63,6 +63,7 @@ def test_a_short_search_finds_no_violation(case):
     """One restart per setting, 4 descent steps and 2 climbs: every setting that promises the bound keeps it."""
     table = vs.search([case], None, restarts=1, steps=4, climbs=2, progress=quiet)
     assert set(table.setting) == set(vs.settings_for("cpu")) and (table.evaluations >= 1).all()
+    assert table[table.promises].worst.notna().all(), table.to_string()  # a refusal (nan) would hide a setting
     bad = table[table.promises & (table.worst > 1 + vs.TOL)]
     assert bad.empty, bad.to_string()
 
