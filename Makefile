@@ -156,20 +156,20 @@ bench-gpu-compiled: ## issue 31's compiled rows: a bk chunk as one graph under C
 	  --out $(BENCH_OUT)/compiled_$$p $(BENCH_ARGS) || exit 1; done
 
 .PHONY: device-check
-device-check: ## what the open issues still need from a GPU, one command (~7 min on an H100): issue 26's budget vs .base (bench-compare: bu_cnn and papernot_cnn in tf32, the transformer in fp32, ResNet-18 in tf32), the syncs of one step by thread and frame (bench-syncs), issue 31's compiled GPT-2-small bk step in bf16 on the tensor-core route with the split and the single clipped sum, and without the route, on one card (DPRUN_TENSOR_CORES=1 / 0, DPRUN_TENSOR_CORES_SUM=split / single) -> $(BENCH_OUT)/check_* (a step that fails does not stop the next)
+device-check: ## what the open issues still need from a GPU, one command (~6 min on an H200), each step's output in $(BENCH_OUT)/check.log: the conv nets' bk step with the lean recorder against Recorder in one process (method.recorder=full, bench-clip, tf32); issue 26's budget vs .base (bench-compare, the same nets, $(CHECK_PAIRS) pairs); issue 31's compiled GPT-2-small bk step in bf16 with the tensor-core route's single clipped sum and without the route, on one card -> $(BENCH_OUT)/check_* (a step that fails does not stop the next)
 	test -d "$(BASE_TREE)/runner" || { echo "device-check: no $(BASE_TREE)/runner; run make base-tree here and carry $(BASE_TREE)"; exit 2; }
+	-mkdir -p $(BENCH_OUT)/check_recorders && $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu --precision tf32 \
+	  --workloads $(CHECK_CONV_NETS) --methods nonprivate,reweight-bk,reweight-bk-full --repeats 30 --warmup 3 \
+	  --out $(BENCH_OUT)/check_recorders $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
 	-mkdir -p $(BENCH_OUT)/check_compare_tf32 && $(PY) -m runner.bench.compare --device $(BENCH_DEVICE) --suite gpu \
-	  --base $(BASE_TREE) --precision tf32 --workloads cnn_mnist,papernot_cifar10,resnet18_cifar10 \
-	  --methods nonprivate,reweight-bk --pairs $(COMPARE_PAIRS) --repeats 20 --warmup 3 --out $(BENCH_OUT)/check_compare_tf32 $(BENCH_ARGS)
-	-mkdir -p $(BENCH_OUT)/check_compare_fp32 && $(PY) -m runner.bench.compare --device $(BENCH_DEVICE) --suite gpu \
-	  --base $(BASE_TREE) --precision fp32 --workloads transformer_imdb --methods nonprivate,reweight-bk \
-	  --pairs $(COMPARE_PAIRS) --repeats 20 --warmup 3 --out $(BENCH_OUT)/check_compare_fp32 $(BENCH_ARGS)
-	-mkdir -p $(BENCH_OUT)/check_syncs && $(PY) -m runner.bench.syncs --device $(BENCH_DEVICE) --suite gpu --precision tf32 \
-	  --workloads cnn_mnist,papernot_cifar10,resnet18_cifar10 --methods nonprivate,reweight-bk --out $(BENCH_OUT)/check_syncs $(BENCH_ARGS)
-	-for v in 1_split 1_single 0_split; do mkdir -p $(BENCH_OUT)/check_compiled_bf16_tc$$v && \
+	  --base $(BASE_TREE) --precision tf32 --workloads $(CHECK_CONV_NETS) --methods nonprivate,reweight-bk \
+	  --pairs $(CHECK_PAIRS) --repeats 20 --warmup 3 --out $(BENCH_OUT)/check_compare_tf32 $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
+	-for v in 1_single 0_split; do mkdir -p $(BENCH_OUT)/check_compiled_bf16_tc$$v && \
 	  DPRUN_TENSOR_CORES=$${v%%_*} DPRUN_TENSOR_CORES_SUM=$${v#*_} $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) \
 	  --suite gpu --precision bf16 --compile $(COMPILE_MODE) --workloads gpt2small_t128 --methods nonprivate,reweight-bk \
-	  $(OPEN_RUNS) --out $(BENCH_OUT)/check_compiled_bf16_tc$$v $(BENCH_ARGS); done
+	  $(OPEN_RUNS) --out $(BENCH_OUT)/check_compiled_bf16_tc$$v $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log; done
+CHECK_CONV_NETS ?= cnn_mnist,papernot_cifar10,resnet18_cifar10
+CHECK_PAIRS ?= 2
 
 .PHONY: device-search
 device-search: ## the certified-clipping search (bench-search) on a GPU's own kernels, the settings whose arithmetic differs there: TF32, bf16, the tensor-core route in both sums (~2 min) -> $(BENCH_OUT)/check_search/search_cuda.csv

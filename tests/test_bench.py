@@ -80,6 +80,14 @@ def test_methods_option_keeps_only_the_named_rows(tmp_path):
         clip.main(["--device", "cpu", "--methods", "bk"])
 
 
+def test_a_row_on_request_is_timed_only_when_named(tmp_path):
+    """reweight-bk-full (method.recorder=full) is no default row of any workload, and a row when --methods names it."""
+    assert all("reweight-bk-full" not in w.methods for w in clip.workloads() + clip.gpu_workloads())
+    df = clip.main(["--quick", "--device", "cpu", "--workloads", "fig6_b16", "--out", str(tmp_path),
+                    "--methods", "reweight-bk,reweight-bk-full"])
+    assert list(df.method) == ["reweight-bk", "reweight-bk-full"] and (df.step_ms > 0).all() and df.note.eq("").all()
+
+
 def test_unknown_workload_names_the_valid_ones():
     with pytest.raises(DprunError, match="unknown workload 'cnn'.*cnn_mnist"):
         clip.main(["--workloads", "cnn", "--device", "cpu"])

@@ -373,3 +373,45 @@ def test_a_conv_norm_cut_into_chunks_is_exact_and_peaks_lower(monkeypatch):
         return step_memory_bytes(lambda: m.privatize(net, loss_fn, x, y), torch.device("cpu"))
 
     assert peak(lean.BK_TRANSIENT_BUDGET) < peak(1e9)  # 1e9: one piece
+
+
+def test_recorder_full_takes_recorder_from_the_start_and_is_exact(monkeypatch):
+    """method.recorder=full (the order before the lean recorder: every output-gradient at the backward's end, the
+    norms after it) never builds a LeanRecorder and gives nxBP's norms and clipped sums; lean (the default) does."""
+    from runner.methods import reweight
+
+    built = []
+
+    class Counting(LeanRecorder):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(reweight, "LeanRecorder", Counting)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
+    oracle = METHODS.build("nxbp", clip=0.4, sigma=0.0)
+    oracle.privacy_check = False
+    ref = oracle.attach(copy.deepcopy(model))
+    expected = oracle.privatize(ref, loss_fn, x, y)
+    for recorder, builds in (("full", 0), ("lean", 1)):
+        built.clear()
+        method = METHODS.build("reweight", cfg={"mode": "bk", "recorder": recorder}, clip=0.4, sigma=0.0)
+        method.privacy_check = False
+        m = method.attach(copy.deepcopy(model))
+        out = method.privatize(m, loss_fn, x, y)
+        assert len(built) == builds, recorder
+        torch.testing.assert_close(out.norms, expected.norms, rtol=1e-6, atol=0)
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_an_unknown_recorder_is_one_line_naming_the_choices():
+    import pytest
+
+    from runner.errors import DprunError
+
+    with pytest.raises(DprunError, match=r"method.recorder 'fast'.*lean, full") as err:
+        METHODS.build("reweight", cfg={"mode": "bk", "recorder": "fast"}, clip=1.0, sigma=0.0)
+    assert "\n" not in str(err.value)

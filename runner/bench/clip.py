@@ -61,7 +61,11 @@ METHOD_VARIANTS = {
     "opacus-functorch": ("opacus", {"grad_sample_mode": "functorch"}),
 }
 SECURE = ["reweight-bk-secure", "noise-seeded", "noise-secure"]  # rng=secure's cost beside its seeded twin
-ALL = list(METHOD_VARIANTS) + SECURE
+# rows timed only when --methods names them: bk with Recorder (method.recorder=full) beside the lean recorder, where a
+# GPU's host-bound step may prefer a backward with no Python between its kernels (device-check)
+ON_REQUEST = {"reweight-bk-full": ("reweight", {"mode": "bk", "recorder": "full"})}
+DEFAULT_ROWS = list(METHOD_VARIANTS) + SECURE
+ALL = DEFAULT_ROWS + list(ON_REQUEST)
 # the footnote of opacus-ghost's rows: timed as a peer, refused for training (runner/methods/opacus_peer.py)
 UNCERTIFIED = ("timed only: not certified, refused for training (4.25 C on a crafted input: python -m "
                "runner.bench.adversarial)")
@@ -76,7 +80,7 @@ COLUMNS = ["workload", "model", "batch", "method", "precision", "memory_format",
 
 @dataclass
 class Workload(common.Workload):
-    methods: list[str] = field(default_factory=lambda: list(ALL))
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_ROWS))
     model_kwargs: dict = field(default_factory=dict)
 
 
@@ -143,7 +147,7 @@ def method_contender(label: str, base: torch.nn.Module, x, y, expected_batch: fl
     if label.startswith("noise-"):
         return noise_contender(label.removeprefix("noise-"), base, x.device), ""
     variant, _, compiled = label.partition("+")
-    name, options = METHOD_VARIANTS[variant.removesuffix("-secure")]
+    name, options = {**METHOD_VARIANTS, **ON_REQUEST}[variant.removesuffix("-secure")]
     return contender(name, options, base, x, y, lambda ps: torch.optim.SGD(ps, lr=0.01, foreach=True),
                      expected_batch / n, expected_batch, compile_mode=compile_mode if compiled else "",
                      configure={"precision": precision}, rng="secure" if variant.endswith("-secure") else "seeded",
@@ -274,7 +278,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         unknown = [m for m in wanted if m not in ALL]
         if unknown:
             raise SystemExit(f"bench-clip: unknown method row {unknown[0]!r}; valid: {', '.join(ALL)}")
-        chosen = [dataclasses.replace(w, methods=[m for m in w.methods if m in wanted]) for w in chosen]
+        chosen = [dataclasses.replace(w, methods=[m for m in w.methods + list(ON_REQUEST) if m in wanted])
+                  for w in chosen]
     print(f"[bench-clip] {device_name(device)}, torch {torch.__version__}, {repeats} repeats, median step time")
     rows: list[dict] = []
     for w in chosen:

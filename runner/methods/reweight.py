@@ -40,6 +40,10 @@ from runner.norms import certify
 from runner.norms.certify import certified_norms, clipped_sums_of, exact_float32, finite_rows
 
 MODES = ("bk", "twopass", "recompute")
+# bk: lean = each layer's norm inside the backward, only what the clipped sums need kept (runner/norms/lean.py, issue
+# 31's memory); full = Recorder, every output-gradient at the backward's end and the norms after it (the order before
+# issue 31: more memory; on a GPU its backward runs no Python between kernels, docs/bench.md "On an H200 (stop 43)")
+RECORDERS = ("lean", "full")
 
 
 def keep_ratio(value) -> float:
@@ -77,6 +81,7 @@ class ReweightGP(Method):
         super().__init__(*args, **kwargs)
         self.mode = self.choice("mode", "bk", MODES)
         self.how = self.choice("norm", "auto", HOW)
+        self.recorder = self.choice("recorder", "lean", RECORDERS)  # bk: where each layer's norm is formed
         budget = keep_budget(self.option("keep_mb", None))  # method.keep_mb replaces method.keep's ratio
         self.keep = budget if budget is not None else keep_ratio(self.option("keep", KEEP))
         self._plan, self._model_id = None, None
@@ -133,15 +138,16 @@ class ReweightGP(Method):
 
     def book_kept(self, plan, params, model, loss_fn, x, y):
         """Book-keeping: one forward, one backward, each layer's clipped sum from its records (book_keeping).
-        Eager: the lean recorder (runner/norms/lean.py, issue 31) forms each layer's norm inside the backward and
-        keeps only what the clipped sums need; a covered call its source-only backward did not reach makes the step
-        start again (same random state) with Recorder, which asks autograd for every call's output-gradient, and
-        this model keeps Recorder from then on. Compiled (runner/methods/compiled.py, self.traced): Recorder, no
-        tensor hooks in the traced graph, which is then one graph with the backward in it."""
+        Eager (method.recorder=lean, the default): the lean recorder (runner/norms/lean.py, issue 31) forms each
+        layer's norm inside the backward and keeps only what the clipped sums need; a covered call its source-only
+        backward did not reach makes the step start again (same random state) with Recorder, which asks autograd for
+        every call's output-gradient, and this model keeps Recorder from then on; method.recorder=full takes
+        Recorder from the start. Compiled (runner/methods/compiled.py, self.traced): Recorder, no tensor hooks in
+        the traced graph, which is then one graph with the backward in it."""
         stashes: dict[int, dict] = {}
         if isinstance(self.keep, KeepBudget):
             self.keep.begin_step()
-        if self._lean and not self.traced and not torch.compiler.is_compiling():
+        if self._lean and self.recorder == "lean" and not self.traced and not torch.compiler.is_compiling():
             state = rng_state(x.device)
             with LeanRecorder(plan, self.how, stashes, self.keep) as rec, self.autocast(x):
                 outputs = model(x)  # (B, classes)
