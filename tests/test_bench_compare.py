@@ -251,3 +251,24 @@ def test_pairs_are_summarised_by_their_median_ratio_and_range():
     assert summary.loc["b", "median"] == pytest.approx(0.95)
     with pytest.raises(DprunError, match=r"--pairs 0 is not valid: at least 1 pair"):
         compare.main(["--base", ".", "--pairs", "0"])
+
+
+def test_a_row_the_base_tree_lacks_is_a_note_not_a_failed_workload(monkeypatch, tmp_path):
+    """A row newer than the base tree (reweight-bk-full: method.recorder) is a note of that tree's worker, and its other
+    rows are still built; compare asks for a row on request when --methods names it."""
+    import torch
+
+    from runner.bench import clip, common, compare_worker
+    from runner.models import MODELS
+
+    monkeypatch.setattr(clip, "ALL", [m for m in clip.ALL if m != "reweight-bk-full"])  # an older tree's rows
+    steps = {}
+    reply = compare_worker.build(clip, common, MODELS, torch.device("cpu"),
+                                 {"build": "fig6_b16", "quick": True, "methods": ["nonprivate", "reweight-bk-full"]},
+                                 steps)
+    assert reply["built"] == ["nonprivate"] and reply["notes"] == {"reweight-bk-full": "this tree has no row "
+                                                                                       "'reweight-bk-full'"}
+    monkeypatch.undo()
+    df = compare.main(["--base", ".", "--quick", "--workloads", "fig6_b16", "--methods", "reweight-bk,reweight-bk-full",
+                       "--warmup", "1", "--repeats", "2", "--out", str(tmp_path)])
+    assert list(df.method) == ["reweight-bk", "reweight-bk-full"] and (df.this_over_base > 0).all()

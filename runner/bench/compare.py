@@ -45,7 +45,7 @@ from pathlib import Path
 import pandas as pd
 
 from runner.bench.common import arguments, bench_device, median, select_workloads, timed_repeats
-from runner.bench.clip import ALL, add_suite_argument, suite_workloads, workload_names
+from runner.bench.clip import ALL, ON_REQUEST, add_suite_argument, suite_workloads, workload_names
 from runner.errors import DprunError
 from runner.heap import RETAIN_BYTES
 from runner.metrics import write_csv
@@ -241,7 +241,8 @@ def measure_pairs(args, device, repeats: int, methods: list[str], chosen: list, 
                 for w in chosen:
                     print(f"[bench-compare] {w.name}: model={w.model} B={args.batch or w.batch}"
                           + (f", pair {pair + 1} of {args.pairs}" if args.pairs > 1 else "") + " ...", flush=True)
-                    found = compare_workload(trees, w, [m for m in methods if m in w.methods], args.quick, repeats,
+                    labels = [m for m in methods if m in w.methods or m in ON_REQUEST]
+                    found = compare_workload(trees, w, labels, args.quick, repeats,
                                              args.warmup, args.gap_ms / 1e3, args.suite, args.precision, args.batch,
                                              args.memory_format)
                     rows += [dict(row, pair=pair + 1) for row in found]

@@ -85,7 +85,11 @@ def build(clip, common, MODELS, device, request: dict, steps: dict) -> dict:
     # a tree older than memory_format= (runner/memory_format.py) runs its models NCHW, and its reply says so
     knows_layout = "memory_format" in inspect.signature(clip.method_contender).parameters
     layout = {"memory_format": request.get("memory_format", "auto")} if knows_layout else {}
+    rows = getattr(clip, "ALL", None)  # the rows this tree has (a newer row asked of an older tree is a note)
     for label in request["methods"]:
+        if rows is not None and label not in rows:
+            notes[label] = f"this tree has no row {label!r}"
+            continue
         c, note = clip.method_contender(label, base, x, y, float(w.batch), w.info.train_size, **precision, **layout)
         if c is None:
             notes[label] = note
