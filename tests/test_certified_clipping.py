@@ -40,11 +40,14 @@ from runner.norms.base import HOW
 TOL = 1e-6  # the contract: ||contribution|| <= C (1 + TOL)
 EXCUSED = ("jl", "sbcd")  # see tests/test_clip_contribution.py: estimates / another mechanism
 
-VARIANTS = {"reweight": [{"mode": m, "norm": h} for m in reweight.MODES for h in HOW],
+# bk's other recorders (method.recorder: Recorder from the start) beside the default lean one, every norm choice
+OTHER_RECORDERS = [{"mode": "bk", "norm": h, "recorder": r} for h in HOW for r in reweight.RECORDERS if r != "lean"]
+VARIANTS = {"reweight": [{"mode": m, "norm": h} for m in reweight.MODES for h in HOW] + OTHER_RECORDERS,
             "opacus": [{"grad_sample_mode": g} for g in opacus_peer.MODES]}
 CASES = [(name, cfg) for name, cls in METHODS.items() if cls.private and name not in EXCUSED
          for cfg in VARIANTS.get(name, [{}])]
-BF16 = [("reweight", {"mode": "bk", "norm": h}) for h in HOW] + [("nxbp", {}), ("multiloss", {})]
+BF16 = ([("reweight", {"mode": "bk", "norm": h}) for h in HOW] + [("reweight", cfg) for cfg in OTHER_RECORDERS]
+        + [("nxbp", {}), ("multiloss", {})])
 
 
 def case_id(name, cfg):

@@ -197,6 +197,7 @@ SETTINGS = {  # label -> (method, cfg, precision): the table's columns
     "reweight (defaults: bk, auto)": ("reweight", {}, "fp32"),
     "bk ghost": ("reweight", {"norm": "ghost"}, "fp32"),
     "bk direct": ("reweight", {"norm": "direct"}, "fp32"),
+    "bk recorder full": ("reweight", {"recorder": "full"}, "fp32"),  # Recorder from the start (method.recorder)
     "twopass": ("reweight", {"mode": "twopass"}, "fp32"),
     "recompute": ("reweight", {"mode": "recompute"}, "fp32"),
     "bk bf16": ("reweight", {}, "bf16"),
