@@ -38,7 +38,7 @@ def the_one_designed_read_answers_no(monkeypatch):
     read still raises on the meta device. test_the_designed_read_is_one_per_step counts it."""
     from runner.norms import certify
 
-    monkeypatch.setattr(certify, "every_record_kept", lambda keep: False)
+    monkeypatch.setattr(certify, "every_record_kept", lambda keep, started=None: False)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -80,7 +80,7 @@ def test_the_designed_read_is_one_per_step(monkeypatch, model_name):
     from runner.norms import certify
 
     reads = []
-    monkeypatch.setattr(certify, "every_record_kept", lambda keep: reads.append(1) or bool(keep.all()))
+    monkeypatch.setattr(certify, "every_record_kept", lambda keep, started=None: reads.append(1) or bool(keep.all()))
     info, kwargs = MODELS_[model_name]
     model = MODELS.build(model_name, info, **kwargs)
     method = METHODS.build("reweight", cfg={"mode": "bk"}, clip=1.0, sigma=1.0)

@@ -3,7 +3,8 @@ from (torch.cuda.set_sync_debug_mode("warn")).
 
     python -m runner.bench.syncs --device cuda --suite gpu --precision tf32 --workloads cnn_mnist,resnet18_cifar10
 
-An eager private step reads one value by design (runner/norms/certify.py every_record_kept); any other read stalls the
+An eager private step reads one value by design (runner/norms/certify.py every_record_kept: on CUDA a wait for an
+event recorded before the clipped sums, which torch's debug mode would not see, so it warns itself); any other read stalls the
 host until the device has drained its queue, and a host-bound step pays for it. Stop 41's H100 found that read in
 every bk step and one more in ResNet-18's with no dprun frame on its Python stack: this tool names each one's
 thread and innermost frames (dprun's or torch's), so that the next look is one command. Each contender is warmed

@@ -222,18 +222,21 @@ class ReweightGP(Method):
 
         A record whose norm is not finite has nu = 0 and must add exactly nothing (no 0 * inf): its rows are masked.
         The sums are first formed unmasked, as if every example were kept (the common case: no record copied); then
-        the one read of the step asks whether every one was (every_record_kept), with all the sums already launched,
-        so a GPU's host waits for their last kernels only (asked before them, it waited for the backward's: 7% of
-        ResNet-18's bk step on an H100, docs/bench.md "On an H100 (stop 41)"); only if one was not are the sums formed
-        again, masked, from the same records. Unmasked and masked sums are equal when every example is kept (a row
+        the one read of the step asks whether every one was (every_record_kept), with all the sums already launched
+        (asked before them, the host waited for the backward's kernels and then launched the sums on an idle GPU: 7%
+        of ResNet-18's bk step on an H100, docs/bench.md "On an H100 (stop 41)"). On CUDA the value is sent to the
+        host before the sums (certify.read_started), so the host waits for the norms' kernels, not for the sums',
+        which the GPU runs while the host goes on. Only if one was not kept are the sums formed again, masked, from
+        the same records. Unmasked and masked sums are equal when every example is kept (a row
         with nu = 0 and finite values adds zeros), so the released sum is always the masked one. The records are
         freed when the sums are final. Compiled: one masked pass, nothing read."""
         keep = nu > 0  # (B,)
         if torch.compiler.is_compiling():
             sums = ReweightGP.clipped_sums(rec, stashes, nu, keep, all_kept=False)
         else:
+            started = certify.read_started(keep)  # CUDA: keep.all() on its way to the host, before the sums
             sums = ReweightGP.clipped_sums(rec, {k: dict(s) for k, s in stashes.items()}, nu, keep, all_kept=True)
-            if not certify.every_record_kept(keep):  # the step's one read (tests count it there)
+            if not certify.every_record_kept(keep, started):  # the step's one read (tests count it there)
                 sums = ReweightGP.clipped_sums(rec, stashes, nu, keep, all_kept=False)
         stashes.clear()
         for _, module, _ in rec.plan.layers:

@@ -31,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import os
+import warnings
 
 import torch
 
@@ -172,11 +174,34 @@ def clipped_sums_of(nu: torch.Tensor, keep: torch.Tensor, all_kept: bool):
         _STEP.reset(token)
 
 
-def every_record_kept(keep: torch.Tensor) -> bool:
+def read_started(keep: torch.Tensor):
+    """CUDA, eager: keep.all() (B,) -> () copied to pinned host memory behind an event, before the clipped sums are
+    launched, so that every_record_kept then waits for the kernels before it (the backward's, the norms') and not for
+    the sums': the GPU works through them while the host goes on (noise, update, the next forward). Asked after the
+    sums with a plain read, the host waited for their last kernel and the GPU then idled until its next launch.
+    None elsewhere (the CPU reads the value itself; a compiled step asks nothing); DPRUN_EVENT_READ=0: None on CUDA
+    too, the plain read."""
+    if keep.device.type != "cuda" or torch.compiler.is_compiling() or os.environ.get("DPRUN_EVENT_READ") == "0":
+        return None
+    host = torch.empty((), dtype=torch.bool, pin_memory=True)
+    host.copy_(keep.all(), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(keep.device))
+    return host, done
+
+
+def every_record_kept(keep: torch.Tensor, started=None) -> bool:
     """bool(keep.all()): the one value an eager private step reads back from the device, by design (issue 12's rule
-    is none: asked after the clipped sums are launched, it costs the step a wait for its last kernels, not for the
-    backward's; a compiled step masks instead of asking)."""
-    return bool(keep.all())
+    is none; a compiled step masks instead of asking). started: read_started(keep)'s (host value, event), the value
+    already on its way: a wait for that event only. An event wait raises no sync-debug warning, so one is raised
+    here under torch.cuda.set_sync_debug_mode (bench-syncs counts every wait of a step)."""
+    if started is None:
+        return bool(keep.all())
+    host, done = started
+    if torch.cuda.get_sync_debug_mode():
+        warnings.warn("dprun: the step's one read (an event wait, runner/norms/certify.py every_record_kept)")
+    done.synchronize()
+    return bool(host)
 
 
 def kept(nu: torch.Tensor) -> torch.Tensor:
