@@ -40,14 +40,26 @@ from runner.norms.base import HOW
 TOL = 1e-6  # the contract: ||contribution|| <= C (1 + TOL)
 EXCUSED = ("jl", "sbcd")  # see tests/test_clip_contribution.py: estimates / another mechanism
 
-# bk's other recorders (method.recorder: Recorder from the start) beside the default lean one, every norm choice
-OTHER_RECORDERS = [{"mode": "bk", "norm": h, "recorder": r} for h in HOW for r in reweight.RECORDERS if r != "lean"]
+# bk's other recorders (method.recorder: Recorder from the start) beside the default lean one, and the lean one with
+# method.defer=on (the record-keeping layers' norms after the backward, from the second step on: adversarial.released
+# measures that step), every norm choice
+OTHER_RECORDERS = ([{"mode": "bk", "norm": h, "recorder": r} for h in HOW for r in reweight.RECORDERS if r != "lean"]
+                   + [{"mode": "bk", "norm": h, "defer": "on"} for h in HOW])  # CUDA's default deferral, on the CPU
 VARIANTS = {"reweight": [{"mode": m, "norm": h} for m in reweight.MODES for h in HOW] + OTHER_RECORDERS,
             "opacus": [{"grad_sample_mode": g} for g in opacus_peer.MODES]}
 CASES = [(name, cfg) for name, cls in METHODS.items() if cls.private and name not in EXCUSED
          for cfg in VARIANTS.get(name, [{}])]
 BF16 = ([("reweight", {"mode": "bk", "norm": h}) for h in HOW] + [("reweight", cfg) for cfg in OTHER_RECORDERS]
         + [("nxbp", {}), ("multiloss", {})])
+
+
+@pytest.fixture(autouse=True)
+def deferral_captures(request, monkeypatch):
+    """With method.defer=on, no layer is captured for its small size (CAPTURE_BYTES 0: these constructions' outputs
+    are all small), so that every layer keeping its records is captured because it is deferred (lean.py)."""
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    if isinstance(params.get("cfg"), dict) and params["cfg"].get("defer") == "on":
+        monkeypatch.setattr(streaming, "CAPTURE_BYTES", 0)
 
 
 def case_id(name, cfg):

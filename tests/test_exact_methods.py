@@ -22,11 +22,14 @@ from runner.models import MODELS
 
 DT = torch.float64
 VARIANTS = {"reweight": [{"mode": "bk"}, {"mode": "twopass"}, {"mode": "recompute"}, {"mode": "bk", "norm": "ghost"},
-                         {"mode": "bk", "norm": "direct"}, {"mode": "bk", "recorder": "full"}]}
+                         {"mode": "bk", "norm": "direct"}, {"mode": "bk", "recorder": "full"},
+                         {"mode": "bk", "defer": "on"}]}
 EXACT = [(name, cfg) for name, cls in METHODS.items() if cls.exact and cls.private and name != "nxbp"
          for cfg in VARIANTS.get(name, [{}])]
 ZOO_EXACT = [(name, cfg) for name, cfg in EXACT if "norm" not in cfg]  # the zoo: reweight with norm=auto only (and
-# with method.recorder=full: Recorder from the start on every model family)
+# with method.recorder=full: Recorder from the start on every model family; with method.defer=on: the norms of layers
+# that keep their records formed after the backward, from each model's second step on: assert_matches_oracle's
+# second clip)
 
 
 def case_id(name, cfg):

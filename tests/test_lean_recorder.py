@@ -415,3 +415,146 @@ def test_an_unknown_recorder_is_one_line_naming_the_choices():
     with pytest.raises(DprunError, match=r"method.recorder 'fast'.*lean, full") as err:
         METHODS.build("reweight", cfg={"mode": "bk", "recorder": "fast"}, clip=1.0, sigma=0.0)
     assert "\n" not in str(err.value)
+
+
+class SeqNet(nn.Module):
+    """A Linear over 12 positions whose records book-keeping keeps (its per-example gradient, 24 x 24, is larger than
+    1.1 x its records, 12 x 48), one whose per-example gradient it keeps instead (4 x 24 <= 1.1 x 12 x 28: stash
+    only), and a head; `twice` calls the first Linear a second time (on its own output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide, self.narrow, self.head = nn.Linear(24, 24), nn.Linear(24, 4), nn.Linear(4, 3)
+        self.twice = False
+
+    def forward(self, x):  # (B, 12, 24)
+        h = torch.tanh(self.wide(x))
+        if self.twice:
+            h = torch.tanh(self.wide(h))
+        return self.head(torch.tanh(self.narrow(h)).mean(1))
+
+
+def defer_step(method, model, x, y):
+    """One privatize; returns (norms, clipped sums, (tensor hooks, deferred calls) of its recorder's backward)."""
+    seen = []
+    real = streaming.StreamingNorms._grad
+
+    def counted(self, loss, targets, keep_graph):
+        seen.append((len(self.tensor_hooks), sum(1 for c in self.captured if c[3] == 0 and c[4] is None)))
+        return real(self, loss, targets, keep_graph)
+
+    streaming.StreamingNorms._grad = counted
+    try:
+        for p in model.parameters():
+            p.grad = None
+        out = method.privatize(model, loss_fn, x, y)
+    finally:
+        streaming.StreamingNorms._grad = real
+    return out.norms, [p.grad.clone() for p in model.parameters()], seen[-1]
+
+
+def nxbp_step(model, x, y, clip):
+    oracle = METHODS.build("nxbp", clip=clip, sigma=0.0)
+    oracle.privacy_check = False
+    ref = oracle.attach(copy.deepcopy(model))
+    out = oracle.privatize(ref, loss_fn, x, y)
+    return out.norms, [p.grad for p in ref.parameters()]
+
+
+def test_defer_forms_the_norms_of_record_keeping_layers_after_the_backward_exactly(monkeypatch):
+    """method.defer=on: the first step hooks every layer (nothing known yet); from the second on, the layers whose
+    records the clipped sums keep anyway (wide; head, T = 1) have no hook, their output-gradients come back from the
+    backward by gradient edge and their norms are formed after it, while the stash-only layer (narrow) keeps its hook
+    (its records freed inside the backward). The norms and clipped sums are nxBP's at every step; defer=off never
+    defers. (No small layer is captured for its size here: CAPTURE_BYTES 0.)"""
+    monkeypatch.setattr(streaming, "CAPTURE_BYTES", 0)
+    torch.manual_seed(4)
+    model = SeqNet().double()
+    x, y = torch.randn(5, 12, 24, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
+    want_norms, want = nxbp_step(model, x, y, clip=0.2)
+    for defer, expected in (("on", [(3, 0), (1, 2), (1, 2)]), ("off", [(3, 0)] * 3)):
+        method = METHODS.build("reweight", cfg={"mode": "bk", "defer": defer}, clip=0.2, sigma=0.0)
+        method.privacy_check = False
+        m = method.attach(copy.deepcopy(model))
+        counts = []  # (tensor hooks, deferred calls) of each step's backward
+        for _ in range(3):
+            norms, grads, count = defer_step(method, m, x, y)
+            counts.append(count)
+            torch.testing.assert_close(norms, want_norms, rtol=1e-6, atol=0)
+            for g, w in zip(grads, want):
+                torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+        assert counts == expected, defer
+        assert method._lean
+
+
+def test_a_deferred_layer_called_again_is_still_exact(monkeypatch):
+    """A layer deferred from its single call the step before, called twice this step: its first call stays
+    captured (no output was held to hook), the second is hooked, and its norm waits for both: nxBP's."""
+    monkeypatch.setattr(streaming, "CAPTURE_BYTES", 0)
+    torch.manual_seed(5)
+    model = SeqNet().double()
+    x, y = torch.randn(4, 12, 24, dtype=torch.float64), torch.tensor([0, 1, 2, 1])
+    method = METHODS.build("reweight", cfg={"mode": "bk", "defer": "on"}, clip=0.3, sigma=0.0)
+    method.privacy_check = False
+    m = method.attach(copy.deepcopy(model))
+    for _ in range(2):
+        defer_step(method, m, x, y)
+    m.twice = model.twice = True
+    want_norms, want = nxbp_step(model, x, y, clip=0.3)
+    norms, grads, count = defer_step(method, m, x, y)
+    assert count == (2, 2)  # hooked: narrow, wide's second call; deferred: wide's first call, head
+    torch.testing.assert_close(norms, want_norms, rtol=1e-6, atol=0)
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+
+
+def test_defer_auto_is_on_on_cuda_only_and_holds_no_byte_more_on_a_transformer():
+    """auto defers on CUDA only (a host-bound GPU step; on the CPU the gradient is still in cache), and an unknown
+    value is one line naming the choices. On a transformer (ghost norms: small transients) deferring holds no byte
+    more than forming each norm inside the backward (the records it waits with are kept for the clipped sums
+    anyway): the IMDB transformer's bk step, CPU peak. (A conv's unfolded input can meet more at the backward's end:
+    docs/methods.md.)"""
+    method = METHODS.build("reweight", cfg={"mode": "bk"}, clip=1.0, sigma=0.0)
+    assert method.defers(torch.device("cuda")) and not method.defers(torch.device("cpu"))
+    assert METHODS.build("reweight", cfg={"mode": "bk", "defer": "on"}, clip=1.0, sigma=0.0).defers(
+        torch.device("cpu"))
+    import pytest
+    from runner.errors import DprunError
+
+    with pytest.raises(DprunError, match=r"method.defer 'later'.*auto, on, off"):
+        METHODS.build("reweight", cfg={"mode": "bk", "defer": "later"}, clip=1.0, sigma=0.0)
+    torch.manual_seed(0)
+    model = MODELS.build("transformer", IMDB_SMALL, dropout=0.0)
+    x, y = synthetic_batch(IMDB_SMALL, 8, torch.device("cpu"))
+    peaks = {}
+    for defer in ("off", "on"):
+        method = METHODS.build("reweight", cfg={"mode": "bk", "defer": defer}, clip=1.0, sigma=0.0)
+        method.privacy_check = False
+        m = method.attach(copy.deepcopy(model))
+        for _ in range(2):
+            defer_step(method, m, x, y)
+        _, _, (_, n_deferred) = defer_step(method, m, x, y)
+        assert (n_deferred > 0) == (defer == "on")
+        peaks[defer] = step_memory_bytes(lambda: method.privatize(m, loss_fn, x, y),
+                                         torch.device("cpu"), before=lambda: m.zero_grad(set_to_none=True))
+    assert peaks["on"] <= peaks["off"], peaks
+
+
+def test_defer_with_a_keep_budget_is_exact_at_every_step(monkeypatch):
+    """method.defer=on beside method.keep_mb (whose first step ranks the layers as its backward meets them, and whose
+    later steps choose among all of them): norms and clipped sums are nxBP's at each of three steps."""
+    monkeypatch.setattr(streaming, "CAPTURE_BYTES", 0)
+    torch.manual_seed(6)
+    model = SeqNet().double()
+    x, y = torch.randn(5, 12, 24, dtype=torch.float64), torch.tensor([2, 1, 0, 1, 0])
+    want_norms, want = nxbp_step(model, x, y, clip=0.25)
+    for keep_mb in (0, 0.01, 1000):
+        method = METHODS.build("reweight", cfg={"mode": "bk", "defer": "on", "keep_mb": keep_mb}, clip=0.25,
+                               sigma=0.0)
+        method.privacy_check = False
+        m = method.attach(copy.deepcopy(model))
+        for _ in range(3):
+            norms, grads, _ = defer_step(method, m, x, y)
+            torch.testing.assert_close(norms, want_norms, rtol=1e-6, atol=0)
+            for g, w in zip(grads, want):
+                torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)

@@ -160,6 +160,10 @@ def released(method, model, x, compile_backend: str | None = None):
         step = CompiledStep(method, "default", x.device, physical=len(x), backend=compile_backend)
         step(model, loss_fn, x, y, opt, sample_rate=1.0, expected_batch_size=1.0)  # eager: validates the model
         opt.zero_grad(set_to_none=True)
+    elif callable(getattr(method, "defers", None)) and method.defers(x.device):
+        # book-keeping defers a layer's norm from its second step on (lean.RECORDS_KEPT; defer=auto on CUDA)
+        step(model, loss_fn, x, y, opt, sample_rate=1.0, expected_batch_size=1.0)
+        opt.zero_grad(set_to_none=True)
     out = step(model, loss_fn, x, y, opt, sample_rate=1.0, expected_batch_size=1.0)
     if compile_backend and step.compiled is None:
         raise RuntimeError(f"the compiled step fell back to eager (backend {compile_backend}); see the log line")
@@ -198,6 +202,7 @@ SETTINGS = {  # label -> (method, cfg, precision): the table's columns
     "bk ghost": ("reweight", {"norm": "ghost"}, "fp32"),
     "bk direct": ("reweight", {"norm": "direct"}, "fp32"),
     "bk recorder full": ("reweight", {"recorder": "full"}, "fp32"),  # Recorder from the start (method.recorder)
+    "bk defer on": ("reweight", {"defer": "on"}, "fp32"),  # record-keeping layers' norms after the backward
     "twopass": ("reweight", {"mode": "twopass"}, "fp32"),
     "recompute": ("reweight", {"mode": "recompute"}, "fp32"),
     "bk bf16": ("reweight", {}, "bf16"),

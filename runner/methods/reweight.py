@@ -44,6 +44,10 @@ MODES = ("bk", "twopass", "recompute")
 # 31's memory); full = Recorder, every output-gradient at the backward's end and the norms after it (the order before
 # issue 31: more memory; on a GPU its backward runs no Python between kernels, docs/bench.md "On an H200 (stop 43)")
 RECORDERS = ("lean", "full")
+# bk, lean recorder: the norms of layers whose records the clipped sums keep anyway formed after the backward (on: no
+# byte more, and the backward's kernels launched before the norms', the order a GPU's host-bound step wants) or as
+# each output-gradient arrives (off: on the CPU the gradient is still in cache); auto: on on CUDA, off elsewhere
+DEFERS = ("auto", "on", "off")
 
 
 def keep_ratio(value) -> float:
@@ -82,10 +86,15 @@ class ReweightGP(Method):
         self.mode = self.choice("mode", "bk", MODES)
         self.how = self.choice("norm", "auto", HOW)
         self.recorder = self.choice("recorder", "lean", RECORDERS)  # bk: where each layer's norm is formed
+        self.defer = self.choice("defer", "auto", DEFERS)  # bk lean: record-keeping layers' norms after the backward
         budget = keep_budget(self.option("keep_mb", None))  # method.keep_mb replaces method.keep's ratio
         self.keep = budget if budget is not None else keep_ratio(self.option("keep", KEEP))
         self._plan, self._model_id = None, None
         self._lean = True  # book-keeping's lean recorder, until a model needs Recorder (book_kept)
+
+    def defers(self, device: torch.device) -> bool:
+        """method.defer for a step on `device`: auto defers on CUDA only."""
+        return self.defer == "on" or (self.defer == "auto" and device.type == "cuda")
 
     def prepare(self, model, data=None):
         self.plan(model)
@@ -149,7 +158,8 @@ class ReweightGP(Method):
             self.keep.begin_step()
         if self._lean and self.recorder == "lean" and not self.traced and not torch.compiler.is_compiling():
             state = rng_state(x.device)
-            with LeanRecorder(plan, self.how, stashes, self.keep) as rec, self.autocast(x):
+            with LeanRecorder(plan, self.how, stashes, self.keep, defer=self.defers(x.device)) as rec, \
+                    self.autocast(x):
                 outputs = model(x)  # (B, classes)
                 losses = loss_fn(outputs, y)  # (B,)
             norms_sq = rec.backward(losses.sum(), len(y))  # (B,) certified; None: a call it did not reach

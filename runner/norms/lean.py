@@ -24,6 +24,14 @@ follows the backward (a hook and a norm inside the backward cost small layers mo
 - any other layer keeps its raw (input, output-gradient) records, no upcast or concatenated copy, until its clipped
   sum is formed (exactly what Recorder.raw_layers gives).
 
+On CUDA (method.defer, runner/methods/reweight.py), a layer whose records the clipped sum keeps anyway (RECORDS_KEPT:
+it was not stash_only at its last call of these shapes) is captured too, whatever its size and without its output
+held: its norm follows the backward, from the output-gradient autograd returns for its edge. Those bytes are held for
+the clipped sum either way; what can grow is the peak where a deferred norm's transients (a conv's unfolded input)
+meet every layer's output-gradient at the backward's end (papernot_cnn at B = 32 on the CPU: 53.4 against 47.1 MB;
+bu_cnn, ResNet-18, the LSTM and the transformer: the same peak). It gives the GPU the backward's kernels before the
+norms', and a host-bound GPU step no Python between them (stop 44, docs/bench.md).
+
 The backward asks for the source calls' outputs (and the captured calls') only (StreamingNorms.backward, graph freed
 as it goes). A hooked call it did not reach (input data that requires grad, an unused output) leaves `complete` False and backward returns
 None: the caller then replays the step with Recorder (ReweightGP does, and keeps Recorder for that model).
@@ -54,15 +62,29 @@ BK_FLOOR_BYTES = 2**23
 # < 10% of its step) while a few MB do not matter there (chunks on a GPU: not measured yet)
 BK_CUDA_FLOOR_BYTES = 2**28
 CHUNKS: dict = {}  # (module, shapes, dtype, device type) -> examples per chunk (LeanRecorder._chunk)
+# (module, input and output shapes, dtype, device type) -> whether the layer's clipped sum needed its records the last
+# time it was called once with these shapes (not stash_only): LeanRecorder(defer=True) then forms its norm after the
+# backward. A stale entry could only move a norm in time (and its transients), never change it
+RECORDS_KEPT: dict = {}
 
 
 class LeanRecorder(StreamingNorms):
-    def __init__(self, plan: Plan, how: str, stashes: dict, keep=KEEP, capture_bytes: int | None = None):
+    def __init__(self, plan: Plan, how: str, stashes: dict, keep=KEEP, capture_bytes: int | None = None,
+                 defer: bool = False):
         # calls whose outputs add up to at most capture_bytes (default streaming.CAPTURE_BYTES) get no tensor hook
         super().__init__(plan, how, streaming.CAPTURE_BYTES if capture_bytes is None else capture_bytes)
         self.stashes = stashes  # id(module) -> the rule's stash (kept per-example gradients or sums)
         self.keep = keep  # method.keep's ratio or method.keep_mb's budget (Stash.keeps)
         self.kept: dict[int, list] = {}  # id(module) -> [(input, output-gradient)] for its clipped sum ([] if stash)
+        # method.defer: a layer whose records the clipped sums keep anyway (RECORDS_KEPT) gets no hook; its norm is
+        # formed after the backward from the output-gradient autograd returns (held for the clipped sum anyway)
+        self.defer = defer
+
+    def defers(self, module, inp: torch.Tensor, out: torch.Tensor) -> bool:
+        """defer=True: a layer called once that kept its records the last time (RECORDS_KEPT): its norm after the
+        backward, so the backward's kernels are all launched before the norms' (a GPU step bound by its host
+        launches them in the order 0c009e4 did; each norm inside the backward runs Python between its kernels)."""
+        return self.defer and RECORDS_KEPT.get(signature(module, inp, out), False)
 
     def _add(self, key: int) -> None:
         path, module, rule, inputs, grads = self._calls(key)
@@ -89,6 +111,10 @@ class LeanRecorder(StreamingNorms):
             self.kept[key] = [(a, g)]
         else:
             self.kept[key] = list(zip(inputs, grads))
+        if len(inputs) == 1:
+            if len(RECORDS_KEPT) > 4096:
+                RECORDS_KEPT.clear()
+            RECORDS_KEPT[signature(module, inputs[0], grads[0])] = bool(self.kept[key])
         del seq, a, g
 
     def _chunk(self, rule, module, inputs: list, grads: list, stash: Stash) -> int:
@@ -139,3 +165,9 @@ class LeanRecorder(StreamingNorms):
     def release(self, module) -> None:
         """Free a module's records once its clipped sum is formed."""
         self.kept.pop(id(module), None)
+
+
+def signature(module, inp: torch.Tensor, out: torch.Tensor) -> tuple:
+    """RECORDS_KEPT's key for one call: the module, its input's and output's (or output-gradient's) shapes, the
+    input's dtype and device type."""
+    return id(module), type(module), tuple(inp.shape), tuple(out.shape), inp.dtype, inp.device.type

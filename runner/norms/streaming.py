@@ -97,15 +97,24 @@ class StreamingNorms(CallHooks):
             nbytes = out.numel() * out.element_size()
             if index == 1:  # called again (a recurrent cell): every call of it hooked
                 self._hook_captured_call(id(module))
-            if index == 0 and self.captured_bytes + nbytes <= self.capture_bytes and not torch.compiler.is_compiling():
+            first = index == 0 and not torch.compiler.is_compiling()
+            deferred = first and self.defers(module, inp, out)  # its norm after the backward (lean.py: defer)
+            if first and (deferred or self.captured_bytes + nbytes <= self.capture_bytes):
                 # the edge, not the tensor: the output is not kept, and an in-place change after the call (ReLU
                 # inplace) does not move it (the gradient is the layer's output's, as a tensor hook's)
-                # (the output itself is held until the forward ends, at most capture_bytes: _hook_captured_call)
-                self.captured.append((id(module), index, torch.autograd.graph.get_gradient_edge(out), nbytes,
-                                      (out, out._version)))
-                self.captured_bytes += nbytes
+                # (a small output itself is held until the forward ends, at most capture_bytes: _hook_captured_call;
+                # a deferred one's is not: it stays captured even if called again)
+                held = None if deferred else (out, out._version)
+                self.captured.append((id(module), index, torch.autograd.graph.get_gradient_edge(out),
+                                      0 if deferred else nbytes, held))
+                self.captured_bytes += 0 if deferred else nbytes
             else:
                 self.tensor_hooks.append(out.register_hook(partial(self._on_grad, id(module), index)))
+
+    def defers(self, module, inp: torch.Tensor, out: torch.Tensor) -> bool:
+        """Should this call's norm wait for the backward's end (captured by its gradient edge, no hook, whatever its
+        size)? Never here; book-keeping's lean recorder defers the layers whose records it keeps anyway (lean.py)."""
+        return False
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
@@ -118,7 +127,7 @@ class StreamingNorms(CallHooks):
         end). An output changed in place since its call stays captured (a hook now would get the changed value's
         gradient): exact, its norm formed after the backward."""
         at = next((i for i, c in enumerate(self.captured) if c[0] == key), None)
-        if at is None:
+        if at is None or self.captured[at][4] is None:  # not captured, or deferred (no output held): as it is
             return
         out, version = self.captured[at][4]
         if out._version != version:  # (the forward is still on: the output is held)
