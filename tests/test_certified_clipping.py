@@ -44,7 +44,7 @@ EXCUSED = ("jl", "sbcd")  # see tests/test_clip_contribution.py: estimates / ano
 # method.defer=on (the record-keeping layers' norms after the backward, from the second step on: adversarial.released
 # measures that step), every norm choice
 OTHER_RECORDERS = ([{"mode": "bk", "norm": h, "recorder": r} for h in HOW for r in reweight.RECORDERS if r != "lean"]
-                   + [{"mode": "bk", "norm": h, "defer": "on"} for h in HOW])  # CUDA's default deferral, on the CPU
+                   + [{"mode": "bk", "norm": h, "defer": d} for h in HOW for d in ("on", "all")])  # deferral on the CPU
 VARIANTS = {"reweight": [{"mode": m, "norm": h} for m in reweight.MODES for h in HOW] + OTHER_RECORDERS,
             "opacus": [{"grad_sample_mode": g} for g in opacus_peer.MODES]}
 CASES = [(name, cfg) for name, cls in METHODS.items() if cls.private and name not in EXCUSED
@@ -55,10 +55,10 @@ BF16 = ([("reweight", {"mode": "bk", "norm": h}) for h in HOW] + [("reweight", c
 
 @pytest.fixture(autouse=True)
 def deferral_captures(request, monkeypatch):
-    """With method.defer=on, no layer is captured for its small size (CAPTURE_BYTES 0: these constructions' outputs
+    """With method.defer=on or all, no layer is captured for its small size (CAPTURE_BYTES 0: these constructions' outputs
     are all small), so that every layer keeping its records is captured because it is deferred (lean.py)."""
     params = getattr(getattr(request.node, "callspec", None), "params", {})
-    if isinstance(params.get("cfg"), dict) and params["cfg"].get("defer") == "on":
+    if isinstance(params.get("cfg"), dict) and params["cfg"].get("defer") in ("on", "all"):
         monkeypatch.setattr(streaming, "CAPTURE_BYTES", 0)
 
 

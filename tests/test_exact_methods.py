@@ -23,7 +23,7 @@ from runner.models import MODELS
 DT = torch.float64
 VARIANTS = {"reweight": [{"mode": "bk"}, {"mode": "twopass"}, {"mode": "recompute"}, {"mode": "bk", "norm": "ghost"},
                          {"mode": "bk", "norm": "direct"}, {"mode": "bk", "recorder": "full"},
-                         {"mode": "bk", "defer": "on"}]}
+                         {"mode": "bk", "defer": "on"}, {"mode": "bk", "defer": "all"}]}
 EXACT = [(name, cfg) for name, cls in METHODS.items() if cls.exact and cls.private and name != "nxbp"
          for cfg in VARIANTS.get(name, [{}])]
 ZOO_EXACT = [(name, cfg) for name, cfg in EXACT if "norm" not in cfg]  # the zoo: reweight with norm=auto only (and

@@ -466,13 +466,14 @@ def test_defer_forms_the_norms_of_record_keeping_layers_after_the_backward_exact
     records the clipped sums keep anyway (wide; head, T = 1) have no hook, their output-gradients come back from the
     backward by gradient edge and their norms are formed after it, while the stash-only layer (narrow) keeps its hook
     (its records freed inside the backward). The norms and clipped sums are nxBP's at every step; defer=off never
-    defers. (No small layer is captured for its size here: CAPTURE_BYTES 0.)"""
+    defers; defer=all defers every layer from the first step. (No small layer is captured for its size here:
+    CAPTURE_BYTES 0.)"""
     monkeypatch.setattr(streaming, "CAPTURE_BYTES", 0)
     torch.manual_seed(4)
     model = SeqNet().double()
     x, y = torch.randn(5, 12, 24, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
     want_norms, want = nxbp_step(model, x, y, clip=0.2)
-    for defer, expected in (("on", [(3, 0), (1, 2), (1, 2)]), ("off", [(3, 0)] * 3)):
+    for defer, expected in (("on", [(3, 0), (1, 2), (1, 2)]), ("off", [(3, 0)] * 3), ("all", [(0, 3)] * 3)):
         method = METHODS.build("reweight", cfg={"mode": "bk", "defer": defer}, clip=0.2, sigma=0.0)
         method.privacy_check = False
         m = method.attach(copy.deepcopy(model))
@@ -515,13 +516,14 @@ def test_defer_auto_is_on_on_cuda_only_and_holds_no_byte_more_on_a_transformer()
     anyway): the IMDB transformer's bk step, CPU peak. (A conv's unfolded input can meet more at the backward's end:
     docs/methods.md.)"""
     method = METHODS.build("reweight", cfg={"mode": "bk"}, clip=1.0, sigma=0.0)
-    assert method.defers(torch.device("cuda")) and not method.defers(torch.device("cpu"))
-    assert METHODS.build("reweight", cfg={"mode": "bk", "defer": "on"}, clip=1.0, sigma=0.0).defers(
-        torch.device("cpu"))
+    assert method.deferral(torch.device("cuda")) == "kept" and method.deferral(torch.device("cpu")) == "off"
+    for defer, deferral in (("on", "kept"), ("off", "off"), ("all", "all")):
+        built = METHODS.build("reweight", cfg={"mode": "bk", "defer": defer}, clip=1.0, sigma=0.0)
+        assert built.deferral(torch.device("cpu")) == built.deferral(torch.device("cuda")) == deferral
     import pytest
     from runner.errors import DprunError
 
-    with pytest.raises(DprunError, match=r"method.defer 'later'.*auto, on, off"):
+    with pytest.raises(DprunError, match=r"method.defer 'later'.*auto, on, off, all"):
         METHODS.build("reweight", cfg={"mode": "bk", "defer": "later"}, clip=1.0, sigma=0.0)
     torch.manual_seed(0)
     model = MODELS.build("transformer", IMDB_SMALL, dropout=0.0)

@@ -63,11 +63,12 @@ METHOD_VARIANTS = {
 SECURE = ["reweight-bk-secure", "noise-seeded", "noise-secure"]  # rng=secure's cost beside its seeded twin
 # rows timed only when --methods names them: bk with Recorder (method.recorder=full) beside the lean recorder, where a
 # GPU's host-bound step may prefer a backward with no Python between its kernels, and the lean recorder with its
-# record-keeping layers' norms after the backward or inside it whatever the device (method.defer=on / off; the
-# default, auto, is on on CUDA, off on the CPU) (device-check)
+# record-keeping layers' norms after the backward or inside it whatever the device, or every layer's after it
+# (method.defer=on / off / all; the default, auto, is on on CUDA, off on the CPU) (device-check)
 ON_REQUEST = {"reweight-bk-full": ("reweight", {"mode": "bk", "recorder": "full"}),
               "reweight-bk-inline": ("reweight", {"mode": "bk", "defer": "off"}),
-              "reweight-bk-defer": ("reweight", {"mode": "bk", "defer": "on"})}
+              "reweight-bk-defer": ("reweight", {"mode": "bk", "defer": "on"}),
+              "reweight-bk-deferall": ("reweight", {"mode": "bk", "defer": "all"})}
 DEFAULT_ROWS = list(METHOD_VARIANTS) + SECURE
 ALL = DEFAULT_ROWS + list(ON_REQUEST)
 # the footnote of opacus-ghost's rows: timed as a peer, refused for training (runner/methods/opacus_peer.py)

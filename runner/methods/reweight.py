@@ -45,9 +45,11 @@ MODES = ("bk", "twopass", "recompute")
 # issue 31: more memory; on a GPU its backward runs no Python between kernels, docs/bench.md "On an H200 (stop 43)")
 RECORDERS = ("lean", "full")
 # bk, lean recorder: the norms of layers whose records the clipped sums keep anyway formed after the backward (on: no
-# byte more, and the backward's kernels launched before the norms', the order a GPU's host-bound step wants) or as
-# each output-gradient arrives (off: on the CPU the gradient is still in cache); auto: on on CUDA, off elsewhere
-DEFERS = ("auto", "on", "off")
+# record more, and the backward's kernels launched before the norms', the order a GPU's host-bound step wants) or as
+# each output-gradient arrives (off: on the CPU the gradient is still in cache); all: every layer's after the backward
+# (the stash-only layers' records then wait too: Recorder's order, without its kept outputs); auto: on on CUDA, off
+# elsewhere
+DEFERS = ("auto", "on", "off", "all")
 
 
 def keep_ratio(value) -> float:
@@ -92,9 +94,16 @@ class ReweightGP(Method):
         self._plan, self._model_id = None, None
         self._lean = True  # book-keeping's lean recorder, until a model needs Recorder (book_kept)
 
+    def deferral(self, device: torch.device) -> str:
+        """method.defer for a step on `device` as LeanRecorder takes it: off, kept (the record-keeping layers') or
+        all; auto is kept on CUDA, off elsewhere."""
+        if self.defer == "auto":
+            return "kept" if device.type == "cuda" else "off"
+        return {"on": "kept"}.get(self.defer, self.defer)
+
     def defers(self, device: torch.device) -> bool:
-        """method.defer for a step on `device`: auto defers on CUDA only."""
-        return self.defer == "on" or (self.defer == "auto" and device.type == "cuda")
+        """Does a bk step on `device` defer any norm (from its second step on)?"""
+        return self.deferral(device) != "off"
 
     def prepare(self, model, data=None):
         self.plan(model)
@@ -158,7 +167,7 @@ class ReweightGP(Method):
             self.keep.begin_step()
         if self._lean and self.recorder == "lean" and not self.traced and not torch.compiler.is_compiling():
             state = rng_state(x.device)
-            with LeanRecorder(plan, self.how, stashes, self.keep, defer=self.defers(x.device)) as rec, \
+            with LeanRecorder(plan, self.how, stashes, self.keep, defer=self.deferral(x.device)) as rec, \
                     self.autocast(x):
                 outputs = model(x)  # (B, classes)
                 losses = loss_fn(outputs, y)  # (B,)

@@ -63,28 +63,34 @@ BK_FLOOR_BYTES = 2**23
 BK_CUDA_FLOOR_BYTES = 2**28
 CHUNKS: dict = {}  # (module, shapes, dtype, device type) -> examples per chunk (LeanRecorder._chunk)
 # (module, input and output shapes, dtype, device type) -> whether the layer's clipped sum needed its records the last
-# time it was called once with these shapes (not stash_only): LeanRecorder(defer=True) then forms its norm after the
+# time it was called once with these shapes (not stash_only): LeanRecorder(defer="kept") then forms its norm after the
 # backward. A stale entry could only move a norm in time (and its transients), never change it
 RECORDS_KEPT: dict = {}
 
 
 class LeanRecorder(StreamingNorms):
     def __init__(self, plan: Plan, how: str, stashes: dict, keep=KEEP, capture_bytes: int | None = None,
-                 defer: bool = False):
+                 defer: str = "off"):
         # calls whose outputs add up to at most capture_bytes (default streaming.CAPTURE_BYTES) get no tensor hook
         super().__init__(plan, how, streaming.CAPTURE_BYTES if capture_bytes is None else capture_bytes)
         self.stashes = stashes  # id(module) -> the rule's stash (kept per-example gradients or sums)
         self.keep = keep  # method.keep's ratio or method.keep_mb's budget (Stash.keeps)
         self.kept: dict[int, list] = {}  # id(module) -> [(input, output-gradient)] for its clipped sum ([] if stash)
-        # method.defer: a layer whose records the clipped sums keep anyway (RECORDS_KEPT) gets no hook; its norm is
-        # formed after the backward from the output-gradient autograd returns (held for the clipped sum anyway)
+        # method.defer: "kept", a layer whose records the clipped sums keep anyway (RECORDS_KEPT) gets no hook; its
+        # norm is formed after the backward from the output-gradient autograd returns (held for the clipped sum
+        # anyway); "all", every layer called once (the stash-only layers' records then wait too); "off", none
+        if defer not in ("off", "kept", "all"):
+            raise ValueError(f"LeanRecorder defer={defer!r}: off, kept or all")
         self.defer = defer
 
     def defers(self, module, inp: torch.Tensor, out: torch.Tensor) -> bool:
-        """defer=True: a layer called once that kept its records the last time (RECORDS_KEPT): its norm after the
-        backward, so the backward's kernels are all launched before the norms' (a GPU step bound by its host
-        launches them in the order 0c009e4 did; each norm inside the backward runs Python between its kernels)."""
-        return self.defer and RECORDS_KEPT.get(signature(module, inp, out), False)
+        """defer "kept": a layer called once that kept its records the last time (RECORDS_KEPT), "all": any layer's
+        first call: its norm after the backward, so the backward's kernels are all launched before the norms' (a GPU
+        step bound by its host launches them in the order 0c009e4 did; each norm inside the backward runs Python
+        between its kernels)."""
+        if self.defer == "all":
+            return True
+        return self.defer == "kept" and RECORDS_KEPT.get(signature(module, inp, out), False)
 
     def _add(self, key: int) -> None:
         path, module, rule, inputs, grads = self._calls(key)
