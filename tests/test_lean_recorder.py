@@ -110,15 +110,16 @@ def test_small_calls_are_captured_without_hooks_and_stay_exact():
 def test_a_captured_call_after_an_inplace_change_gets_the_layers_own_output_gradient():
     """The edge is taken at the call: a ReLU(inplace=True) on the Linear's output afterwards does not move it (the
     gradient is that of the Linear's output, as a tensor hook registered at the call gets), so the norms are
-    nxBP's whether the call is captured or hooked."""
-    for capture in (streaming.CAPTURE_BYTES, 0):
+    nxBP's whether the call is captured (for its size, or deferred with no output held: method.defer) or hooked."""
+    for capture, defer in ((streaming.CAPTURE_BYTES, "off"), (0, "off"), (0, "all")):
         torch.manual_seed(3)
         model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)).double()
         x, y = torch.randn(5, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
         plan = plan_model(model)
-        with LeanRecorder(plan, "auto", {}, capture_bytes=capture) as rec:
+        with LeanRecorder(plan, "auto", {}, capture_bytes=capture, defer=defer) as rec:
             losses = nn.functional.cross_entropy(model(x), y, reduction="none")
-        assert bool(rec.captured) == (capture > 0)
+        assert bool(rec.captured) == (capture > 0 or defer == "all")
+        assert all(c[4] is None for c in rec.captured)  # the forward is over: no output held either way
         norms_sq = rec.backward(losses.sum(), len(y))
         expected = torch.stack([torch.cat([p.flatten() for p in torch.autograd.grad(
             nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), list(model.parameters()))]).square().sum()
@@ -560,3 +561,20 @@ def test_defer_with_a_keep_budget_is_exact_at_every_step(monkeypatch):
             torch.testing.assert_close(norms, want_norms, rtol=1e-6, atol=0)
             for g, w in zip(grads, want):
                 torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+
+
+def test_a_deferred_layer_whose_input_is_written_after_the_call_is_refused():
+    """A forward that writes a recorded input after the call (tests/test_streaming_norms.py ModifiesItsInput): the
+    version check runs when the norm is formed, so a norm deferred to the backward's end is refused as well, with
+    the same one line, not formed from the changed input."""
+    import pytest
+    from runner.errors import DprunError
+    from tests.test_streaming_norms import ModifiesItsInput
+
+    model = ModifiesItsInput()
+    x, y = torch.randn(2, 3, requires_grad=True), torch.tensor([0, 1])
+    with LeanRecorder(plan_model(model), "auto", {}, capture_bytes=0, defer="all") as rec:
+        losses = loss_fn(model(x), y)
+    assert len(rec.captured) == 1 and not rec.tensor_hooks  # fc deferred, no hook
+    with pytest.raises(DprunError, match=r"fc \(Linear\).*input was modified in place"):
+        rec.backward(losses.sum(), len(y))
