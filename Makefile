@@ -156,19 +156,21 @@ bench-gpu-compiled: ## issue 31's compiled rows: a bk chunk as one graph under C
 	  --out $(BENCH_OUT)/compiled_$$p $(BENCH_ARGS) || exit 1; done
 
 .PHONY: device-check
-device-check: ## what the open issues still need from a GPU, one command (~5 min on an H200), each step's output in $(BENCH_OUT)/check.log: the event read probed once (DPRUN_EVENT_READ=0 for every step if it fails); the conv nets' and the transformer's bk step in one process (bench-clip, tf32): the default (CUDA: method.defer=auto defers the record-keeping layers' norms after the backward) against every norm inside the backward (reweight-bk-inline, the stop-43 step), every norm after it (reweight-bk-deferall) and Recorder (reweight-bk-full); issue 31's eager fp32 GPT-2-small steps the same way; issue 26's budget vs .base (bench-compare, the conv nets, $(CHECK_PAIRS) pairs) -> $(BENCH_OUT)/check_* (a step that fails does not stop the next). The compiled bf16 step (unchanged since stop 43): make device-check-compiled
+device-check: ## what the open issues still need from a GPU, one command (~5 min on an H200), each step's output in $(BENCH_OUT)/check.log: the event read probed once (DPRUN_EVENT_READ=0 for every step if it fails); the conv nets' and the transformer's bk step in one process (bench-clip, tf32): the default (CUDA: method.defer=auto defers the record-keeping layers' norms after the backward) against every norm inside the backward (reweight-bk-inline, the stop-43 step), every norm after it (reweight-bk-deferall) and Recorder (reweight-bk-full); issue 26's budget vs .base (bench-compare, the conv nets, $(CHECK_PAIRS) pairs); both tables with each step's host_ms and its kernels' gpu_ms (a host-bound step: gpu_ms well below the step); papernot_cnn's bk step, default and inline, by the host's time per operator (bench-profile --host); issue 31's eager fp32 GPT-2-small steps as the first step -> $(BENCH_OUT)/check_* (a step that fails does not stop the next). The compiled bf16 step (unchanged since stop 43): make device-check-compiled
 	test -d "$(BASE_TREE)/runner" || { echo "device-check: no $(BASE_TREE)/runner; run make base-tree here and carry $(BASE_TREE)"; exit 2; }
 	mkdir -p $(BENCH_OUT) && { $(PY) -c "$$EVENT_READ_PROBE" $(BENCH_DEVICE) && echo 1 || echo 0; } | tail -1 > $(BENCH_OUT)/event_read \
 	  && echo "device-check: DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read)" | tee -a $(BENCH_OUT)/check.log
 	-mkdir -p $(BENCH_OUT)/check_recorders && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu --precision tf32 \
 	  --workloads $(CHECK_CONV_NETS),transformer_imdb --methods nonprivate,reweight-bk,reweight-bk-inline,reweight-bk-deferall,reweight-bk-full --repeats 30 --warmup 3 \
 	  --out $(BENCH_OUT)/check_recorders $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
-	-mkdir -p $(BENCH_OUT)/check_gpt2_fp32 && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu --precision fp32 \
-	  --workloads gpt2small_t128,gpt2small_t512 --methods nonprivate,reweight-bk,reweight-bk-inline --repeats 10 --warmup 3 \
-	  --out $(BENCH_OUT)/check_gpt2_fp32 $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
 	-mkdir -p $(BENCH_OUT)/check_compare_tf32 && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) $(PY) -m runner.bench.compare \
 	  --device $(BENCH_DEVICE) --suite gpu --base $(BASE_TREE) --precision tf32 --workloads $(CHECK_CONV_NETS) --methods nonprivate,reweight-bk \
 	  --pairs $(CHECK_PAIRS) --repeats 20 --warmup 3 --out $(BENCH_OUT)/check_compare_tf32 $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
+	-mkdir -p $(BENCH_OUT)/check_host && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) $(PY) -m runner.bench.profile --device $(BENCH_DEVICE) --suite gpu --precision tf32 \
+	  --workloads papernot_cifar10 --methods reweight-bk,reweight-bk-inline --host --top 25 --out $(BENCH_OUT)/check_host $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
+	-mkdir -p $(BENCH_OUT)/check_gpt2_fp32 && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu --precision fp32 \
+	  --workloads gpt2small_t128,gpt2small_t512 --methods nonprivate,reweight-bk,reweight-bk-inline --repeats 10 --warmup 3 \
+	  --out $(BENCH_OUT)/check_gpt2_fp32 $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
 
 .PHONY: device-check-compiled
 device-check-compiled: ## issue 31's compiled GPT-2-small bk step in bf16, with the tensor-core route's single clipped sum and without the route, on one card (~3 min on an H200; stop 43 read 1.43x with the single sum, the route-off row was cut) -> $(BENCH_OUT)/check_compiled_bf16_*

@@ -25,8 +25,8 @@ def test_workload_rows_ratios_and_notes(monkeypatch):
     if not HAVE_OPACUS:
         labels = [x for x in labels if not x.startswith("opacus")]
     w = clip.Workload("tiny", "mlp", TINY, 4, labels, {"widths": (5, 6)})
-    df = clip.table(clip.bench_workload(w, CPU, repeats=2, warmup=1, budget_s=60.0))
-    assert list(df.columns) == clip.COLUMNS
+    df = clip.table(clip.bench_workload(w, CPU, repeats=2, warmup=1, budget_s=60.0), CPU)
+    assert list(df.columns) == [c for c in clip.COLUMNS if c not in clip.DEVICE_COLUMNS]  # CPU: no host/device split
     assert list(df.method) == labels and set(df.workload) == {"tiny"} and set(df.batch) == {4}
     ran = df[df.method != "future"].set_index("method")
     assert ran.x_nonprivate["nonprivate"] == pytest.approx(1.0)
@@ -42,7 +42,7 @@ def test_workload_rows_ratios_and_notes(monkeypatch):
 def test_rejected_model_is_a_row_with_a_note_and_an_unknown_model_one_line():
     text = DataInfo("text", (5,), 2, "text", 7, 100, 10)
     w = clip.Workload("rec", "rnn", text, 2, ["nonprivate", "opacus-ghost"], {"hidden": 3, "embed_dim": 2})
-    df = clip.table(clip.bench_workload(w, CPU, repeats=1, warmup=1, budget_s=60.0)).set_index("method")
+    df = clip.table(clip.bench_workload(w, CPU, repeats=1, warmup=1, budget_s=60.0), CPU).set_index("method")
     no_opacus = "n/a: method=opacus needs Opacus: pip install"  # without the `peers` extra: a note, not a crash
     assert df.note["opacus-ghost"].startswith("n/a: method=opacus grad_sample_mode=ghost fails" if HAVE_OPACUS
                                               else no_opacus)
@@ -55,7 +55,7 @@ def test_rejected_model_is_a_row_with_a_note_and_an_unknown_model_one_line():
 def test_precision_rows_and_a_method_that_refuses_it():
     """--precision sets every row's precision=; reweight twopass refuses tf32 in its note, bk runs (CPU: no effect)."""
     w = clip.Workload("tiny", "mlp", TINY, 4, ["nonprivate", "reweight-bk", "reweight-twopass"], {"widths": (5, 6)})
-    df = clip.table(clip.bench_workload(w, CPU, 1, 1, 60.0, precision="tf32")).set_index("method")
+    df = clip.table(clip.bench_workload(w, CPU, 1, 1, 60.0, precision="tf32"), CPU).set_index("method")
     assert set(df.precision) == {"tf32"}
     assert df.note["reweight-twopass"].startswith("n/a: method=reweight cannot run with precision=tf32: ")
     assert df.step_ms["reweight-bk"] > 0 and not df.note["reweight-bk"]
@@ -65,7 +65,7 @@ def test_cli_quick_subset_writes_the_csv(tmp_path, capsys):
     df = clip.main(["--quick", "--device", "cpu", "--workloads", "fig6_b16", "--out", str(tmp_path)])
     assert list(df.method) == clip.FIG6 and list(df.batch) == [2] * len(clip.FIG6)
     saved = pd.read_csv(tmp_path / "clip_cpu_quick.csv")
-    assert list(saved.columns) == clip.COLUMNS and len(saved) == len(clip.FIG6)
+    assert list(saved.columns) == [c for c in clip.COLUMNS if c not in clip.DEVICE_COLUMNS] and len(saved) == len(clip.FIG6)
     secure = df.set_index("method").loc[["reweight-bk-secure", "noise-secure"]]  # rng=secure's cost, measured
     assert (secure.step_ms > 0).all() and (secure.x_seeded > 0).all() and secure.note.eq("").all()
     out = capsys.readouterr().out

@@ -60,6 +60,23 @@ def test_each_tree_is_timed_with_its_own_code_in_its_own_process(tmp_path):
     assert rows.loc["reweight-bk", "base_kernels"] == rows.loc["reweight-bk", "this_kernels"] > 20
     assert rows.loc["nonprivate", "base_kernels"] == rows.loc["nonprivate", "this_kernels"] + 1
     assert (tmp_path / "compare_cpu_quick.csv").exists()
+    assert not set(compare.DEVICE_COLUMNS) & set(df.columns)  # the host / device split is a CUDA table's
+
+
+def test_a_worker_times_the_host_and_the_device_apart():
+    """A worker's step answer has the seconds until the step returned (<= the step's); its device time is nan off
+    CUDA (no device timeline), never a made-up number."""
+    import math
+
+    tree = compare.Tree(compare.HERE, "cpu")
+    try:
+        built = tree.ask(build="fig6_b16", methods=["nonprivate"], quick=True, suite="default", batch=2)
+        assert built["built"] == ["nonprivate"]
+        step = tree.ask(step="nonprivate")
+        assert 0 < step["host_s"] <= step["s"]
+        assert math.isnan(tree.ask(device_time="nonprivate")["ms"])
+    finally:
+        tree.close()
 
 
 KILLED = '''
@@ -185,8 +202,10 @@ def test_the_trees_take_turns_going_first():
                 return {"bytes": 0}
             if "ops" in request:
                 return {"kernels": 0}
+            if "device_time" in request:
+                return {"ms": float("nan")}
             order.append((self.name, request["step"]))
-            return {"s": 0.01}
+            return {"s": 0.01, "host_s": 0.01}
 
     trees = {"base": FakeTree("base"), "this": FakeTree("this")}
     workload = SimpleNamespace(name="w", model="m", batch=4)
@@ -218,8 +237,11 @@ def test_a_row_one_tree_lacks_is_still_measured_in_the_other():
                 return {"bytes": 2**20}
             if "ops" in request:
                 return {"kernels": 7}
+            if "device_time" in request:  # a CUDA worker's answer: its kernels' device time
+                return {"ms": 3.0}
             self.asked.append(request["step"])
-            return {"s": 0.01 if self.name == "base" else 0.02}
+            s = 0.01 if self.name == "base" else 0.02
+            return {"s": s, "host_s": s - 0.002 * len(self.asked)}  # returned before the device finished
 
     trees = {"base": FakeTree("base", {"nonprivate"}), "this": FakeTree("this", {"nonprivate", "reweight-bk"})}
     rows = compare.compare_workload(trees, SimpleNamespace(name="w", model="m", batch=4), ["nonprivate", "reweight-bk"],
@@ -227,6 +249,9 @@ def test_a_row_one_tree_lacks_is_still_measured_in_the_other():
     new = next(r for r in rows if r["method"] == "reweight-bk")
     assert "reweight-bk" not in trees["base"].asked and trees["this"].asked.count("reweight-bk") == 4
     assert new["this_ms"] == 20.0 and new["this_kernels"] == 7 and new["this_x_nonprivate"] == 1.0
+    # the host / device split: the median of bk's timed steps' host seconds (the 4th, 6th and 8th steps asked of this
+    # tree: 20 - 2 * (4, 6, 8) ms), and the worker's device time
+    assert new["this_host_ms"] == pytest.approx(8.0) and new["this_gpu_ms"] == 3.0
     assert "base_ms" not in new and "this_over_base" not in new and new["note"] == "base: no such row here"
     both = next(r for r in rows if r["method"] == "nonprivate")
     assert both["this_over_base"] == 2.0 and both["note"] == ""

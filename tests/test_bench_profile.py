@@ -25,3 +25,12 @@ def test_the_profile_names_the_steps_operators_and_their_share(tmp_path, capsys)
 def test_an_unknown_row_is_one_line():
     with pytest.raises(DprunError, match="unknown row 'nope'"):
         profile.main(["--quick", "--device", "cpu", "--workloads", "cnn_mnist", "--methods", "nope"])
+
+
+def test_host_time_per_operator_keeps_the_backwards_python(tmp_path):
+    """--host: the host's self time per operator (on CUDA instead of the kernels' device time), with autograd's rows,
+    where the lean recorder's hooks run inside the backward."""
+    table = profile.main(["--quick", "--device", "cpu", "--workloads", "cnn_mnist", "--methods", "reweight-bk-inline",
+                          "--repeats", "1", "--warmup", "1", "--host", "--out", str(tmp_path)])
+    assert table.name.str.startswith("autograd::engine::evaluate_function").any()
+    assert table.name.str.startswith("aten::").any() and (table.self_ms_per_step > 0).all()

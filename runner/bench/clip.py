@@ -40,6 +40,7 @@ from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, 
                                  timing_columns, timed_repeats)
 from runner import memory_format as layout
 from runner.bench import common
+from runner.bench.device_time import kernel_ms, shown_columns
 from runner.bench.opcount import kernels, op_counts
 from runner.data.base import DataInfo
 from runner.errors import DprunError
@@ -80,7 +81,10 @@ GPU = ["nonprivate", "reweight-twopass", "reweight-bk", "reweight-recompute", "o
        "opacus-functorch"] + SECURE
 COLUMNS = ["workload", "model", "batch", "method", "precision", "memory_format", "step_ms", "x_nonprivate", "x_nonprivate_compiled",
            "x_opacus_best", "x_seeded", "step_mem_mb", "mem_x_nonprivate", "faults_per_step", "aten_ops", "leaf_ops", "kernels",
-           "steps_timed", "note"]
+           "host_ms", "gpu_ms", "steps_timed", "note"]
+# on CUDA only: the median time until a step returned and its kernels' device time (runner/bench/device_time.py): gpu_ms
+# well below step_ms is a GPU waiting on the host
+DEVICE_COLUMNS = ["host_ms", "gpu_ms"]
 
 
 @dataclass
@@ -221,7 +225,9 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
         if notes[label]:
             print(f"[bench-clip] {w.name} {label}: {notes[label]}")
     contenders = {k: c for k, c in contenders.items() if c is not None}
-    times = interleaved_times({k: c.step for k, c in contenders.items()}, device, repeats, warmup, budget_s)
+    host: dict[str, list[float]] = {}
+    times = interleaved_times({k: c.step for k, c in contenders.items()}, device, repeats, warmup, budget_s, host)
+    gpu = {label: kernel_ms(c.step, device) for label, c in contenders.items()}  # nan off CUDA
     memory = {label: step_memory_bytes(c.step, device, before=c.zero_grad) for label, c in contenders.items()}
     ops = {label: op_counts(c.step, before=c.zero_grad) for label, c in contenders.items()}
     for label, c in contenders.items():  # eager steps: a compiled one would run op by op under the counting mode
@@ -240,7 +246,7 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
                  x_seeded=t[label] / t[seeded_twin(label)] if seeded_twin(label) in t else math.nan,
                  step_mem_mb=memory[label] / 2**20,
                  mem_x_nonprivate=memory[label] / memory["nonprivate"] if memory.get("nonprivate") else math.nan,
-                 faults_per_step=faults[label],
+                 faults_per_step=faults[label], host_ms=1e3 * median(host[label]), gpu_ms=gpu[label],
                  **ops[label])
         if label.startswith("opacus-ghost"):
             r.update(note=UNCERTIFIED)
@@ -256,8 +262,8 @@ def seeded_twin(label: str) -> str | None:
     return label.removesuffix("-secure") if label.endswith("-secure") else None
 
 
-def table(rows: list[dict]) -> pd.DataFrame:
-    return pd.DataFrame(rows).reindex(columns=COLUMNS)
+def table(rows: list[dict], device: torch.device) -> pd.DataFrame:
+    return pd.DataFrame(rows).reindex(columns=shown_columns(COLUMNS, DEVICE_COLUMNS, device))
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -291,7 +297,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         print(f"[bench-clip] {w.name}: model={w.model} B={w.batch} ...", flush=True)
         rows += bench_workload(w, device, repeats, args.warmup, args.budget, args.compile, args.precision,
                                args.memory_format)
-    df = table(rows)
+    df = table(rows, device)
     path = Path(args.out) / f"clip_{device.type}{'_quick' if args.quick else ''}.csv"
     write_csv(path, df.to_dict("records"))
     with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_colwidth", 60,

@@ -26,13 +26,13 @@ import math
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 
 from runner import memory_format as layout
+from runner.bench.device_time import host_and_wall
 from runner.heap import minor_page_faults, retain_freed_memory
 import torch.nn.functional as F
 
@@ -133,16 +133,15 @@ def contender(name: str, options: dict, base: torch.nn.Module, x, y, make_optimi
 
 
 def timed(step: Callable[[], object], device: torch.device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    step()
-    synchronize(device)
-    return time.perf_counter() - start
+    """Seconds of one step, from an idle device until it finished the step."""
+    return host_and_wall(step, device)[1]
 
 
 def interleaved_times(contenders: dict[str, Callable[[], object]], device: torch.device, repeats: int,
-                      warmup: int = 2, budget_s: float = math.inf) -> dict[str, list[float]]:
-    """name -> the timed steps' seconds. Warm-up steps first (all contenders alike), then interleaved repeats."""
+                      warmup: int = 2, budget_s: float = math.inf,
+                      host: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """name -> the timed steps' seconds. Warm-up steps first (all contenders alike), then interleaved repeats. `host`,
+    if given, gets name -> each timed step's seconds until step() returned (runner/bench/device_time.py)."""
     first: dict[str, float] = {}
     for name, step in contenders.items():
         for _ in range(max(1, warmup)):
@@ -152,7 +151,10 @@ def interleaved_times(contenders: dict[str, Callable[[], object]], device: torch
     for r in range(repeats):
         for name, step in contenders.items():
             if r < quota[name]:
-                times[name].append(timed(step, device))
+                returned, finished = host_and_wall(step, device)
+                times[name].append(finished)
+                if host is not None:
+                    host.setdefault(name, []).append(returned)
     return times
 
 

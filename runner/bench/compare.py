@@ -45,6 +45,7 @@ from pathlib import Path
 import pandas as pd
 
 from runner.bench.common import arguments, bench_device, median, select_workloads, timed_repeats
+from runner.bench.device_time import shown_columns
 from runner.bench.clip import ALL, ON_REQUEST, add_suite_argument, suite_workloads, workload_names
 from runner.errors import DprunError
 from runner.heap import RETAIN_BYTES
@@ -53,7 +54,10 @@ from runner.metrics import write_csv
 HERE = Path(__file__).resolve().parents[2]  # this tree's root
 WORKER = Path(__file__).resolve().with_name("compare_worker.py")
 COLUMNS = ["pair", "workload", "model", "batch", "method", "base_ms", "this_ms", "this_over_base", "base_x_nonprivate",
-           "this_x_nonprivate", "base_mem_mb", "this_mem_mb", "base_kernels", "this_kernels", "steps_timed", "note"]
+           "this_x_nonprivate", "base_mem_mb", "this_mem_mb", "base_kernels", "this_kernels", "base_host_ms", "this_host_ms",
+           "base_gpu_ms", "this_gpu_ms", "steps_timed", "note"]
+# on CUDA only: each tree's median time until its step returned, and its kernels' device time (runner/bench/device_time.py)
+DEVICE_COLUMNS = ["base_host_ms", "this_host_ms", "base_gpu_ms", "this_gpu_ms"]
 
 
 def export_commit(commit: str, repo: Path, into: Path) -> Path:
@@ -143,6 +147,7 @@ def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool,
         rows.append(dict(workload=w.name, model=w.model, batch=w.batch, method=label, note="; ".join(notes)))
         steps += [(name, label) for name, b in built.items() if label in b.get("built", [])]
     times = {key: [] for key in steps}
+    host = {key: [] for key in steps}  # seconds until each timed step returned, before the device finished it
     for r in range(warmup + repeats):
         # the trees' order alternates by round: a step that always followed the other tree's step of the same kind
         # (and one that always followed a different kind) read up to 4% apart in an A/A run (--base .)
@@ -157,17 +162,20 @@ def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool,
                     raise DprunError(f"{name} tree, {w.name} {label}: {answer['error']}")
                 if r >= warmup:
                     times[(name, label)].append(answer["s"])
+                    host[(name, label)].append(answer["host_s"])
     t = {key: median(ts) for key, ts in times.items()}
-    memory, ops = {}, {}  # one step each, after the timing (bench-clip's measure: peak tensor bytes above the
-    for name, label in steps:  # step's start), and one step's computing operators (~ kernels: a host-bound GPU step)
-        memory[(name, label)] = trees[name].ask(memory=label).get("bytes", math.nan) / 2**20
-        ops[(name, label)] = trees[name].ask(ops=label).get("kernels", math.nan)
+    memory, ops, gpu = {}, {}, {}  # one step each, after the timing (bench-clip's measure: peak tensor bytes above the
+    for name, label in steps:  # step's start), one step's computing operators (~ kernels: a host-bound GPU step), and
+        memory[(name, label)] = trees[name].ask(memory=label).get("bytes", math.nan) / 2**20  # (CUDA) its kernels'
+        ops[(name, label)] = trees[name].ask(ops=label).get("kernels", math.nan)  # device time
+        gpu[(name, label)] = trees[name].ask(device_time=label).get("ms", math.nan)
     for row in rows:
         label = row["method"]
         for name in trees:  # each tree's own columns where it ran the row; ratios where both did
             if (name, label) in t:
                 row.update({f"{name}_ms": 1e3 * t[(name, label)], f"{name}_mem_mb": memory[(name, label)],
-                            f"{name}_kernels": ops[(name, label)], "steps_timed": repeats})
+                            f"{name}_kernels": ops[(name, label)], f"{name}_host_ms": 1e3 * median(host[(name, label)]),
+                            f"{name}_gpu_ms": gpu[(name, label)], "steps_timed": repeats})
                 if (name, "nonprivate") in t:
                     row[f"{name}_x_nonprivate"] = t[(name, label)] / t[(name, "nonprivate")]
         if ("base", label) in t and ("this", label) in t:
@@ -214,10 +222,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         measure_pairs(args, device, repeats, methods, chosen, rows)
     except BaseException:  # a worker killed or a step failed, or ctrl-c: the workloads measured so far are kept
         if rows:
-            write_csv(path, pd.DataFrame(rows).reindex(columns=COLUMNS).to_dict("records"))
+            write_csv(path, pd.DataFrame(rows).reindex(columns=shown_columns(COLUMNS, DEVICE_COLUMNS, device)).to_dict("records"))
             print(f"[bench-compare] stopped: the {len(rows)} rows measured before are saved in {path}")
         raise
-    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    df = pd.DataFrame(rows).reindex(columns=shown_columns(COLUMNS, DEVICE_COLUMNS, device))
     write_csv(path, df.to_dict("records"))
     with pd.option_context("display.max_rows", None, "display.width", 250, "display.float_format", "{:.3f}".format):
         print(df.to_string(index=False))

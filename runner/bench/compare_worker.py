@@ -10,9 +10,12 @@ Requests: {"build": workload, "methods": [...], "quick": bool, "suite": "default
 {"built": [labels], "notes": {label: why not}, "batch": the batch built}; {"step": label} -> {"s": seconds of one step}; {"memory": label} ->
 {"bytes": peak bytes of one step, as bench-clip measures it}; {"ops": label} -> {"kernels": computing operators of one
 step, not views (~ kernels launched on a GPU: THIS tree's runner/bench/opcount.py counts, loaded by its path, so both
-trees are counted alike)}; {"quit": true}. The tree's bench API:
-runner.bench.clip's workloads(), gpu_workloads() and method_contender(), runner.bench.common's synthetic_batch(),
-timed() and step_memory_bytes() (there since the certified-clipping work began; an older tree answers {"error": ...}).
+trees are counted alike)}; {"device_time": label} -> {"ms": device time of one step's kernels, nan off CUDA (THIS
+tree's runner/bench/device_time.py, as for the kernels)}; {"quit": true}. {"step": label} also answers "host_s", the
+seconds until the step returned before the device finished it (device_time.host_and_wall, timed alike for both trees).
+The tree's bench API: runner.bench.clip's workloads(), gpu_workloads() and method_contender(), runner.bench.common's
+synthetic_batch() and step_memory_bytes() (there since the certified-clipping work began; an older tree answers
+{"error": ...}).
 """
 import importlib.util
 import inspect
@@ -21,13 +24,14 @@ import sys
 from pathlib import Path
 
 
-def op_counter():
-    """kernels() from the runner/bench/opcount.py next to this file, under a name of its own: it imports torch only,
-    so the tree being measured keeps its own `runner` (an older tree has no opcount)."""
-    spec = importlib.util.spec_from_file_location("compare_opcount", Path(__file__).with_name("opcount.py"))
+def own_module(name: str):
+    """runner/bench/<name>.py next to this file, under a name of its own: opcount and device_time import torch only,
+    so the tree being measured keeps its own `runner`, and both trees are measured by this tree's code (an older tree
+    has neither)."""
+    spec = importlib.util.spec_from_file_location(f"compare_{name}", Path(__file__).with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.kernels
+    return module
 
 
 def serve(tree: str, device_name: str) -> None:
@@ -38,7 +42,8 @@ def serve(tree: str, device_name: str) -> None:
     from runner.models import MODELS
 
     device = torch.device(device_name)
-    count_kernels = op_counter()
+    count_kernels = own_module("opcount").kernels
+    device_time = own_module("device_time")
     steps: dict = {}
     for line in sys.stdin:
         request = json.loads(line)
@@ -53,8 +58,11 @@ def serve(tree: str, device_name: str) -> None:
             elif "ops" in request:
                 c = steps[request["ops"]]
                 answer = {"kernels": count_kernels(c.step, before=c.zero_grad)}
+            elif "device_time" in request:
+                answer = {"ms": device_time.kernel_ms(steps[request["device_time"]].step, device)}
             else:
-                answer = {"s": common.timed(steps[request["step"]].step, device)}
+                host_s, wall_s = device_time.host_and_wall(steps[request["step"]].step, device)
+                answer = {"s": wall_s, "host_s": host_s}
         except Exception as e:  # the parent notes a build error on the rows, and stops on a step's
             answer = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
         print(json.dumps(answer), flush=True)

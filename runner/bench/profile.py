@@ -3,6 +3,7 @@ by the device time of the kernels each launched (CUDA).
 
     python -m runner.bench.profile --device cuda --suite gpu --workloads gpt2small_t512 --methods nonprivate,reweight-bk
     python -m runner.bench.profile --workloads transformer_imdb --methods reweight-bk --top 30 --precision bf16
+    python -m runner.bench.profile --device cuda --suite gpu --workloads papernot_cifar10 --host   # the host's share
 
 Each contender is built as bench-clip builds it (runner/bench/clip.py method_contender), warmed up, then profiled over
 --steps steps. Output: a table per contender (name, calls per step, self ms per step, share of the step's self time)
@@ -21,20 +22,22 @@ from runner.bench.common import bench_device, quiet_stderr, save_frames, select_
 from runner.metrics import synchronize
 
 
-def profiled(step, device: torch.device, steps: int) -> pd.DataFrame:
-    """Self time per step of each operator (CPU: its own time; CUDA: its kernels' device time) over `steps` steps,
-    largest first."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+def profiled(step, device: torch.device, steps: int, host: bool = False) -> pd.DataFrame:
+    """Self time per step of each operator (CPU: its own time; CUDA: its kernels' device time, or with `host` the
+    host's own time in it: Python hooks inside the backward show as autograd's evaluate_function rows) over `steps`
+    steps, largest first."""
+    on_device = device.type == "cuda" and not host
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     with quiet_stderr(), profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         synchronize(device)
     rows = []
     for e in prof.key_averages():
-        self_us = e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
+        self_us = e.self_device_time_total if on_device else e.self_cpu_time_total
         # CUDA: each aten op with the device time of the kernels it launched (the kernels' own rows, which would
         # count the same time twice under their long template names, are left out)
-        if self_us > 0 and (device.type != "cuda" or e.key.startswith("aten::")):
+        if self_us > 0 and (not on_device or e.key.startswith("aten::")):
             rows.append(dict(name=e.key, calls_per_step=e.count / steps, self_ms_per_step=self_us / 1e3 / steps))
     out = pd.DataFrame(rows, columns=["name", "calls_per_step", "self_ms_per_step"])
     out = out.sort_values("self_ms_per_step", ascending=False, ignore_index=True)
@@ -43,17 +46,20 @@ def profiled(step, device: torch.device, steps: int) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    args = contender_arguments("python -m runner.bench.profile", __doc__, repeats=3, warmup=3,
-                               out="profile_<device>.csv", top=20, rows="operators").parse_args(argv)
+    ap = contender_arguments("python -m runner.bench.profile", __doc__, repeats=3, warmup=3,
+                             out="profile_<device>.csv", top=20, rows="operators")
+    ap.add_argument("--host", action="store_true", help="CUDA: the host's self time per operator instead of its "
+                    "kernels' device time (where a step bound by its host spends it)")
+    args = ap.parse_args(argv)
     device = bench_device(args.device)
     chosen = select_workloads(suite_workloads(args.suite, args.quick), args.workloads, "bench-profile")
     frames = []
     for w, label, c in warmed_contenders(chosen, args.methods.split(","), device, args.precision, args.warmup,
                                          "profile"):
-        table = profiled(c.step, device, max(1, timed_repeats(args)))
+        table = profiled(c.step, device, max(1, timed_repeats(args)), args.host)
         total = table.self_ms_per_step.sum()
         print(f"\n[profile] {w.name} B={w.batch} {label} {args.precision}: {total:.2f} ms "
-              f"{'device time of the kernels' if device.type == 'cuda' else 'self time of the operators'} per "
+              f"{'device time of the kernels' if device.type == 'cuda' and not args.host else 'self time of the operators'} per "
               f"step, {table.calls_per_step.sum():.0f} operator calls")
         print(table.head(args.top).to_string(index=False, float_format=lambda v: f"{v:.3f}",
                                              formatters={"name": lambda s: s[:90]}))

@@ -1,0 +1,72 @@
+"""A GPU step's wall time split into the host's part and the device's: is the step bound by its host?
+
+    host_s, wall_s = host_and_wall(step, device)   # until step() returned; until its last kernel finished
+    ms = kernel_ms(step, device)                    # device time of the kernels (and copies) one step runs; nan off CUDA
+
+Issue 26's conv nets read 1.10-1.28x the uncertified tree's step on an H200 (stop 43) while launching fewer kernels
+and giving the GPU less work (stop 41's profile): the mark of a step whose GPU waits on the host's Python. These two
+numbers, beside each timed step (bench-clip's `host_ms` and `gpu_ms` columns on CUDA, bench-compare's per tree),
+say so in the same call as the timing: gpu_ms well below step_ms is a GPU left idle, and host_ms close to step_ms is
+a host that never got ahead of it. host_ms includes any wait inside the step for the device (book-keeping's one read
+of the certificate, runner/norms/certify.py), so a host-bound step and a device-bound one with a read near its end
+can both show host_ms ~ step_ms; gpu_ms tells them apart.
+
+Imports torch only: bench-compare's worker loads this file by its path (runner/bench/compare_worker.py), so both trees
+are measured alike by this tree's code.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_and_wall(step: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """(seconds until step() returned, seconds until the device finished it), from an idle device. On the CPU both are
+    the step's time."""
+    synchronize(device)
+    start = time.perf_counter()
+    step()
+    returned = time.perf_counter()
+    synchronize(device)
+    return returned - start, time.perf_counter() - start
+
+
+def device_activity_us(events: Iterable) -> float:
+    """Total microseconds of the profiler's device-side events (kernels, memcpy, memset; each recorded once, on the
+    device's own timeline): torch.autograd.profiler_util FunctionEvents whose device_type is not the CPU. The host's
+    operators, which the kernels are also attributed to, are not counted again."""
+    from torch.autograd import DeviceType
+
+    return float(sum(e.time_range.elapsed_us() for e in events if e.device_type != DeviceType.CPU))
+
+
+def kernel_ms(step: Callable[[], object], device: torch.device, steps: int = 3) -> float:
+    """Device milliseconds of one step's kernels (the mean over `steps` profiled steps); nan off CUDA, where no device
+    timeline exists. The profiler slows the host, not the kernels."""
+    if device.type != "cuda":
+        return math.nan
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            synchronize(device)
+        return device_activity_us(prof.events()) / 1e3 / steps
+    except Exception as e:  # a diagnostic column: a profiler that fails here must not cost the table its timings
+        print(f"[device-time] no device time ({type(e).__name__}: {str(e).strip()[:200]}): gpu_ms is nan", flush=True)
+        return math.nan
+
+
+def shown_columns(columns: list[str], device_columns: list[str], device: torch.device) -> list[str]:
+    """A bench table's columns: `device_columns` (the host / device split) only where a device runs the kernels."""
+    return columns if device.type == "cuda" else [c for c in columns if c not in device_columns]
