@@ -74,7 +74,8 @@ def test_a_worker_times_the_host_and_the_device_apart():
         assert built["built"] == ["nonprivate"]
         step = tree.ask(step="nonprivate")
         assert 0 < step["host_s"] <= step["s"]
-        assert math.isnan(tree.ask(device_time="nonprivate")["ms"])
+        device = tree.ask(device_time="nonprivate")
+        assert math.isnan(device["ms"]) and math.isnan(device["mallocs"])
     finally:
         tree.close()
 
@@ -237,8 +238,8 @@ def test_a_row_one_tree_lacks_is_still_measured_in_the_other():
                 return {"bytes": 2**20}
             if "ops" in request:
                 return {"kernels": 7}
-            if "device_time" in request:  # a CUDA worker's answer: its kernels' device time
-                return {"ms": 3.0}
+            if "device_time" in request:  # a CUDA worker's answer: its kernels' device time, its driver calls
+                return {"ms": 3.0, "mallocs": 0.0}
             self.asked.append(request["step"])
             s = 0.01 if self.name == "base" else 0.02
             return {"s": s, "host_s": s - 0.002 * len(self.asked)}  # returned before the device finished
@@ -251,7 +252,7 @@ def test_a_row_one_tree_lacks_is_still_measured_in_the_other():
     assert new["this_ms"] == 20.0 and new["this_kernels"] == 7 and new["this_x_nonprivate"] == 1.0
     # the host / device split: the median of bk's timed steps' host seconds (the 4th, 6th and 8th steps asked of this
     # tree: 20 - 2 * (4, 6, 8) ms), and the worker's device time
-    assert new["this_host_ms"] == pytest.approx(8.0) and new["this_gpu_ms"] == 3.0
+    assert new["this_host_ms"] == pytest.approx(8.0) and new["this_gpu_ms"] == 3.0 and new["this_mallocs"] == 0.0
     assert "base_ms" not in new and "this_over_base" not in new and new["note"] == "base: no such row here"
     both = next(r for r in rows if r["method"] == "nonprivate")
     assert both["this_over_base"] == 2.0 and both["note"] == ""

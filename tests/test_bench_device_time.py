@@ -10,7 +10,7 @@ from torch.autograd import DeviceType
 
 from runner.bench import clip, compare
 from runner.bench.common import interleaved_times
-from runner.bench.device_time import device_activity_us, host_and_wall, kernel_ms, shown_columns
+from runner.bench.device_time import device_activity_us, host_and_wall, kernel_ms, mallocs_per_step, shown_columns
 
 CPU = torch.device("cpu")
 
@@ -64,3 +64,23 @@ def test_a_failing_profiler_costs_the_column_not_the_table(monkeypatch, capsys):
     monkeypatch.setattr("torch.profiler.profile.__exit__", lambda self, *exc: None)
     assert math.isnan(kernel_ms(boom, torch.device("cuda")))
     assert "no device time (RuntimeError: CUPTI unavailable)" in capsys.readouterr().out
+
+
+def test_driver_calls_per_step_count_segments_retries_and_pinned_host_blocks(monkeypatch):
+    """mallocs_per_step: the allocator's calls into the driver during the steps, per step, device and pinned host
+    alike (the allocator's cached reuse, the steady state, is 0); nan off CUDA."""
+    stats = {"segment.all.allocated": 10, "segment.all.freed": 4, "num_alloc_retries": 0, "allocated.all.allocated": 999}
+    host = {"num_host_alloc": 2, "num_host_free": 1}
+
+    def step():  # each step: one segment freed and one allocated (a cache that does not fit), one pinned block
+        stats["segment.all.freed"] += 1
+        stats["segment.all.allocated"] += 1
+        stats["allocated.all.allocated"] += 50  # requests the cache served: not driver calls
+        host["num_host_alloc"] += 1
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: dict(host), raising=False)
+    assert mallocs_per_step(step, torch.device("cuda"), steps=4) == 3.0
+    assert mallocs_per_step(lambda: None, torch.device("cuda")) == 0.0
+    assert math.isnan(mallocs_per_step(step, CPU))

@@ -40,7 +40,7 @@ from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, 
                                  timing_columns, timed_repeats)
 from runner import memory_format as layout
 from runner.bench import common
-from runner.bench.device_time import kernel_ms, shown_columns
+from runner.bench.device_time import kernel_ms, mallocs_per_step, shown_columns
 from runner.bench.opcount import kernels, op_counts
 from runner.data.base import DataInfo
 from runner.errors import DprunError
@@ -81,10 +81,10 @@ GPU = ["nonprivate", "reweight-twopass", "reweight-bk", "reweight-recompute", "o
        "opacus-functorch"] + SECURE
 COLUMNS = ["workload", "model", "batch", "method", "precision", "memory_format", "step_ms", "x_nonprivate", "x_nonprivate_compiled",
            "x_opacus_best", "x_seeded", "step_mem_mb", "mem_x_nonprivate", "faults_per_step", "aten_ops", "leaf_ops", "kernels",
-           "host_ms", "gpu_ms", "steps_timed", "note"]
-# on CUDA only: the median time until a step returned and its kernels' device time (runner/bench/device_time.py): gpu_ms
-# well below step_ms is a GPU waiting on the host
-DEVICE_COLUMNS = ["host_ms", "gpu_ms"]
+           "host_ms", "gpu_ms", "mallocs_per_step", "steps_timed", "note"]
+# on CUDA only: the median time until a step returned, its kernels' device time, and its allocator calls into the
+# driver (runner/bench/device_time.py): gpu_ms well below step_ms is a GPU waiting on the host
+DEVICE_COLUMNS = ["host_ms", "gpu_ms", "mallocs_per_step"]
 
 
 @dataclass
@@ -228,6 +228,7 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
     host: dict[str, list[float]] = {}
     times = interleaved_times({k: c.step for k, c in contenders.items()}, device, repeats, warmup, budget_s, host)
     gpu = {label: kernel_ms(c.step, device) for label, c in contenders.items()}  # nan off CUDA
+    mallocs = {label: mallocs_per_step(c.step, device) for label, c in contenders.items()}  # nan off CUDA
     memory = {label: step_memory_bytes(c.step, device, before=c.zero_grad) for label, c in contenders.items()}
     ops = {label: op_counts(c.step, before=c.zero_grad) for label, c in contenders.items()}
     for label, c in contenders.items():  # eager steps: a compiled one would run op by op under the counting mode
@@ -247,6 +248,7 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
                  step_mem_mb=memory[label] / 2**20,
                  mem_x_nonprivate=memory[label] / memory["nonprivate"] if memory.get("nonprivate") else math.nan,
                  faults_per_step=faults[label], host_ms=1e3 * median(host[label]), gpu_ms=gpu[label],
+                 mallocs_per_step=mallocs[label],
                  **ops[label])
         if label.startswith("opacus-ghost"):
             r.update(note=UNCERTIFIED)

@@ -55,9 +55,10 @@ HERE = Path(__file__).resolve().parents[2]  # this tree's root
 WORKER = Path(__file__).resolve().with_name("compare_worker.py")
 COLUMNS = ["pair", "workload", "model", "batch", "method", "base_ms", "this_ms", "this_over_base", "base_x_nonprivate",
            "this_x_nonprivate", "base_mem_mb", "this_mem_mb", "base_kernels", "this_kernels", "base_host_ms", "this_host_ms",
-           "base_gpu_ms", "this_gpu_ms", "steps_timed", "note"]
-# on CUDA only: each tree's median time until its step returned, and its kernels' device time (runner/bench/device_time.py)
-DEVICE_COLUMNS = ["base_host_ms", "this_host_ms", "base_gpu_ms", "this_gpu_ms"]
+           "base_gpu_ms", "this_gpu_ms", "base_mallocs", "this_mallocs", "steps_timed", "note"]
+# on CUDA only: each tree's median time until its step returned, its kernels' device time and its allocator calls into
+# the driver per step (runner/bench/device_time.py)
+DEVICE_COLUMNS = ["base_host_ms", "this_host_ms", "base_gpu_ms", "this_gpu_ms", "base_mallocs", "this_mallocs"]
 
 
 def export_commit(commit: str, repo: Path, into: Path) -> Path:
@@ -168,14 +169,15 @@ def compare_workload(trees: dict[str, Tree], w, methods: list[str], quick: bool,
     for name, label in steps:  # step's start), one step's computing operators (~ kernels: a host-bound GPU step), and
         memory[(name, label)] = trees[name].ask(memory=label).get("bytes", math.nan) / 2**20  # (CUDA) its kernels'
         ops[(name, label)] = trees[name].ask(ops=label).get("kernels", math.nan)  # device time
-        gpu[(name, label)] = trees[name].ask(device_time=label).get("ms", math.nan)
+        gpu[(name, label)] = trees[name].ask(device_time=label)  # {"ms", "mallocs"}
     for row in rows:
         label = row["method"]
         for name in trees:  # each tree's own columns where it ran the row; ratios where both did
             if (name, label) in t:
                 row.update({f"{name}_ms": 1e3 * t[(name, label)], f"{name}_mem_mb": memory[(name, label)],
                             f"{name}_kernels": ops[(name, label)], f"{name}_host_ms": 1e3 * median(host[(name, label)]),
-                            f"{name}_gpu_ms": gpu[(name, label)], "steps_timed": repeats})
+                            f"{name}_gpu_ms": gpu[(name, label)].get("ms", math.nan),
+                            f"{name}_mallocs": gpu[(name, label)].get("mallocs", math.nan), "steps_timed": repeats})
                 if (name, "nonprivate") in t:
                     row[f"{name}_x_nonprivate"] = t[(name, label)] / t[(name, "nonprivate")]
         if ("base", label) in t and ("this", label) in t:

@@ -10,8 +10,8 @@ Requests: {"build": workload, "methods": [...], "quick": bool, "suite": "default
 {"built": [labels], "notes": {label: why not}, "batch": the batch built}; {"step": label} -> {"s": seconds of one step}; {"memory": label} ->
 {"bytes": peak bytes of one step, as bench-clip measures it}; {"ops": label} -> {"kernels": computing operators of one
 step, not views (~ kernels launched on a GPU: THIS tree's runner/bench/opcount.py counts, loaded by its path, so both
-trees are counted alike)}; {"device_time": label} -> {"ms": device time of one step's kernels, nan off CUDA (THIS
-tree's runner/bench/device_time.py, as for the kernels)}; {"quit": true}. {"step": label} also answers "host_s", the
+trees are counted alike)}; {"device_time": label} -> {"ms": device time of one step's kernels, "mallocs": its
+allocator calls into the driver, nan off CUDA (THIS tree's runner/bench/device_time.py, as for the kernels)}; {"quit": true}. {"step": label} also answers "host_s", the
 seconds until the step returned before the device finished it (device_time.host_and_wall, timed alike for both trees).
 The tree's bench API: runner.bench.clip's workloads(), gpu_workloads() and method_contender(), runner.bench.common's
 synthetic_batch() and step_memory_bytes() (there since the certified-clipping work began; an older tree answers
@@ -59,7 +59,8 @@ def serve(tree: str, device_name: str) -> None:
                 c = steps[request["ops"]]
                 answer = {"kernels": count_kernels(c.step, before=c.zero_grad)}
             elif "device_time" in request:
-                answer = {"ms": device_time.kernel_ms(steps[request["device_time"]].step, device)}
+                step = steps[request["device_time"]].step
+                answer = {"ms": device_time.kernel_ms(step, device), "mallocs": device_time.mallocs_per_step(step, device)}
             else:
                 host_s, wall_s = device_time.host_and_wall(steps[request["step"]].step, device)
                 answer = {"s": wall_s, "host_s": host_s}

@@ -2,6 +2,7 @@
 
     host_s, wall_s = host_and_wall(step, device)   # until step() returned; until its last kernel finished
     ms = kernel_ms(step, device)                    # device time of the kernels (and copies) one step runs; nan off CUDA
+    n = mallocs_per_step(step, device)              # device and pinned-host allocator calls a step; nan off CUDA
 
 Issue 26's conv nets read 1.10-1.28x the uncertified tree's step on an H200 (stop 43) while launching fewer kernels
 and giving the GPU less work (stop 41's profile): the mark of a step whose GPU waits on the host's Python. These two
@@ -10,6 +11,12 @@ say so in the same call as the timing: gpu_ms well below step_ms is a GPU left i
 a host that never got ahead of it. host_ms includes any wait inside the step for the device (book-keeping's one read
 of the certificate, runner/norms/certify.py), so a host-bound step and a device-bound one with a read near its end
 can both show host_ms ~ step_ms; gpu_ms tells them apart.
+
+A third number tells a GPU-only cost from both: mallocs_per_step counts the CUDA allocator's calls into the driver
+(cudaMalloc / cudaFree of a segment, retries after a failed one, pinned host allocations): each synchronizes the
+device or costs ~0.1-1 ms, so in steady state a step should make none; a step whose freed blocks do not fit the next
+step's requests makes some every step, and one process can be unlucky where another is not (issue 26's ResNet-18 bk
+step varied 31-45 ms from process to process on an H200).
 
 Imports torch only: bench-compare's worker loads this file by its path (runner/bench/compare_worker.py), so both trees
 are measured alike by this tree's code.
@@ -65,6 +72,31 @@ def kernel_ms(step: Callable[[], object], device: torch.device, steps: int = 3) 
     except Exception as e:  # a diagnostic column: a profiler that fails here must not cost the table its timings
         print(f"[device-time] no device time ({type(e).__name__}: {str(e).strip()[:200]}): gpu_ms is nan", flush=True)
         return math.nan
+
+
+# the allocator's counters that are calls into the CUDA driver (torch.cuda.memory_stats, host_memory_stats)
+DEVICE_CALLS = ("segment.all.allocated", "segment.all.freed", "num_alloc_retries")
+HOST_CALLS = ("num_host_alloc", "num_host_free")
+
+
+def allocator_calls(device: torch.device) -> int:
+    """The running total of the CUDA caching allocators' calls into the driver on `device` (and for pinned host
+    memory, where this torch counts them)."""
+    device_stats = torch.cuda.memory_stats(device)
+    host_stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    return sum(int(device_stats.get(k, 0)) for k in DEVICE_CALLS) + sum(int(host_stats.get(k, 0)) for k in HOST_CALLS)
+
+
+def mallocs_per_step(step: Callable[[], object], device: torch.device, steps: int = 3) -> float:
+    """Allocator calls into the CUDA driver per step over `steps` steps (steady state: 0); nan off CUDA."""
+    if device.type != "cuda":
+        return math.nan
+    synchronize(device)
+    before = allocator_calls(device)
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return (allocator_calls(device) - before) / steps
 
 
 def shown_columns(columns: list[str], device_columns: list[str], device: torch.device) -> list[str]:
