@@ -173,11 +173,20 @@ device-check: ## what the open issues still need from a GPU, one command (~5 min
 	  --out $(BENCH_OUT)/check_gpt2_fp32 $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
 
 .PHONY: device-check-compiled
-device-check-compiled: ## issue 31's compiled GPT-2-small bk step in bf16, with the tensor-core route's single clipped sum and without the route, on one card (~3 min on an H200; stop 43 read 1.43x with the single sum, the route-off row was cut) -> $(BENCH_OUT)/check_compiled_bf16_*
-	-for v in 1_single 0_split; do mkdir -p $(BENCH_OUT)/check_compiled_bf16_tc$$v && \
-	  DPRUN_TENSOR_CORES=$${v%%_*} DPRUN_TENSOR_CORES_SUM=$${v#*_} $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) \
-	  --suite gpu --precision bf16 --compile $(COMPILE_MODE) --workloads gpt2small_t128 --methods nonprivate,reweight-bk \
-	  $(OPEN_RUNS) --out $(BENCH_OUT)/check_compiled_bf16_tc$$v $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log; done
+device-check-compiled: ## issue 31's compiled GPT-2-small bk step in bf16, with the tensor-core route's single clipped sum and without the route, on one card (~3 min on an H200; stop 43 read 1.43x with the single sum, the route-off row was cut), each row with its kernels' gpu_ms, both compiled steps' kernels by name with the single sum (bench-profile --by kernel: where the bk step's extra device time goes), then the route-off rows -> $(BENCH_OUT)/check_compiled_*
+	-$(MAKE) --no-print-directory compiled-bf16-row TC=1 TC_SUM=single
+	-mkdir -p $(BENCH_OUT)/check_compiled_kernels && DPRUN_TENSOR_CORES=1 DPRUN_TENSOR_CORES_SUM=single $(PY) -m runner.bench.profile \
+	  --device $(BENCH_DEVICE) --suite gpu --precision bf16 --compile $(COMPILE_MODE) --by kernel --workloads gpt2small_t128 \
+	  --methods nonprivate+compile,reweight-bk+compile --warmup 4 --repeats 3 --top 30 --out $(BENCH_OUT)/check_compiled_kernels \
+	  $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
+	-$(MAKE) --no-print-directory compiled-bf16-row TC=0 TC_SUM=split
+
+.PHONY: compiled-bf16-row
+compiled-bf16-row: ## (device-check-compiled) the compiled GPT-2-small bf16 rows with DPRUN_TENSOR_CORES=$(TC), DPRUN_TENSOR_CORES_SUM=$(TC_SUM)
+	mkdir -p $(BENCH_OUT)/check_compiled_bf16_tc$(TC)_$(TC_SUM) && DPRUN_TENSOR_CORES=$(TC) DPRUN_TENSOR_CORES_SUM=$(TC_SUM) \
+	  $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu --precision bf16 --compile $(COMPILE_MODE) \
+	  --workloads gpt2small_t128 --methods nonprivate,reweight-bk $(OPEN_RUNS) --out $(BENCH_OUT)/check_compiled_bf16_tc$(TC)_$(TC_SUM) \
+	  $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
 CHECK_CONV_NETS ?= cnn_mnist,papernot_cifar10,resnet18_cifar10
 # the step's event read (runner/norms/certify.py read_started) tried once on the device: if it fails, the checks run
 # with the plain read (DPRUN_EVENT_READ=0) instead of failing every bk row

@@ -10,24 +10,27 @@ from torch.autograd import DeviceType
 
 from runner.bench import clip, compare
 from runner.bench.common import interleaved_times
-from runner.bench.device_time import device_activity_us, host_and_wall, kernel_ms, mallocs_per_step, shown_columns
+from runner.bench.device_time import device_activity_us, device_events, host_and_wall, kernel_ms, mallocs_per_step, shown_columns
 
 CPU = torch.device("cpu")
 
 
-def event(device_type, start_us, end_us):
-    return SimpleNamespace(device_type=device_type, time_range=SimpleNamespace(elapsed_us=lambda: end_us - start_us))
+def event(device_type, start_us, end_us, name):
+    return SimpleNamespace(device_type=device_type, name=name,
+                           time_range=SimpleNamespace(elapsed_us=lambda: end_us - start_us))
 
 
 def test_device_activity_counts_each_device_event_once_and_no_host_operator():
     """A kernel is also attributed to the aten operator that launched it (a CPU event): only the device's own events
-    are added, so the total is the device's busy time, not twice it."""
-    events = [event(DeviceType.CPU, 0, 500),     # aten::mm on the host, its kernel inside
-              event(DeviceType.CUDA, 10, 310),   # the mm kernel: 300 us
-              event(DeviceType.CPU, 500, 520),   # cudaLaunchKernel
-              event(DeviceType.CUDA, 320, 345)]  # a memset: 25 us
+    are added, so the total is the device's busy time, not twice it; by name, a kernel's calls add up."""
+    events = [event(DeviceType.CPU, 0, 500, "aten::mm"),       # on the host, its kernel inside
+              event(DeviceType.CUDA, 10, 310, "sgemm"),         # the mm kernel: 300 us
+              event(DeviceType.CPU, 500, 520, "cudaLaunchKernel"),
+              event(DeviceType.CUDA, 320, 345, "memset")]       # 25 us
     assert device_activity_us(events) == 325.0
-    assert device_activity_us([event(DeviceType.CPU, 0, 9)]) == 0.0
+    assert device_activity_us([event(DeviceType.CPU, 0, 9, "aten::add")]) == 0.0
+    events.append(event(DeviceType.CUDA, 400, 700, "sgemm"))  # the mm kernel again (a second step)
+    assert device_events(events) == {"sgemm": (2, 600.0), "memset": (1, 25.0)}
 
 
 def test_host_time_is_until_the_step_returned():

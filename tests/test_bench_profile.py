@@ -34,3 +34,30 @@ def test_host_time_per_operator_keeps_the_backwards_python(tmp_path):
                           "--repeats", "1", "--warmup", "1", "--host", "--out", str(tmp_path)])
     assert table.name.str.startswith("autograd::engine::evaluate_function").any()
     assert table.name.str.startswith("aten::").any() and (table.self_ms_per_step > 0).all()
+
+
+def test_a_compiled_row_is_profiled_and_kernel_rows_need_a_cuda_timeline(tmp_path, monkeypatch):
+    """--compile MODE: rows <row>+compile step compiled (here Dynamo with eager kernels, not Inductor: seconds, not
+    minutes), profiled like any row; such a row without --compile, and --by kernel off CUDA, are one line each."""
+    import torch
+
+    import runner.methods.compiled as compiled
+
+    original = compiled.CompiledStep.__init__
+
+    def eager_backend(self, method, mode, device, physical, backend=None):
+        original(self, method, mode, device, physical, backend="eager")
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled.CompiledStep, "__init__", eager_backend)
+    table = profile.main(["--quick", "--device", "cpu", "--workloads", "fig6_b16", "--methods",
+                          "nonprivate+compile", "--compile", "default", "--repeats", "1", "--warmup", "3",
+                          "--out", str(tmp_path)])
+    assert set(table.method) == {"nonprivate+compile"} and table.name.str.startswith("aten::").any()
+    with pytest.raises(DprunError, match="row 'reweight-bk\\+compile' needs --compile MODE"):
+        profile.main(["--quick", "--device", "cpu", "--workloads", "fig6_b16", "--methods", "reweight-bk+compile"])
+    with pytest.raises(DprunError, match="unknown row 'reweight-bk\\+jit'"):
+        profile.main(["--quick", "--device", "cpu", "--workloads", "fig6_b16", "--methods", "reweight-bk+jit"])
+    with pytest.raises(DprunError, match="--by kernel needs the device's own timeline: a CUDA device without --host "
+                       "\\(here cpu\\)"):
+        profile.main(["--quick", "--device", "cpu", "--workloads", "fig6_b16", "--by", "kernel"])

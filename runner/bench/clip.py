@@ -177,19 +177,24 @@ def contender_arguments(prog: str, doc: str, *, repeats: int, warmup: int, out: 
 
 
 def warmed_contenders(chosen: list[Workload], labels: list[str], device: torch.device, precision: str, warmup: int,
-                      tool: str):
-    """(workload, label, contender) for each workload and eager method row, built as bench-clip builds them (one
-    model per workload, seed 0, the same batch for every row) and stepped `warmup` times (at least once); a row a
-    method cannot run is printed with its reason and skipped. An unknown row stops with one line."""
-    unknown = [label for label in labels if label not in ALL or label.endswith("+compile")]
-    if unknown:
-        raise DprunError(f"--methods: unknown row {unknown[0]!r}; choose from {', '.join(ALL)}")
+                      tool: str, compile_mode: str = ""):
+    """(workload, label, contender) for each workload and method row, built as bench-clip builds them (one model per
+    workload, seed 0, the same batch for every row) and stepped `warmup` times (at least once); a row a method cannot
+    run is printed with its reason and skipped. A row "<row>+compile" steps under compile=`compile_mode` (its first
+    steps compile: make `warmup` cover them). An unknown row, or a compiled one without a mode, stops with one line."""
+    for label in labels:
+        row, _, compiled = label.partition("+")
+        if row not in ALL or compiled not in ("", "compile"):
+            raise DprunError(f"--methods: unknown row {label!r}; choose from {', '.join(ALL)} (each also as "
+                             "<row>+compile with --compile MODE)")
+        if compiled and not compile_mode:
+            raise DprunError(f"--methods: row {label!r} needs --compile MODE (default | reduce-overhead | cudagraphs)")
     for w in chosen:
         torch.manual_seed(0)
         base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
         x, y = common.synthetic_batch(w.info, w.batch, device)
         for label in labels:
-            c, note = method_contender(label, base, x, y, float(w.batch), w.info.train_size, "", precision)
+            c, note = method_contender(label, base, x, y, float(w.batch), w.info.train_size, compile_mode, precision)
             if c is None:
                 print(f"[{tool}] {w.name} {label}: {note}")
                 continue

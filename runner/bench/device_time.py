@@ -50,9 +50,20 @@ def device_activity_us(events: Iterable) -> float:
     """Total microseconds of the profiler's device-side events (kernels, memcpy, memset; each recorded once, on the
     device's own timeline): torch.autograd.profiler_util FunctionEvents whose device_type is not the CPU. The host's
     operators, which the kernels are also attributed to, are not counted again."""
+    return float(sum(us for _, us in device_events(events).values()))
+
+
+def device_events(events: Iterable) -> dict[str, tuple[int, float]]:
+    """name -> (count, microseconds) of the profiler's device-side events (kernels, memcpy, memset), whichever host
+    operator launched them: also the kernels a CUDA graph replays, which belong to no aten operator."""
     from torch.autograd import DeviceType
 
-    return float(sum(e.time_range.elapsed_us() for e in events if e.device_type != DeviceType.CPU))
+    out: dict[str, tuple[int, float]] = {}
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            count, us = out.get(e.name, (0, 0.0))
+            out[e.name] = (count + 1, us + e.time_range.elapsed_us())
+    return out
 
 
 def kernel_ms(step: Callable[[], object], device: torch.device, steps: int = 3) -> float:
