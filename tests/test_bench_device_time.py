@@ -66,7 +66,14 @@ def test_a_failing_profiler_costs_the_column_not_the_table(monkeypatch, capsys):
     monkeypatch.setattr("torch.profiler.profile.__enter__", lambda self: self)
     monkeypatch.setattr("torch.profiler.profile.__exit__", lambda self, *exc: None)
     assert math.isnan(kernel_ms(boom, torch.device("cuda")))
-    assert "no device time (RuntimeError: CUPTI unavailable)" in capsys.readouterr().out
+    assert "gpu_ms is nan (RuntimeError: CUPTI unavailable)" in capsys.readouterr().out
+
+    def no_stats(device=None):
+        raise RuntimeError("no allocator stats")
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", no_stats)
+    assert math.isnan(mallocs_per_step(lambda: None, torch.device("cuda")))
+    assert "mallocs_per_step is nan (RuntimeError: no allocator stats)" in capsys.readouterr().out
 
 
 def test_driver_calls_per_step_count_segments_retries_and_pinned_host_blocks(monkeypatch):

@@ -73,15 +73,24 @@ def kernel_ms(step: Callable[[], object], device: torch.device, steps: int = 3) 
         return math.nan
     from torch.profiler import ProfilerActivity, profile
 
-    synchronize(device)
-    try:
+    def measure() -> float:
+        synchronize(device)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 step()
             synchronize(device)
         return device_activity_us(prof.events()) / 1e3 / steps
-    except Exception as e:  # a diagnostic column: a profiler that fails here must not cost the table its timings
-        print(f"[device-time] no device time ({type(e).__name__}: {str(e).strip()[:200]}): gpu_ms is nan", flush=True)
+
+    return diagnostic(measure, "gpu_ms")
+
+
+def diagnostic(measure: Callable[[], float], column: str) -> float:
+    """measure(), or nan and one line if it fails: a diagnostic column must not cost the table its timings (measured
+    before it, on a device time that is scarce)."""
+    try:
+        return measure()
+    except Exception as e:
+        print(f"[device-time] {column} is nan ({type(e).__name__}: {str(e).strip()[:200]})", flush=True)
         return math.nan
 
 
@@ -102,12 +111,16 @@ def mallocs_per_step(step: Callable[[], object], device: torch.device, steps: in
     """Allocator calls into the CUDA driver per step over `steps` steps (steady state: 0); nan off CUDA."""
     if device.type != "cuda":
         return math.nan
-    synchronize(device)
-    before = allocator_calls(device)
-    for _ in range(steps):
-        step()
-    synchronize(device)
-    return (allocator_calls(device) - before) / steps
+
+    def measure() -> float:
+        synchronize(device)
+        before = allocator_calls(device)
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        return (allocator_calls(device) - before) / steps
+
+    return diagnostic(measure, "mallocs_per_step")
 
 
 def shown_columns(columns: list[str], device_columns: list[str], device: torch.device) -> list[str]:
