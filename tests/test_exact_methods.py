@@ -237,6 +237,49 @@ def test_module_without_rule_raises_naming_path_type_and_alternatives(mode):
     assert method.attach(model) is model
 
 
+class ScaledLinear(nn.Linear):
+    """A Linear subclass with its own forward: the Linear rule's norm (from input and output-gradient) would be wrong."""
+
+    def forward(self, x):
+        return 2.0 * super().forward(x)
+
+
+# Layers that share a base class or a parameter name with a ruled one (ConvTranspose is a _ConvNd, ScaledLinear a
+# Linear): rules are looked up by exact type, so each must be refused, never matched to a rule whose norm it breaks.
+LOOKALIKES = {
+    "conv_transpose2d": lambda: nn.Sequential(nn.ConvTranspose2d(2, 2, 3), nn.Flatten(), nn.Linear(72, 3)),
+    "conv_transpose1d": lambda: nn.Sequential(nn.ConvTranspose1d(2, 2, 3), nn.Flatten(), nn.Linear(36, 3)),
+    "conv3d": lambda: nn.Sequential(nn.Conv3d(2, 2, 2), nn.Flatten(), nn.Linear(54, 3)),
+    "linear_subclass": lambda: nn.Sequential(nn.Flatten(), ScaledLinear(32, 3)),
+    "prelu": lambda: nn.Sequential(nn.Flatten(), nn.Linear(32, 3), nn.PReLU()),
+    "instance_norm_affine": lambda: nn.Sequential(nn.InstanceNorm1d(2, affine=True), nn.Flatten(), nn.Linear(32, 3)),
+}
+LOOKALIKE_INPUT = {"conv3d": (2, 2, 4, 4, 4)}  # the others take (B, 2, 4, 4) or its (B, 2, 16) view
+
+
+@pytest.mark.parametrize("mode", ["bk", "twopass", "recompute"])
+@pytest.mark.parametrize("name", list(LOOKALIKES))
+def test_lookalike_layers_are_refused_and_black_box_methods_stay_exact(name, mode):
+    torch.manual_seed(0)
+    model = LOOKALIKES[name]().to(DT)
+    with pytest.raises(DprunError, match=r"has trainable parameters .* but no per-layer norm rule; .*method=jl"):
+        METHODS.build("reweight", cfg={"mode": mode}).attach(model)
+    if mode != "bk":
+        return
+    shape = LOOKALIKE_INPUT.get(name, (2, 2, 4, 4) if "2d" in name else (2, 2, 16))
+    x, y = torch.randn(*shape, dtype=DT), torch.tensor([0, 2])
+    grads = {}
+    for method in ("nxbp", "multiloss"):  # the black box still clips them, exactly
+        m = METHODS.build(method, clip=0.05, sigma=0.0)
+        copy = m.attach(LOOKALIKES[name]().to(DT).requires_grad_(True))
+        copy.load_state_dict(model.state_dict())
+        m.step(copy, loss_fn, x, y, torch.optim.SGD(copy.parameters(), lr=0.0), sample_rate=1.0,
+               expected_batch_size=1.0)
+        grads[method] = [p.grad.clone() for p in copy.parameters()]
+    for a, b in zip(grads["nxbp"], grads["multiloss"]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("bn", [nn.BatchNorm1d(3), nn.BatchNorm1d(3, affine=False)], ids=["affine", "no-affine"])
 def test_batchnorm_is_rejected_with_a_reason(bn):
     with pytest.raises(DprunError, match=r"1 \(BatchNorm1d\).*GroupNorm"):
