@@ -20,6 +20,7 @@ from runner.data.base import DataInfo
 from runner.errors import DprunError
 from runner.methods import METHODS
 from runner.methods.compiled import CompiledStep
+from runner.methods.privacy_check.first_step import PROBE as PROBE_ROWS
 from runner.models import MODELS
 
 HAS_OPACUS = pytest.importorskip is not None and __import__("importlib").util.find_spec("opacus") is not None
@@ -278,6 +279,65 @@ def test_a_module_called_on_a_non_batch_input_is_refused(case, physical):
 @pytest.mark.parametrize("case", BLACK_BOX, ids=case_id)
 def test_a_positional_table_is_accepted_by_black_box_methods(case):
     first_step(case, PositionalTable(), *tokens(), physical_batch_size=1)
+
+
+# -- a module that sees the batch in another order: batch-first, no coupling; only the norms' rows show it --------
+
+class ReversedBatch(nn.Module):
+    """fc2 is called on the batch in reverse order (row i is example B-1-i), then the order is restored: every row
+    stays one example's, nothing couples them, and a probe of one example is the identity. Per-layer rules take
+    row i of fc2's call for example i, so example i's clip factor comes from fc1's example i and fc2's example
+    B-1-i: an example's release is bounded by about sqrt(2) C, not C."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(4, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def reorder(self, h):
+        return torch.arange(len(h) - 1, -1, -1)
+
+    def forward(self, x):
+        order = self.reorder(x)
+        h = torch.tanh(self.fc1(x))
+        return self.head(torch.tanh(self.fc2(h[order]))[order.argsort()])
+
+
+class SortedByData(ReversedBatch):
+    """fc2 sees the batch sorted by the first feature (as sorting by length before packing does): the identity on a
+    probe already in that order, so the check must also look at the probe rows reversed."""
+
+    def reorder(self, x):
+        return x[:, 0].argsort()
+
+
+def sorted_features():
+    x, y = features()
+    order = x[:PROBE_ROWS, 0].argsort()  # the probe rows (the batch's first 4) already in fc2's order
+    x[:PROBE_ROWS], y[:PROBE_ROWS] = x[:PROBE_ROWS][order], y[:PROBE_ROWS][order]
+    return x, y
+
+
+REORDERED = {"reversed": (ReversedBatch, features), "sorted": (SortedByData, sorted_features)}
+WRONG_ROWS = (r"(norm of example \d+ of the first batch is .* one backward for that example alone gives .*do not "
+              r"bound what it releases|norm of example \d+ of the first batch moves .* when only example \d+ changes)")
+
+
+@pytest.mark.parametrize("case", HOOKED, ids=case_id)
+@pytest.mark.parametrize("reordered", list(REORDERED))
+def test_a_module_fed_the_batch_in_another_order_is_refused(case, reordered):
+    build, data = REORDERED[reordered]
+    x, y = data()
+    if reordered == "sorted":  # the probe as drawn shows nothing: the reversed probe must
+        assert bool((x[:PROBE_ROWS, 0].diff() > 0).all())
+    msg = refused(case, build, (x, y), WRONG_ROWS)
+    assert "method=jl" in msg
+
+
+@pytest.mark.parametrize("case", BLACK_BOX, ids=case_id)
+@pytest.mark.parametrize("reordered", list(REORDERED))
+def test_a_module_fed_the_batch_in_another_order_is_accepted_by_black_box_methods(case, reordered):
+    build, data = REORDERED[reordered]
+    first_step(case, build(), *data())
 
 
 # -- issue 28 item 5: a scalar (mean) loss, or any loss not exactly (B,) ---------------------------------------

@@ -6,7 +6,10 @@ chunked steps alike), on a few examples of the first batch; nothing it does is r
 In order: the loss is exactly (B,); the examples are independent (methods that run the batch in one forward);
 every hooked call is batch-first and no parameter reaches the loss outside its module's calls (per-layer methods);
 nothing was written into a parameter or buffer; the method's norms and clipped sum equal one backward per example
-(reweight; Opacus's ghost norms may only over-estimate), its norms are (B,); again nothing written. Runs once per (model,
+(reweight; Opacus's ghost norms may only over-estimate), or, for Opacus's grad samples (no oracle: they may differ
+from the true gradient where Opacus's rule is inexact, still per example), each row's norm is unchanged when another
+example changes; its norms are (B,); each of these on the probe rows as drawn and reversed (a forward that sorts the
+batch by its data); again nothing written. Runs once per (model,
 loss function): a step given another loss function is checked again. It reads values back (host syncs on a GPU),
 once; the steps after it read none (tests/test_no_host_sync.py). The random state, the gradients, the
 modules' train/eval flags and every parameter and buffer are restored, so the step that follows is the step the
@@ -20,7 +23,8 @@ import torch
 
 from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.privacy_check.independence import check_independence
-from runner.methods.privacy_check.measured import check_against_oracle, check_inside_calls, per_example_grads
+from runner.methods.privacy_check.measured import (check_against_oracle, check_inside_calls, check_own_rows,
+                                                   per_example_grads)
 from runner.methods.privacy_check.shapes import check_batch_first, check_losses
 from runner.methods.privacy_check.state import check_unwritten, restore, snapshot
 
@@ -59,6 +63,13 @@ def untouched(method, model: torch.nn.Module, device: torch.device):
             hooks.enable_hooks()
 
 
+def orders(xs: torch.Tensor, ys: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The probe rows as drawn, and reversed: a forward that reorders the batch by its data (sorting by length before
+    packing, then restoring the order) is the identity on rows already in its order, never on them reversed too
+    (unless their keys tie), so a per-layer method's rows are checked against their examples under a reordering."""
+    return [(xs, ys)] + ([(xs.flip(0), ys.flip(0))] if len(ys) >= 2 else [])
+
+
 def quiet(hooks):
     if hooks is not None:
         hooks.disable_hooks()
@@ -93,14 +104,18 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
                 one_row(lambda: check_batch_first(model, xs[:1], name))  # no non-batch dimension equals both sizes
                 check_inside_calls(model, loss_fn, xs, ys, name)
             check_unwritten(model, before, name)
-            state = rng_state(x.device)
-            with method.autocast(xs):
-                rule = oracle_rule(method)
-                rows = per_example_grads(model, loss_fn, xs, ys) if rule else None
-            set_rng_state(state, x.device)  # the method's forward draws the oracle's dropout masks
-            if hooks is not None:
-                hooks.enable_hooks()
-            check_against_oracle(method, model, loss_fn, xs, ys, rows, rule)
+            rule = oracle_rule(method)
+            for px, py in (orders(xs, ys) if name in PER_LAYER else [(xs, ys)]):  # rows matter to per-layer norms
+                quiet(hooks)
+                state = rng_state(x.device)
+                with method.autocast(px):
+                    rows = per_example_grads(model, loss_fn, px, py) if rule else None
+                set_rng_state(state, x.device)  # the method's forward draws the oracle's dropout masks
+                if hooks is not None:
+                    hooks.enable_hooks()
+                check_against_oracle(method, model, loss_fn, px, py, rows, rule)
+                if rule is None and name in PER_LAYER:  # the peer's grad samples: no oracle, so their rows' owners
+                    check_own_rows(method, model, loss_fn, px, py)
             check_unwritten(model, before, name)
     finally:
         restore(before)

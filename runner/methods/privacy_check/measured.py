@@ -2,6 +2,7 @@
 
     check_inside_calls(model, loss_fn, x, y, "reweight")    # no covered parameter reaches the loss outside its module
     check_against_oracle(method, model, loss_fn, x, y)      # the method's norms and clipped sum = per-example autograd
+    check_own_rows(method, model, loss_fn, x, y)            # row i of the norms moves with example i only (no oracle)
 
 Per-layer methods (reweight, the Opacus peer) measure a parameter's per-example gradient from its module's calls
 only. A parameter used elsewhere too (F.linear(x, fc.weight * mask)) has a gradient those norms never saw:
@@ -9,6 +10,11 @@ twopass/recompute released it unclipped (10 x C), book-keeping silently dropped 
 by giving every module call its own copy of the module's parameters: any gradient left on the original reaches
 the loss outside the calls. check_against_oracle then compares, on a few examples, the method's own norms and
 clipped sum with one autograd backward per example (independent of any rule), under the same random state.
+Opacus's grad samples (hooks, functorch) have no oracle (where its rule is inexact, e.g. an Embedding's padding row,
+they are not the true gradient, yet each is one example's, so the clip bounds it); check_own_rows asks the weaker
+thing that still carries the bound: row i of the norms belongs to example i. A module fed the batch in another order
+(rows reversed or sorted, then restored) makes row i mix example i's gradient in some layers with another example's
+in others, each piece clipped by the wrong factor: up to sqrt(2) C for one reordered layer.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import torch
 from torch import nn
 
 from runner.errors import DprunError
+from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.base import trainable
 from runner.methods.privacy_check.shapes import BLACK_BOX, check_losses, check_norms, covered
 
@@ -113,3 +120,32 @@ def check_against_oracle(method, model: nn.Module, loss_fn, x: torch.Tensor, y: 
             raise DprunError(f"method={method.name} releases for parameter {names.get(id(p), '?')} a clipped sum "
                              f"that differs from the sum of the per-example gradients it measured: part of that "
                              f"gradient is not covered by its norms; use {BLACK_BOX}")
+
+
+def check_own_rows(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Example j replaced by example j+1's data (the same random state: the same dropout masks by row), for each j:
+    the method's norms of the other rows must not move. x: (k, ...) probe rows, k >= 2; the model in train mode."""
+    k = len(y)
+    if k < 2:
+        return
+    state = rng_state(x.device)
+    base = method.privatize(model, loss_fn, x, y).norms
+    if base is None:
+        return
+    base = base.detach().double()
+    rtol = 5e-2 if method.precision == "bf16" else tolerance(x if x.is_floating_point() else base.float())
+    for j in range(k):
+        other = x.clone()
+        other[j] = x[(j + 1) % k]
+        set_rng_state(state, x.device)
+        moved = method.privatize(model, loss_fn, other, y).norms.detach().double()
+        rest = (torch.arange(k, device=base.device) != j) & torch.isfinite(base) & torch.isfinite(moved)
+        atol = rtol * float(base[rest].abs().max()) if bool(rest.any()) else 0.0
+        off = rest & ((moved - base).abs() > atol + rtol * base.abs())
+        if bool(off.any()):
+            i = int(off.nonzero()[0])
+            raise DprunError(f"method={method.name}'s per-example gradient norm of example {i} of the first batch "
+                             f"moves ({float(base[i]):.6g} -> {float(moved[i]):.6g}) when only example {j} changes: a "
+                             f"module sees the batch in another order (its rows are not their examples'), so its "
+                             f"norms do not bound what each example releases; use {BLACK_BOX}")
+    set_rng_state(state, x.device)
