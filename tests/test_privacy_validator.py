@@ -424,6 +424,16 @@ def test_a_paper_model_is_accepted_by_the_opacus_peer():
         first_step(case, MODELS.build("cnn", info, **kw), *batch_for(info))
 
 
+@pytest.mark.skipif(not HAS_OPACUS, reason="the peers extra")
+@pytest.mark.parametrize("name,info,kw", zoo_cases())
+def test_every_paper_model_keeps_its_rows_under_the_opacus_peers_grad_samples(name, info, kw):
+    """The rows check (no oracle for Opacus's grad samples) refuses no model of the zoo: dropout, padding rows,
+    GroupNorm and recurrent calls leave each row's norm still when another example changes."""
+    for case in OPACUS[:1] + OPACUS[2:]:  # hooks, functorch
+        torch.manual_seed(0)
+        first_step(case, MODELS.build(name, info, **kw), *batch_for(info))
+
+
 def test_the_check_leaves_the_step_unchanged():
     """The same first step (weights after it, RNG after it) whether the check ran or not: it consumes nothing."""
     results = []
