@@ -310,6 +310,26 @@ class SortedByData(ReversedBatch):
         return x[:, 0].argsort()
 
 
+class MixedRows(nn.Module):
+    """A sequence-first tensor reshaped to batch-first without a transpose, and back: row i of fc's input holds
+    positions of several examples, the outputs are each example's again (no coupling to see)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Linear(4, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x):  # (B, T, 4)
+        B, T, _ = x.shape
+        h = torch.tanh(self.emb(x)).transpose(0, 1).contiguous()  # (T, B, 5)
+        z = self.fc(h.reshape(B, T, 5)).reshape(T, B, 5).transpose(0, 1)  # (B, T, 5), rows scrambled inside fc
+        return self.head(torch.tanh(z).mean(1))
+
+
+def sequences():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(6, 3, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+
+
 def sorted_features():
     x, y = features()
     order = x[:PROBE_ROWS, 0].argsort()  # the probe rows (the batch's first 4) already in fc2's order
@@ -317,7 +337,8 @@ def sorted_features():
     return x, y
 
 
-REORDERED = {"reversed": (ReversedBatch, features), "sorted": (SortedByData, sorted_features)}
+REORDERED = {"reversed": (ReversedBatch, features), "sorted": (SortedByData, sorted_features),
+             "mixed": (MixedRows, sequences)}
 WRONG_ROWS = (r"(norm of example \d+ of the first batch is .* one backward for that example alone gives .*do not "
               r"bound what it releases|norm of example \d+ of the first batch moves .* when only example \d+ changes)")
 

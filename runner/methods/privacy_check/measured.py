@@ -146,6 +146,6 @@ def check_own_rows(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.
             i = int(off.nonzero()[0])
             raise DprunError(f"method={method.name}'s per-example gradient norm of example {i} of the first batch "
                              f"moves ({float(base[i]):.6g} -> {float(moved[i]):.6g}) when only example {j} changes: a "
-                             f"module sees the batch in another order (its rows are not their examples'), so its "
-                             f"norms do not bound what each example releases; use {BLACK_BOX}")
+                             f"module's rows are not their examples' (the batch in another order, or rows mixing "
+                             f"examples), so its norms do not bound what each example releases; use {BLACK_BOX}")
     set_rng_state(state, x.device)
