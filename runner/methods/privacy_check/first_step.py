@@ -63,11 +63,13 @@ def untouched(method, model: torch.nn.Module, device: torch.device):
             hooks.enable_hooks()
 
 
-def orders(xs: torch.Tensor, ys: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The probe rows as drawn, and reversed: a forward that reorders the batch by its data (sorting by length before
-    packing, then restoring the order) is the identity on rows already in its order, never on them reversed too
-    (unless their keys tie), so a per-layer method's rows are checked against their examples under a reordering."""
-    return [(xs, ys)] + ([(xs.flip(0), ys.flip(0))] if len(ys) >= 2 else [])
+def orders(xs: torch.Tensor, ys: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    """The probe rows as drawn, and reversed (with each row's index in the batch, for the messages): a forward that
+    reorders the batch by its data (sorting by length before packing, then restoring the order) is the identity on
+    rows already in its order, never on them reversed too (unless their keys tie), so a per-layer method's rows are
+    checked against their examples under a reordering."""
+    k = len(ys)
+    return [(xs, ys, list(range(k)))] + ([(xs.flip(0), ys.flip(0), list(range(k))[::-1])] if k >= 2 else [])
 
 
 def quiet(hooks):
@@ -105,7 +107,8 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
                 check_inside_calls(model, loss_fn, xs, ys, name)
             check_unwritten(model, before, name)
             rule = oracle_rule(method)
-            for px, py in (orders(xs, ys) if name in PER_LAYER else [(xs, ys)]):  # rows matter to per-layer norms
+            probes = orders(xs, ys) if name in PER_LAYER else orders(xs, ys)[:1]  # rows matter to per-layer norms
+            for px, py, index in probes:
                 quiet(hooks)
                 state = rng_state(x.device)
                 with method.autocast(px):
@@ -113,9 +116,9 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
                 set_rng_state(state, x.device)  # the method's forward draws the oracle's dropout masks
                 if hooks is not None:
                     hooks.enable_hooks()
-                check_against_oracle(method, model, loss_fn, px, py, rows, rule)
+                check_against_oracle(method, model, loss_fn, px, py, rows, rule, index)
                 if rule is None and name in PER_LAYER:  # the peer's grad samples: no oracle, so their rows' owners
-                    check_own_rows(method, model, loss_fn, px, py)
+                    check_own_rows(method, model, loss_fn, px, py, index)
             check_unwritten(model, before, name)
     finally:
         restore(before)

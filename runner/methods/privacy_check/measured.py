@@ -84,7 +84,7 @@ def per_example_grads(model, loss_fn, x, y):
 
 
 def check_against_oracle(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, rows,
-                         rule: str | None = "equal") -> None:
+                         rule: str | None = "equal", index: list[int] | None = None) -> None:
     """method.privatize on x (a few examples) against `rows`, one backward per example (per_example_grads, drawn
     from the same random state): the norms equal them (rule "equal") or are at least them ("bound"), and the
     released sum is sum_i factor_i grad_i. rows None: only the shapes of the method's losses and norms."""
@@ -106,8 +106,8 @@ def check_against_oracle(method, model: nn.Module, loss_fn, x: torch.Tensor, y: 
     low = kept & (got < want - atol - rtol * want)  # an under-estimate: the released gradient could exceed C
     if bool(low.any()) or (rule == "equal" and not torch.allclose(got[kept], want[kept], rtol=rtol, atol=atol)):
         i = int(low.nonzero()[0]) if bool(low.any()) else int((got - want).abs().argmax())
-        raise DprunError(f"method={method.name}'s per-example gradient norm of example {i} of the first batch is "
-                         f"{float(got[i]):.6g}, but one backward for that example alone gives {float(want[i]):.6g}: "
+        raise DprunError(f"method={method.name}'s per-example gradient norm of example {batch_row(i, index)} of the "
+                         f"first batch is {float(got[i]):.6g}, but one backward for that example alone gives {float(want[i]):.6g}: "
                          f"its norms do not bound what it releases for this model; use {BLACK_BOX}")
     factors = method.clip_factors(out.norms.detach()).double()  # (k,); 0 for a dropped record
     # the tolerance's unit: what the clipped sum's norm is at most, with each example's own (certified) norm, which
@@ -122,7 +122,13 @@ def check_against_oracle(method, model: nn.Module, loss_fn, x: torch.Tensor, y: 
                              f"gradient is not covered by its norms; use {BLACK_BOX}")
 
 
-def check_own_rows(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:
+def batch_row(i: int, index: list[int] | None) -> int:
+    """Row i of a probe as the index of its example in the first batch (index: the probe's rows, e.g. reversed)."""
+    return index[i] if index else i
+
+
+def check_own_rows(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
+                   index: list[int] | None = None) -> None:
     """Example j replaced by example j+1's data (the same random state: the same dropout masks by row), for each j:
     the method's norms of the other rows must not move. x: (k, ...) probe rows, k >= 2; the model in train mode."""
     k = len(y)
@@ -144,8 +150,9 @@ def check_own_rows(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.
         off = rest & ((moved - base).abs() > atol + rtol * base.abs())
         if bool(off.any()):
             i = int(off.nonzero()[0])
-            raise DprunError(f"method={method.name}'s per-example gradient norm of example {i} of the first batch "
-                             f"moves ({float(base[i]):.6g} -> {float(moved[i]):.6g}) when only example {j} changes: a "
+            raise DprunError(f"method={method.name}'s per-example gradient norm of example {batch_row(i, index)} of "
+                             f"the first batch moves ({float(base[i]):.6g} -> {float(moved[i]):.6g}) when only "
+                             f"example {batch_row(j, index)} changes: a "
                              f"module's rows are not their examples' (the batch in another order, or rows mixing "
                              f"examples), so its norms do not bound what each example releases; use {BLACK_BOX}")
     set_rng_state(state, x.device)
