@@ -271,11 +271,11 @@ def test_lookalike_layers_are_refused_and_black_box_methods_stay_exact(name, mod
     grads = {}
     for method in ("nxbp", "multiloss"):  # the black box still clips them, exactly
         m = METHODS.build(method, clip=0.05, sigma=0.0)
-        copy = m.attach(LOOKALIKES[name]().to(DT).requires_grad_(True))
-        copy.load_state_dict(model.state_dict())
-        m.step(copy, loss_fn, x, y, torch.optim.SGD(copy.parameters(), lr=0.0), sample_rate=1.0,
+        clone = m.attach(LOOKALIKES[name]().to(DT))
+        clone.load_state_dict(model.state_dict())
+        m.step(clone, loss_fn, x, y, torch.optim.SGD(clone.parameters(), lr=0.0), sample_rate=1.0,
                expected_batch_size=1.0)
-        grads[method] = [p.grad.clone() for p in copy.parameters()]
+        grads[method] = [p.grad.clone() for p in clone.parameters()]
     for a, b in zip(grads["nxbp"], grads["multiloss"]):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 

@@ -293,8 +293,8 @@ class ReversedBatch(nn.Module):
         super().__init__()
         self.fc1, self.fc2, self.head = nn.Linear(4, 5), nn.Linear(5, 5), nn.Linear(5, 3)
 
-    def reorder(self, h):
-        return torch.arange(len(h) - 1, -1, -1)
+    def reorder(self, x):
+        return torch.arange(len(x) - 1, -1, -1)
 
     def forward(self, x):
         order = self.reorder(x)
@@ -450,7 +450,7 @@ def test_a_paper_model_is_accepted_by_the_opacus_peer():
 def test_every_paper_model_keeps_its_rows_under_the_opacus_peers_grad_samples(name, info, kw):
     """The rows check (no oracle for Opacus's grad samples) refuses no model of the zoo: dropout, padding rows,
     GroupNorm and recurrent calls leave each row's norm still when another example changes."""
-    for case in OPACUS[:1] + OPACUS[2:]:  # hooks, functorch
+    for case in [c for c in OPACUS if c[1]["grad_sample_mode"] != "ghost"]:  # hooks, functorch
         torch.manual_seed(0)
         first_step(case, MODELS.build(name, info, **kw), *batch_for(info))
 
