@@ -39,8 +39,10 @@ from runner.errors import DprunError
 from runner.trainable import trainable  # noqa: F401  (methods import it from here)
 from runner.accountants.mechanisms import Mechanism, NoPrivacy, SubsampledGaussian
 from runner.backward_thread import backward_in_this_thread
+from runner.methods.dropped import without_dropped
 from runner.methods.features import Feature
 from runner.methods.noise import add_noise_and_scale
+from runner.methods.rng import rng_state
 from runner.precision import PRECISIONS, ROUNDING_MARGIN, autocast, matmul_precision
 from runner.registry import Registry
 
@@ -181,6 +183,12 @@ class Method:
                     "method=reweight with method.mode=bk, and nonprivate")
         return self.unsupported(feature)
 
+    def backward_holds_records(self) -> bool:
+        """True where the clipped sum is a backward through the forward's graph, which holds a non-finite record's
+        values (0 * inf = nan would reach every sum): each chunk is then checked, and formed again without such
+        records (runner/methods/dropped.py). False where the sum leaves them out itself (recorded rows masked)."""
+        return False
+
     def exact_under_tf32(self) -> bool:
         """precision=tf32 puts TF32 products in the step's forward and backward (CUDA). Certified only for a method
         that forms every norm and clipped sum with TF32 off, from the very tensors it recorded (reweight bk:
@@ -313,7 +321,11 @@ class Method:
                             # CUDA graphs (compile=reduce-overhead|cudagraphs): the first chunk's gradients are the
                             # graph's static outputs, which this chunk's replay overwrites: the sum owns a copy
                             total = torch._foreach_add(total, 0.0)
-                    parts.append(privatize(model, loss_fn, xc, yc))
+                    state = rng_state(x.device) if self.backward_holds_records() else None
+                    part = privatize(model, loss_fn, xc, yc)
+                    if state is not None:  # a record that was not finite adds nothing (runner/methods/dropped.py)
+                        part = without_dropped(self, model, loss_fn, xc, yc, part, state, params)
+                    parts.append(part)
                     total = add_into(total, params)
         finally:
             self.end_step()

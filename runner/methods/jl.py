@@ -192,6 +192,12 @@ class JL(Method):
     def end_step(self) -> None:
         self._directions = None
 
+    def backward_holds_records(self) -> bool:
+        """Its clipped sum is the backward of sum_i nu_i loss_i through the projections' forward graph, which holds a
+        record's inf/nan values: a record whose estimate or loss is not finite is left out by Method.clipped_sum
+        (runner/methods/dropped.py), not multiplied by nu = 0 (0 * inf = nan for everyone)."""
+        return True
+
     def mechanism(self, sample_rate: float) -> Mechanism:
         return SubsampledJL(sample_rate=float(sample_rate), noise_multiplier=self.sigma, r=self.r)
 

@@ -65,13 +65,6 @@ def keep_ratio(value) -> float:
     return ratio
 
 
-def finite_inputs(x: torch.Tensor) -> torch.Tensor:
-    """(B,) True where every input value of the example is finite (token ids always are)."""
-    if not x.is_floating_point():
-        return torch.ones(len(x), dtype=torch.bool, device=x.device)
-    return torch.isfinite(x).reshape(len(x), -1).all(1)
-
-
 def weighted_loss(nu: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
     """sum_i nu_i loss_i, with a record whose clip factor is 0 (non-finite norm) left out rather than 0 * nan."""
     return torch.where(nu > 0, nu * losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
@@ -109,6 +102,10 @@ class ReweightGP(Method):
         self.plan(model)
         return model
 
+    def backward_holds_records(self) -> bool:
+        """twopass: its second backward runs through the first forward's graph (runner/methods/dropped.py)."""
+        return self.mode == "twopass"
+
     def exact_under_tf32(self) -> bool:
         """bk: the records carry TF32's rounding, but the norms and the clipped sums are formed from them in float32
         (exact_float32). twopass/recompute: the second backward's TF32 products would differ from the first's."""
@@ -137,15 +134,13 @@ class ReweightGP(Method):
         if self.mode == "recompute":
             outputs, losses, norms = self.recomputed(plan, params, model, loss_fn, x, y)
         elif self.mode == "twopass":
-            # the graph is kept for the second backward, so a record with inf/nan inputs enters it as zeros (and
-            # contributes nothing): 0 * inf in the kept graph would poison everyone's sum (docs/privacy.md)
-            finite = finite_inputs(x)  # (B,)
+            # the second backward runs through the kept graph: a record that is not finite (nu = 0) would put
+            # 0 * inf there, so Method.clipped_sum forms the chunk again without it (backward_holds_records)
             with StreamingNorms(plan, self.how) as streaming:
-                outputs = model(finite_rows(x, finite))  # (B, classes)
+                outputs = model(x)  # (B, classes)
                 losses = loss_fn(outputs, y)  # (B,)
             norms = certified_norms(streaming.backward(losses.sum(), len(y)), streaming.layers)  # (B,); graph kept
-            norms = torch.where(finite, norms, torch.full_like(norms, float("inf")))
-            nu = self.clip_factors(norms)  # (B,); 0 for a record whose inputs or norm are not finite
+            nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
             self.second_backward(params, weighted_loss(nu, losses))
         else:
             outputs, losses, norms = self.book_kept(plan, params, model, loss_fn, x, y)
