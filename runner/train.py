@@ -104,9 +104,11 @@ class Run:
 class EpochStats:
     """One epoch's training, reduced over the ranks."""
 
-    loss_sum: float
+    loss_sum: float  # over the examples whose loss was finite
     correct: int
     seen: int
+    finite_losses: int
+    nonfinite: int  # records whose loss or gradient norm was not finite: they added nothing (a private diagnostic)
     step_time_s: float
     epoch_time_s: float
     norm_log: list[torch.Tensor] | None
@@ -313,7 +315,8 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
     # float64 sums: the same totals whichever rank (or process count) adds them
     step_times, seen = [], 0
     loss_sum, correct = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
-    first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step with a non-finite loss
+    finite_losses, nonfinite = (torch.zeros((), dtype=torch.long, device=device) for _ in range(2))
+    first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step no example of which was finite
     per_step_timing = cfg.get("step_timing", "sync") == "sync"
     norm_log = [] if cfg.get("log_norms", False) and run.method.private else None  # (B,) per step, on device
     expected = run.sampler.sample_rate * run.sampler.n
@@ -332,10 +335,17 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
             step_times.append(t.seconds)
         if run.accountant is not None:
             run.accountant.step(out.mechanism)
-        losses = out.losses.detach()
-        loss_sum += losses.sum()
+        losses = out.losses.detach()  # (B,)
+        finite = torch.isfinite(losses)  # (B,)
+        loss_sum += torch.where(finite, losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
+        finite_losses += finite.sum()
+        if out.norms is not None:
+            finite = finite & torch.isfinite(out.norms)
+        nonfinite += (~finite).sum()
         seen += len(y)
-        bad = (~torch.isfinite(losses).all() | no_finite_gradient(out.norms)) & (first_bad < 0)
+        # one record that is not finite adds nothing to the release and must not end the run either (its presence
+        # would decide the run's outcome): the run has diverged when no example of a step is finite
+        bad = (no_finite(losses) | no_finite(out.norms)) & (first_bad < 0)
         first_bad = torch.where(bad, torch.full_like(first_bad, step + 1), first_bad)
         if out.outputs is not None:
             correct += (out.outputs.detach().argmax(1) == y).sum()
@@ -344,7 +354,7 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
         if step % PROGRESS_EVERY == PROGRESS_EVERY - 1 or step == run.steps_per_epoch - 1:
             check_finite(run, epoch, first_bad)  # a sync every few steps: a diverged run stops within them
             if cfg.progress:
-                bar.set_postfix(loss=f"{float(loss_sum) / max(seen, 1):.3f}")
+                bar.set_postfix(loss=f"{float(loss_sum) / max(int(finite_losses), 1):.3f}")
     for _ in batches:  # finish the epoch's generator (capped epochs)
         pass
     synchronize(device)
@@ -352,18 +362,21 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
     check_finite(run, epoch, first_bad, parameters=True)
     if not per_step_timing:  # step_timing=epoch: no per-step sync; the epoch's mean step time
         step_times = [epoch_time / max(run.steps_per_epoch, 1)]
-    loss_total, correct_total, seen_total = world.sum([float(loss_sum), float(correct), seen], device)
+    loss_total, correct_total, seen_total, finite_total, nonfinite_total = world.sum(
+        [float(loss_sum), float(correct), seen, float(finite_losses), float(nonfinite)], device)
     (step_time,) = world.max([statistics.median(step_times) if step_times else float("nan")], device)  # slowest rank
-    return EpochStats(loss_total, int(correct_total), int(seen_total), step_time, epoch_time, norm_log)
+    return EpochStats(loss_total, int(correct_total), int(seen_total), int(finite_total), int(nonfinite_total),
+                      step_time, epoch_time, norm_log)
 
 
-def no_finite_gradient(norms: torch.Tensor | None) -> torch.Tensor | bool:
-    """True (a 0-dim device tensor, no sync) when a private step's batch had examples and none of them a finite
-    gradient norm: certified clipping drops such records (they contribute nothing, runner/norms/certify.py), so a
-    run whose weights blew up would otherwise go on adding noise alone with a finite but meaningless loss."""
-    if norms is None or norms.numel() == 0:
+def no_finite(values: torch.Tensor | None) -> torch.Tensor | bool:
+    """True (a 0-dim device tensor, no sync) when a step's batch had examples and none of them a finite loss (or
+    gradient norm): certified clipping drops such records (they contribute nothing, runner/norms/certify.py), so a
+    run whose weights blew up would otherwise go on adding noise alone with a finite but meaningless loss. Not one
+    record: a record that is not finite among finite ones is left out of the sum and the loss, and counted."""
+    if values is None or values.numel() == 0:
         return False
-    return ~torch.isfinite(norms).any()
+    return ~torch.isfinite(values).any()
 
 
 def check_finite(run: Run, epoch: int, first_bad: torch.Tensor, parameters: bool = False) -> None:
@@ -374,7 +387,7 @@ def check_finite(run: Run, epoch: int, first_bad: torch.Tensor, parameters: bool
     bad_step, bad_param = run.world.max([bad_step, float(bad_param)], run.device)
     if bad_step > 0 or bad_param:
         where = f"at epoch {epoch}, step {int(bad_step)}" if bad_step > 0 else f"by the end of epoch {epoch}"
-        what = "the training loss (or every example's gradient)" if bad_step > 0 else "a parameter"
+        what = "every example's training loss (or gradient)" if bad_step > 0 else "a parameter"
         raise Diverged(f"run diverged: {what} became non-finite (nan/inf) {where} (lr={run.cfg.lr}); the "
                        f"{len(run.rows)} complete epoch(s) before it are kept")
 
@@ -392,8 +405,9 @@ def epoch_row(run: Run, epoch: int, stats: EpochStats) -> tuple[dict[str, Any], 
     return {
         "epoch": epoch,
         "steps": run.steps_per_epoch,
-        "train_loss": stats.loss_sum / max(stats.seen, 1),
+        "train_loss": stats.loss_sum / max(stats.finite_losses, 1),
         "train_acc": stats.correct / max(stats.seen, 1),
+        "nonfinite_records": stats.nonfinite,
         "test_loss": test_loss,
         "test_acc": test_acc,
         "epoch_time_s": stats.epoch_time_s,

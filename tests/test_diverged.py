@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pandas as pd
 import pytest
 import torch
@@ -20,7 +22,7 @@ def test_a_huge_learning_rate_ends_the_run_as_diverged_with_exit_3(tmp_path):
                             "max_steps_per_epoch=30", f"out_dir={out}", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("dprun: run diverged: the training loss (or every example's gradient) became non-finite")
+    assert last.startswith("dprun: run diverged: every example's training loss (or gradient) became non-finite")
     assert "epoch 1, step" in last
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "diverged" and "epoch 1, step" in summary["error"]
@@ -62,6 +64,29 @@ def test_a_non_finite_parameter_with_finite_losses_is_caught_at_the_epoch_end(tm
     monkeypatch.setattr(tr, "run_epoch", poison_an_unused_parameter)
     with pytest.raises(Diverged, match="a parameter became non-finite .* by the end of epoch 1"):
         train(compose_config(["epochs=1", "progress=false", "max_steps_per_epoch=2"]), tmp_path)
+
+
+@pytest.mark.parametrize("method", ["reweight", "jl", "nxbp"])
+def test_records_that_are_not_finite_neither_end_the_run_nor_poison_its_loss(tmp_path, monkeypatch, method):
+    """One record's loss or gradient that is not finite used to end the run as diverged (the loss summed to nan): its
+    presence decided the run's outcome. It adds nothing to the release (docs/privacy.md), the run goes on, and the
+    epoch counts such records (nonfinite_records, a private diagnostic); train_loss is over the finite ones."""
+    import runner.train as tr
+
+    original = tr.run_epoch
+
+    def poison_some_records(run, epoch):
+        run.data.train_x[:40] = float("inf")  # 40 of the training records: some in every batch, never a whole one
+        return original(run, epoch)
+
+    monkeypatch.setattr(tr, "run_epoch", poison_some_records)
+    summary = train(compose_config(["epochs=1", "progress=false", "max_steps_per_epoch=4", f"method={method}"]),
+                    tmp_path)
+    assert summary["status"] == "finished"
+    row = pd.read_csv(tmp_path / "metrics.csv").iloc[0]
+    assert row.nonfinite_records > 0 and np.isfinite(row.train_loss)
+    assert all(torch.isfinite(p).all() for p in torch.load(tmp_path / "checkpoint.pt", weights_only=True)["model"].values())
+    assert any("nonfinite_records" in note for note in summary["privacy_notes"])
 
 
 def test_report_lists_a_diverged_run_as_not_finished(tmp_path, monkeypatch):

@@ -578,3 +578,37 @@ def test_ranks_share_the_sampling_seed_and_hold_the_same_data(tmp_path):
         assert "rank 1" in r["different_data"] and "same data" in r["different_data"], r["different_data"]
         assert "\n" not in r["different_data"]
     assert time.monotonic() - start < 120
+
+
+# -- a record that is not finite in the first batch -------------------------------------------------------------
+
+class Squared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):  # a finite input of 1e20 overflows to inf here
+        h = self.fc1(x)
+        return self.fc2(h * h)
+
+
+@pytest.mark.parametrize("case", [c for c in ALL if c[1].get("grad_sample_mode") != "ghost"], ids=case_id)
+@pytest.mark.parametrize("value", [float("inf"), 1e20], ids=["inf", "1e20_overflowing"])
+def test_a_record_that_is_not_finite_among_the_probe_rows_does_not_refuse_the_model(case, value):
+    """One record of the first batch whose input (or activations) is not finite adds nothing to the release; the
+    check probes finite examples only. Before, reweight (every mode) refused any model beside such a record ("a
+    clipped sum that differs from the sum of the per-example gradients"): one record decided whether a run started."""
+    x, y = features(B=8)
+    x[1] = value
+    first_step(case, Squared(), x, y)
+
+
+def test_the_probe_rows_skip_records_that_are_not_finite():
+    from runner.methods.privacy_check.first_step import probe
+
+    x, y = features(B=8)
+    x[1], x[3] = float("nan"), 1e20  # inputs not finite; a finite input whose loss overflows
+    method = METHODS.build("reweight", cfg={}, clip=1.0, sigma=0.0)
+    model = method.attach(Squared())
+    xs, ys, rows = probe(method, model, loss_fn, x, y)
+    assert rows == [0, 2, 4, 5] and torch.equal(xs, x[rows]) and torch.equal(ys, y[rows])

@@ -37,8 +37,9 @@ def privacy_notes(accountant: Accountant | None, sampling: str, log_norms: bool 
     if accountant is None:
         return ["non-private run: no epsilon"]
     notes = [guarantee_note(rng, seed),  # who the guarantee holds against (runner/randomness.py)
-             "train_loss and train_acc are computed on the private training data without noise: they are outside "
-             "the privacy accounting; publish test metrics only"]
+             "train_loss, train_acc and nonfinite_records (records whose loss or gradient was not finite: they "
+             "added nothing) are computed on the private training data without noise: they are outside the privacy "
+             "accounting; publish test metrics only"]
     if log_norms:
         notes.append("log_norms: the per-example gradient norm quantiles (norm_p10 .. norm_max) and unclipped_frac "
                      "are computed on the private training data without noise: NOT differentially private, outside "

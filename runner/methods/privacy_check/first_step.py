@@ -63,13 +63,33 @@ def untouched(method, model: torch.nn.Module, device: torch.device):
             hooks.enable_hooks()
 
 
-def orders(xs: torch.Tensor, ys: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+def probe(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor):
+    """The first PROBE examples of the batch whose inputs and losses are finite, and their rows in the batch. A record
+    that is not finite adds nothing to the release (runner/methods/dropped.py, runner/norms/certify.py); compared
+    with one backward per example it would fail every check, so one such record among the first four made the
+    validator refuse any model. Looks at up to 4 x PROBE rows: one forward without gradients, random state restored
+    (the caller restores the modules' flags)."""
+    pool = min(len(y), 4 * PROBE)
+    xp, yp = x[:pool], y[:pool]
+    ok = (torch.isfinite(xp.reshape(pool, -1)).all(1) if xp.is_floating_point()
+          else torch.ones(pool, dtype=torch.bool, device=x.device))  # (pool,)
+    state = rng_state(x.device)
+    with torch.no_grad(), method.autocast(xp):
+        zeroed = torch.where(ok.view(-1, *([1] * (xp.dim() - 1))), xp, torch.zeros((), dtype=xp.dtype, device=x.device))
+        losses = loss_fn(model(zeroed), yp)
+    set_rng_state(state, x.device)
+    if losses.shape == ok.shape:  # else check_losses refuses the loss's shape
+        ok = ok & torch.isfinite(losses)
+    rows = ok.nonzero()[:PROBE, 0]  # (k,)
+    return xp[rows], yp[rows], rows.tolist()
+
+
+def orders(xs: torch.Tensor, ys: torch.Tensor, rows: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
     """The probe rows as drawn, and reversed (with each row's index in the batch, for the messages): a forward that
     reorders the batch by its data (sorting by length before packing, then restoring the order) is the identity on
     rows already in its order, never on them reversed too (unless their keys tie), so a per-layer method's rows are
     checked against their examples under a reordering."""
-    k = len(ys)
-    return [(xs, ys, list(range(k)))] + ([(xs.flip(0), ys.flip(0), list(range(k))[::-1])] if k >= 2 else [])
+    return [(xs, ys, list(rows))] + ([(xs.flip(0), ys.flip(0), list(rows)[::-1])] if len(ys) >= 2 else [])
 
 
 def quiet(hooks):
@@ -90,13 +110,16 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
     key = (id(model), getattr(loss_fn, "__code__", loss_fn))  # a lambda re-made each step is the same loss
     if getattr(method, "_privacy_checked", None) == key or len(y) == 0 or x.device.type == "meta":
         return  # checked; nothing to check; shapes without values (tests/test_no_host_sync.py): nothing to compare
-    k = min(len(y), PROBE)
-    xs, ys = x[:k], y[:k]
     name = method.name
     before = snapshot(model)
+    k = 0
     try:
         with untouched(method, model, x.device) as hooks:
             quiet(hooks)
+            xs, ys, rows_in_batch = probe(method, model, loss_fn, x, y)
+            k = len(ys)
+            if k == 0:
+                return  # no finite example in this batch: the next one is checked
             with torch.no_grad():
                 check_losses(loss_fn(model(xs), ys), k)
             if name not in ALONE and not method.updates_model and k >= 2:
@@ -107,7 +130,8 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
                 check_inside_calls(model, loss_fn, xs, ys, name)
             check_unwritten(model, before, name)
             rule = oracle_rule(method)
-            probes = orders(xs, ys) if name in PER_LAYER else orders(xs, ys)[:1]  # rows matter to per-layer norms
+            probes = orders(xs, ys, rows_in_batch)
+            probes = probes if name in PER_LAYER else probes[:1]  # the rows' order matters to per-layer norms
             for px, py, index in probes:
                 quiet(hooks)
                 state = rng_state(x.device)
