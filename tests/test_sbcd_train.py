@@ -99,3 +99,30 @@ def test_slide_curves():
     assert final["constant"] == pytest.approx(3.0, rel=1e-3) and final["adaptive"] == pytest.approx(3.0, rel=1e-3)
     first = both[both.epoch == 1].set_index("schedule").sigma
     assert first["adaptive"] < first["constant"]  # less noise early for the same final epsilon
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_record_that_is_not_finite_is_projected_to_zero_not_to_nan(value):
+    """The input's projection onto the x_radius ball scaled an inf/nan record by radius / inf = 0: 0 * inf = nan, and
+    every weight became nan after one step. A record whose norm is not finite is projected to 0 (inside the ball,
+    which is all the hidden-state bound assumes): the step equals the step with that record's input zeroed."""
+
+    def weights_after_a_step(x):
+        torch.manual_seed(0)
+        data = Dataset(DataInfo("t", (1, 1, 6), 3, train_size=40, test_size=40), x, y, x, y)
+        method = METHODS.build("sbcd", cfg={}, sigma=0.0)
+        net = method.attach(MODELS.build("mlp", data.info, depth=1, widths=(5,)), data)
+        idx = torch.arange(20)
+        method.step(net, per_example_cross_entropy, x[idx], y[idx], None, sample_rate=0.5, expected_batch_size=20,
+                    indices=idx)
+        return [p.detach().clone() for p in net.parameters()]
+
+    torch.manual_seed(1)
+    x, y = torch.randn(40, 1, 1, 6), torch.randint(0, 3, (40,))
+    zeroed = x.clone()
+    zeroed[3] = 0.0
+    x[3] = value
+    got, want = weights_after_a_step(x), weights_after_a_step(zeroed)
+    assert all(torch.isfinite(p).all() for p in got)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -16,9 +16,12 @@ import torch.nn.functional as F
 
 
 def clip_rows(t: torch.Tensor, radius: float) -> torch.Tensor:
-    """Each row scaled to norm <= radius (the projection onto the ball). (B, n) -> (B, n)"""
-    norms = t.norm(dim=1, keepdim=True)
-    return t * (radius / norms.clamp(min=1e-12)).clamp(max=1.0)
+    """Each row scaled to norm <= radius (the projection onto the ball). (B, n) -> (B, n). A row whose norm is not
+    finite (a record of inf or nan values) becomes 0, inside the ball: scaled by radius / inf = 0 it would be
+    0 * inf = nan, and one record would turn every weight into nan (tests/test_sbcd_train.py)."""
+    norms = t.norm(dim=1, keepdim=True)  # (B, 1)
+    clipped = t * (radius / norms.clamp(min=1e-12)).clamp(max=1.0)
+    return torch.where(torch.isfinite(norms), clipped, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
 def update_x_middle(u_prev: torch.Tensor, theta: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
