@@ -64,3 +64,17 @@ def test_bad_sampler_arguments_are_one_line_errors():
     assert "\n" not in str(e.value)
     with pytest.raises(DprunError, match="batch_size=20"):
         Sampler("poisson", 10, 20, gen())
+
+
+@pytest.mark.parametrize("n,b", [(60000, 256), (50000, 256), (25000, 64), (1_000_000, 100), (7, 3)])
+def test_the_seeded_poisson_rate_is_at_most_q_over_every_uniform_torch_can_draw(monkeypatch, n, b):
+    """torch.rand's float32 uniforms are the 2^24 values k / 2^24, equally likely. Fed all of them, the mask includes
+    a fraction of them that is the realised inclusion rate: at most q = b / n (the accountant's), within 2^-24.
+    `u < q` included ceil(q 2^24) of them: a rate above q (MNIST's 256 / 60,000: 71,583 / 2^24 > q)."""
+    from runner import randomness
+
+    grid = torch.arange(2**24, dtype=torch.float32) / 2**24  # every value torch.rand returns, each once
+    assert torch.equal(grid * 2**24, torch.arange(2**24, dtype=torch.float32))  # exact in float32
+    monkeypatch.setattr(randomness.torch, "rand", lambda m, generator=None: grid)
+    rate = int(randomness.poisson_mask(gen(), n, b).sum()) / 2**24
+    assert rate <= b / n and b / n - rate < 2**-24
