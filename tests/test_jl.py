@@ -293,3 +293,40 @@ def test_float32_estimates_on_crafted_inputs_stay_near_the_projections_of_the_re
             ratio = float(P[0].double().pow(2).mean().sqrt() / released.pow(2).mean().sqrt())
             worst = min(worst, (ratio, case))
     assert worst[0] >= 0.98, f"{worst[1]}: the estimate is {worst[0]:.4f} x the release's own"
+
+
+class PaddedBag(nn.Module):
+    """An embedding with padding_idx whose padding positions reach the loss (a sum over every position, no mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 4, padding_idx=0)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, T) ids, 0 = padding
+        return self.fc(torch.tanh(self.embed(x)).sum(1))
+
+
+@pytest.mark.parametrize("mode", ["forward", "double_vjp"])
+def test_projections_of_an_embedding_with_padding_are_those_of_the_released_gradient(mode):
+    """The backward gives padding_idx's row no gradient; forward mode's tangent V[ids] looked that row up at every
+    padding position, so forward-mode estimates measured a gradient the step does not release (7.1 against a true
+    norm of 1.0). The step's directions have that row zeroed (jl.padding_rows): P = G V^T again, in both modes."""
+    from runner.methods.jl import padding_rows
+
+    torch.manual_seed(0)
+    model = PaddedBag().double()
+    x = torch.tensor([[3, 0, 0, 0, 0, 0], [1, 2, 3, 4, 0, 0], [5, 5, 0, 0, 0, 0], [6, 7, 8, 9, 10, 11]])
+    y = torch.tensor([0, 1, 2, 0])
+    assert padding_rows(model) == {"embed.weight": 0}
+    torch.manual_seed(3)
+    V = draw_directions(trainable_params(model), 3, padding_rows(model))
+    _, _, P, _ = PROJECTORS[mode](model, loss_fn, x, y, V)
+    G = flat(per_example_grads(model, x, y), len(y))  # (B, d); the padding row's columns are 0
+    Vf = torch.cat([v.reshape(3, -1) for v in V.values()], 1)
+    torch.testing.assert_close(P, G @ Vf.T, rtol=1e-9, atol=1e-10)
+    method = METHODS.build("jl", cfg={"r": 2, "jvp": mode}, clip=1.0, sigma=0.0)
+    m = method.attach(model)
+    method.begin_step(m)
+    assert bool((method._directions["embed.weight"][:, 0] == 0).all())  # the step's own draw
+    method.end_step()

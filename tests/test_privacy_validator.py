@@ -207,6 +207,62 @@ def test_embedding_max_norm_is_refused_by_every_method(case):
     assert "max_norm=None" in msg
 
 
+class BagOfTokens(nn.Module):
+    def __init__(self, **embedding):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(10, 4, **embedding), nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, T) ids
+        return self.fc(self.emb(x).sum(1))
+
+
+@pytest.mark.parametrize("case", ALL, ids=case_id)
+def test_a_sparse_embedding_is_refused_by_every_method_in_one_line(case):
+    """nxbp and jl raised torch's own errors ("reshape is not implemented for sparse tensors", "add(sparse, dense)
+    is not supported") mid-step."""
+    msg = refused(case, lambda: BagOfTokens(sparse=True), tokens(), "emb .*sparse=True")
+    assert "set sparse=False" in msg
+
+
+class CountedLookup(nn.Module):
+    """Only the embedding trains (a fixed read-out per label): loss_i = <sum_t E[x_it], r_y>."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 4, padding_idx=0, scale_grad_by_freq=True)
+        self.register_buffer("readout", torch.tensor([[1.0, 0, 0, 0], [-1.0, 0, 0, 0]]))
+
+    def forward(self, x):  # (B, T) ids -> (B, 2)
+        return self.emb(x).sum(1) @ self.readout.T
+
+
+def test_scale_grad_by_freq_is_refused_where_the_clipped_sum_is_the_batch_backward():
+    """With scale_grad_by_freq each token's row is divided by its count in the batch. jl's clipped sum is the
+    batch's own backward: an example's contribution then moves with the other examples' tokens. Crafted batch (one
+    example with tokens 1..8, eight others with one of them each, pulling the other way), sigma 0, r = 4000 so that
+    the estimates are near exact: removing the one example moved jl's release by 1.90 C. Each example alone (nxbp)
+    and the Opacus peer's per-example gradients stay at C; reweight's rule refuses it (tests/test_norm_rules.py)."""
+    x = torch.zeros(9, 8, dtype=torch.long)
+    x[0] = torch.arange(1, 9)
+    for k in range(1, 9):
+        x[k, 0] = k
+    y = torch.tensor([0] + [1] * 8)
+    loss = lambda out, y: out.gather(1, y[:, None])[:, 0]  # noqa: E731
+    msg = refused(JL[0], CountedLookup, (x, y), "emb .*scale_grad_by_freq=True.* method=jl", loss=loss)
+    assert "method=nxbp or multiloss" in msg
+    C = 0.1
+    for case in ALONE + [c for c in OPACUS if c[1]["grad_sample_mode"] == "hooks"]:
+        def release(xs, ys):
+            torch.manual_seed(0)
+            method = METHODS.build(case[0], cfg=dict(case[1]), clip=C, sigma=0.0)
+            m = method.attach(CountedLookup())
+            method.step(m, loss, xs, ys, torch.optim.SGD(m.parameters(), lr=0.0), sample_rate=0.5,
+                        expected_batch_size=1.0)
+            return m.emb.weight.grad.clone()
+
+        assert float((release(x, y) - release(x[1:], y[1:])).norm()) <= C * (1 + 1e-5), case
+
+
 @pytest.mark.parametrize("case", ALL, ids=case_id)
 def test_tracked_instance_norm_is_refused_by_every_method(case):
     msg = refused(case, TrackedInstanceNorm, features(), "norm .*track_running_stats")

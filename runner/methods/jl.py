@@ -50,9 +50,28 @@ def trainable_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def draw_directions(params: dict[str, torch.Tensor], r: int) -> Directions:
-    """v_1..v_r ~ N(0, I_d) over all the given parameters, from torch's global RNG: name -> (r, *p.shape)."""
-    return {n: torch.randn((r, *p.shape), device=p.device, dtype=p.dtype) for n, p in params.items()}
+def draw_directions(params: dict[str, torch.Tensor], r: int, padding: dict[str, int] | None = None) -> Directions:
+    """v_1..v_r ~ N(0, I_d) over all the given parameters, from torch's global RNG: name -> (r, *p.shape).
+    padding: embedding weight name -> padding_idx (padding_rows), whose row is set to 0 after the draw (the same
+    stream of draws): its gradient is 0, so <g, v> is unchanged, but forward mode's tangent of an embedding looks
+    the row up at every padding position (the backward zeroes it) and would count it."""
+    directions = {n: torch.randn((r, *p.shape), device=p.device, dtype=p.dtype) for n, p in params.items()}
+    for n, row in (padding or {}).items():
+        if n in directions:
+            directions[n][:, row] = 0.0
+    return directions
+
+
+def padding_rows(model: nn.Module) -> dict[str, int]:
+    """Trainable embedding weights with a padding_idx: parameter name -> that row. Its gradient is always 0 (the
+    backward zeroes it), while forward mode's tangent V[ids] includes V[padding_idx] wherever the padding token
+    sits: an estimate M_i from those projections measured the padding positions' output-gradients too (7.1 against
+    the true norm 1.0 for an example of one token and seven padding positions that reach the loss)."""
+    rows = {}
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None and m.weight.requires_grad:
+            rows[f"{path}.weight" if path else "weight"] = int(m.padding_idx) % m.num_embeddings
+    return rows
 
 
 def _chunks(r: int, chunk: int) -> list[slice]:
@@ -187,7 +206,7 @@ class JL(Method):
 
     def begin_step(self, model) -> None:
         """The step's v_1..v_r, shared by every chunk (and rank) of the logical batch."""
-        self._directions = draw_directions(trainable_params(model), self.r)
+        self._directions = draw_directions(trainable_params(model), self.r, padding_rows(model))
 
     def end_step(self) -> None:
         self._directions = None
@@ -240,7 +259,7 @@ class JL(Method):
         params = trainable_params(model)
         directions = getattr(self, "_directions", None)  # name -> (r, *p.shape): the step's (begin_step)
         if directions is None:  # privatize called on its own: this call's draw
-            directions = draw_directions(params, self.r)
+            directions = draw_directions(params, self.r, padding_rows(model))
         losses, outputs, P, backward = self.projections(model, loss_fn, x, y, directions)
         norms = P.pow(2).mean(1).sqrt()  # (B,) M_i, the norm estimates
         grads = backward(self.clip_factors(norms))  # sum_i nu_i g_i, one backward

@@ -34,9 +34,6 @@ class EmbeddingRule(NormRule):
         if layer.scale_grad_by_freq:
             raise DprunError(f"{path} (Embedding) has scale_grad_by_freq=True: its gradient depends on the whole "
                              f"batch's token counts, so per-example clipping is not exact; set it to False")
-        if layer.sparse:
-            raise DprunError(f"{path} (Embedding) has sparse=True: private methods need dense gradients (noise "
-                             f"goes on every row); set sparse=False")
 
     def sequence(self, layer, inp, grad_out):
         B = inp.shape[0]
