@@ -668,3 +668,51 @@ def test_the_probe_rows_skip_records_that_are_not_finite():
     model = method.attach(Squared())
     xs, ys, rows = probe(method, model, loss_fn, x, y)
     assert rows == [0, 2, 4, 5] and torch.equal(xs, x[rows]) and torch.equal(ys, y[rows])
+
+
+# -- a backward that mixes the examples (the forward probes cannot see it) -------------------------------------
+
+class MixGrad(torch.autograd.Function):
+    """Identity forward (and jvp); the backward adds example B-1-i's output-gradient to example i's rows."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(h):
+        return h.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + g.flip(0)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t
+
+
+class MixedBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(MixGrad.apply(self.fc1(x))))
+
+
+@pytest.mark.parametrize("jvp", ["forward", "double_vjp"])
+def test_jl_refuses_a_backward_that_mixes_the_examples(jvp):
+    """jl's clipped sum is the batch's own backward and its estimates come from projections: it accepted this model,
+    and removing one example moved the release by 6.0 C (forward mode: the jvp does not mix, so the estimates are of
+    other gradients) and 2.7 C (double_vjp). Its estimates and release are now compared with each example's gradient
+    computed alone (runner/methods/privacy_check/measured.py check_jl_release). Per-layer methods refuse it through
+    their own checks; nxbp and multiloss run each example alone, where the flip is the identity."""
+    msg = refused(("jl", {"r": 2, "jvp": jvp}), MixedBackward, features(B=6), "method=jl")
+    assert "use method=nxbp or multiloss" in msg
+    for case in HOOKED:
+        refused(case, MixedBackward, features(B=6), f"method={case[0]}")
+    for case in ALONE:
+        first_step(case, MixedBackward(), *features(B=6))

@@ -25,7 +25,8 @@ from runner.metrics import device_name, synchronize
 from runner.models import MODELS
 from runner.methods.privacy_check import check_first_step
 
-METHODS_TIMED = ["reweight-bk", "reweight-twopass", "opacus-hooks", "multiloss"]
+METHODS_TIMED = ["reweight-bk", "reweight-twopass", "opacus-hooks", "multiloss", "jl-4"]
+VARIANTS = {**METHOD_VARIANTS, "jl-4": ("jl", {"r": 4})}  # jl: its estimates and release against each example alone
 
 
 def timed(fn, device, repeats: int) -> float:
@@ -40,7 +41,7 @@ def timed(fn, device, repeats: int) -> float:
 
 
 def row(w, label: str, device, repeats: int) -> dict:
-    name, options = METHOD_VARIANTS[label]
+    name, options = VARIANTS[label]
     torch.manual_seed(0)
     base = MODELS.build(w.model, w.info, **w.model_kwargs).to(device)
     x, y = synthetic_batch(w.info, w.batch, device)

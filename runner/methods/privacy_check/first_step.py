@@ -23,8 +23,8 @@ import torch
 
 from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.privacy_check.independence import check_independence
-from runner.methods.privacy_check.measured import (check_against_oracle, check_inside_calls, check_own_rows,
-                                                   per_example_grads)
+from runner.methods.privacy_check.measured import (check_against_oracle, check_inside_calls, check_jl_release,
+                                                   check_own_rows, per_example_grads)
 from runner.methods.privacy_check.shapes import check_batch_first, check_losses
 from runner.methods.privacy_check.state import check_unwritten, restore, snapshot
 
@@ -128,6 +128,8 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
                 check_batch_first(model, xs, name)
                 one_row(lambda: check_batch_first(model, xs[:1], name))  # no non-batch dimension equals both sizes
                 check_inside_calls(model, loss_fn, xs, ys, name)
+            if name == "jl":  # black box: its estimates and its batch backward against each example alone
+                check_jl_release(method, model, loss_fn, xs, ys, rows_in_batch)
             check_unwritten(model, before, name)
             rule = oracle_rule(method)
             probes = orders(xs, ys, rows_in_batch)

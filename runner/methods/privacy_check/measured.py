@@ -156,3 +156,64 @@ def check_own_rows(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.
                              f"module's rows are not their examples' (the batch in another order, or rows mixing "
                              f"examples), so its norms do not bound what each example releases; use {BLACK_BOX}")
     set_rng_state(state, x.device)
+
+
+def alone_grads(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(k, d) float64: each example's gradient from a forward and backward of that example ALONE (a batch of one), so
+    that nothing another example does in the forward or the backward reaches it (per_example_grads runs through the
+    batch's graph, whose backward a custom autograd.Function may couple)."""
+    params = trainable(model)
+    rows = []
+    for i in range(len(y)):
+        gs = torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]).sum(), params, allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).detach().double().flatten()
+                               for p, g in zip(params, gs)]))
+    return torch.stack(rows)
+
+
+JL_DIRECTIONS = 4  # the check's own directions (the step's r does not matter to what it compares)
+JL_RTOL = 1e-2  # estimates from the same directions: float32 rounding moves them < 1e-3 on ordinary data (docs/jl.md)
+
+
+def check_jl_release(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
+                     index: list[int] | None = None) -> None:
+    """jl's estimates and clipped sum against each example alone (alone_grads), in eval mode (dropout off: a batch of
+    one would draw other masks), with the check's own directions V: the estimates M_i equal those of G_i alone,
+    sqrt(mean_j <G_i, v_j>^2), and the release equals sum_i nu_i G_i with jl's own factors. The jl accountant assumes
+    both; the forward probes cannot see a backward that mixes examples (a custom autograd.Function returning
+    g + g.flip(0): one example moved the release by 2.7 C with jvp=double_vjp, 6.0 C with forward mode, whose jvp
+    did not mix). The caller restores the random state and the train/eval flags."""
+    from runner.methods.jl import draw_directions, padding_rows
+
+    model.eval()
+    params = trainable(model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    G = alone_grads(model, loss_fn, x, y)  # (k, d)
+    V = draw_directions(dict(zip(names, params)), JL_DIRECTIONS, padding_rows(model))  # name -> (r, *p.shape)
+    Vf = torch.cat([V[n].double().reshape(JL_DIRECTIONS, -1) for n in names], 1)  # (r, d)
+    for p in params:
+        p.grad = None
+    chunk, method.chunk = method.chunk, 1  # one direction per pass: the least memory (4 examples), no halving
+    try:
+        _, _, P, backward = method._projections(model, loss_fn, x, y, V)  # P (k, r)
+    finally:
+        method.chunk = chunk
+    got = P.double().pow(2).mean(1).sqrt()  # (k,) jl's estimates
+    want = (G @ Vf.T).pow(2).mean(1).sqrt()  # (k,) the estimates of each example's own gradient
+    scale = float(want.max()) if len(want) else 0.0
+    off = (got - want).abs() > JL_RTOL * (want + scale)
+    if bool(off.any()):
+        i = int(off.nonzero()[0])
+        raise DprunError(f"method=jl's norm estimate for example {batch_row(i, index)} of the first batch is {float(got[i]):.6g}, but "
+                         f"the same directions give {float(want[i]):.6g} for that example's gradient computed alone: "
+                         f"its projections are not those of the gradient it releases (a custom autograd.Function "
+                         f"whose jvp and backward disagree, or a backward that mixes examples), so the jl "
+                         f"accountant's analysis does not hold; use method=nxbp or multiloss (each example alone)")
+    nu = method.clip_factors(P.norm(dim=1) / JL_DIRECTIONS ** 0.5).double()  # (k,) jl's own factors
+    released = torch.cat([g.detach().double().flatten() for g in backward(nu.to(P.dtype)).values()])  # (d,)
+    expected = nu @ G  # (d,)
+    if not torch.allclose(released, expected, rtol=JL_RTOL, atol=JL_RTOL * float((nu * want).sum()) + 1e-12):
+        raise DprunError("method=jl releases a clipped sum that differs from sum_i nu_i g_i with each example's "
+                         "gradient computed alone: the model's backward mixes the examples of the batch (a custom "
+                         "autograd.Function), so an example's contribution depends on the others; use method=nxbp "
+                         "or multiloss (each example alone)")
