@@ -176,7 +176,10 @@ def test_the_cpu_memory_measurement_prints_no_profiler_lines(capfd):
 
 def test_the_heap_is_retained_so_a_private_cpu_step_takes_no_page_faults():
     """runner/heap.py: with glibc's thresholds raised, the bk step's freed blocks serve the next step (the bench's
-    faults_per_step column); without it the LSTM bk step took ~6,000 minor faults a step."""
+    faults_per_step column); without it the LSTM bk step took ~6,000 minor faults a step (here 885-4,149 per step
+    over 15 measurements, none below 800). The best of 5 measurements: other faults come and go (CPython 3.11 maps
+    and unmaps a 16 KiB frame chunk whenever a call crosses a chunk boundary, docs/bench.md stop 47; with retention
+    the same step measured 0-900 a step, 0 in most measurements), so a single measurement was flaky under pytest -n."""
     import torch
 
     from runner.bench.common import MNIST, bench_device, contender, faults_per_step, synthetic_batch
@@ -191,4 +194,4 @@ def test_the_heap_is_retained_so_a_private_cpu_step_takes_no_page_faults():
     assert c is not None, note
     for _ in range(2):
         c.step()
-    assert faults_per_step(c.step, steps=3) < 100
+    assert min(faults_per_step(c.step, steps=3) for _ in range(5)) < 100
