@@ -39,7 +39,10 @@ def privacy_notes(accountant: Accountant | None, sampling: str, log_norms: bool 
     notes = [guarantee_note(rng, seed),  # who the guarantee holds against (runner/randomness.py)
              "train_loss, train_acc and nonfinite_records (records whose loss or gradient was not finite: they "
              "added nothing) are computed on the private training data without noise: they are outside the privacy "
-             "accounting; publish test metrics only"]
+             "accounting; publish test metrics only",
+             "epsilon covers this run alone: publishing or choosing among several runs trained on the same data (a "
+             "sweep over hyperparameters) composes their privacy losses; the timings (epoch_time_s, step_time_s) "
+             "depend on the sampled batches' sizes and are outside the accounting too"]
     if log_norms:
         notes.append("log_norms: the per-example gradient norm quantiles (norm_p10 .. norm_max) and unclipped_frac "
                      "are computed on the private training data without noise: NOT differentially private, outside "
