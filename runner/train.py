@@ -316,7 +316,7 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
     step_times, seen = [], 0
     loss_sum, correct = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     finite_losses, nonfinite = (torch.zeros((), dtype=torch.long, device=device) for _ in range(2))
-    first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step no example of which was finite
+    counts = []  # per step since the last check: (3,) this rank's [examples, finite losses, finite norms]
     per_step_timing = cfg.get("step_timing", "sync") == "sync"
     norm_log = [] if cfg.get("log_norms", False) and run.method.private else None  # (B,) per step, on device
     expected = run.sampler.sample_rate * run.sampler.n
@@ -344,22 +344,22 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
         nonfinite += (~finite).sum()
         seen += len(y)
         # one record that is not finite adds nothing to the release and must not end the run either (its presence
-        # would decide the run's outcome): the run has diverged when no example of a step is finite
-        bad = (no_finite(losses) | no_finite(out.norms)) & (first_bad < 0)
-        first_bad = torch.where(bad, torch.full_like(first_bad, step + 1), first_bad)
+        # would decide the run's outcome): the run has diverged when no example of the global batch is finite
+        counts.append(finite_counts(losses, out.norms))
         if out.outputs is not None:
             correct += (out.outputs.detach().argmax(1) == y).sum()
         if norm_log is not None and out.norms is not None:
             norm_log.append(out.norms.detach().float())
         if step % PROGRESS_EVERY == PROGRESS_EVERY - 1 or step == run.steps_per_epoch - 1:
-            check_finite(run, epoch, first_bad)  # a sync every few steps: a diverged run stops within them
+            check_finite(run, epoch, first_diverged(run.world, counts, step + 1))  # a sync every few steps
+            counts = []
             if cfg.progress:
                 bar.set_postfix(loss=f"{float(loss_sum) / max(int(finite_losses), 1):.3f}")
     for _ in batches:  # finish the epoch's generator (capped epochs)
         pass
     synchronize(device)
     epoch_time = time.perf_counter() - epoch_start
-    check_finite(run, epoch, first_bad, parameters=True)
+    check_finite(run, epoch, 0, parameters=True)
     if not per_step_timing:  # step_timing=epoch: no per-step sync; the epoch's mean step time
         step_times = [epoch_time / max(run.steps_per_epoch, 1)]
     loss_total, correct_total, seen_total, finite_total, nonfinite_total = world.sum(
@@ -369,22 +369,35 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
                       step_time, epoch_time, norm_log)
 
 
-def no_finite(values: torch.Tensor | None) -> torch.Tensor | bool:
-    """True (a 0-dim device tensor, no sync) when a step's batch had examples and none of them a finite loss (or
-    gradient norm): certified clipping drops such records (they contribute nothing, runner/norms/certify.py), so a
-    run whose weights blew up would otherwise go on adding noise alone with a finite but meaningless loss. Not one
-    record: a record that is not finite among finite ones is left out of the sum and the loss, and counted."""
-    if values is None or values.numel() == 0:
-        return False
-    return ~torch.isfinite(values).any()
+def finite_counts(losses: torch.Tensor, norms: torch.Tensor | None) -> torch.Tensor:
+    """(3,) float64 on the device, no sync: this rank's share of the step: [examples, finite losses, finite gradient
+    norms] (norms None, non-private: every example counts as finite there)."""
+    n = torch.tensor(float(len(losses)), dtype=torch.float64, device=losses.device)
+    finite_norms = n if norms is None else torch.isfinite(norms).sum().double()
+    return torch.stack([n, torch.isfinite(losses).sum().double(), finite_norms])
 
 
-def check_finite(run: Run, epoch: int, first_bad: torch.Tensor, parameters: bool = False) -> None:
-    """Diverged (a one-line DprunError) if any rank saw a non-finite loss (or, at the epoch's end, a non-finite
-    parameter). On every rank at the same steps: the check is a collective."""
-    bad_step = int(first_bad)
+def first_diverged(world, counts: list[torch.Tensor], last_step: int) -> int:
+    """The first of the steps `counts` covers (ending at step `last_step`, 1-based) whose GLOBAL batch (summed over
+    the ranks: one all_reduce) had examples and none with a finite loss, or none with a finite gradient norm;
+    0 if none. Certified clipping drops such records (they contribute nothing, runner/norms/certify.py), so a run
+    whose weights blew up would otherwise go on adding noise alone with a finite but meaningless loss. Not one
+    record: one that is not finite among finite ones is left out of the sum and the loss, and counted; the global
+    batch, not a rank's share, so that one record cannot decide it on a rank whose share is that record."""
+    if not counts:
+        return 0
+    table = torch.stack(counts)  # (k, 3)
+    world.all_reduce_([table])
+    bad = (table[:, 0] > 0) & ((table[:, 1] == 0) | (table[:, 2] == 0))  # (k,)
+    first = int(torch.where(bad, torch.arange(len(bad), device=bad.device), len(bad)).min())  # the one read
+    return last_step - len(counts) + 1 + first if first < len(bad) else 0
+
+
+def check_finite(run: Run, epoch: int, bad_step: int, parameters: bool = False) -> None:
+    """Diverged (a one-line DprunError) at step `bad_step` (first_diverged: the same on every rank) or, at the
+    epoch's end, if a parameter is not finite on any rank. On every rank at the same steps: a collective."""
     bad_param = parameters and not all(bool(torch.isfinite(p).all()) for p in run.model.parameters())
-    bad_step, bad_param = run.world.max([bad_step, float(bad_param)], run.device)
+    (bad_param,) = run.world.max([float(bad_param)], run.device)
     if bad_step > 0 or bad_param:
         where = f"at epoch {epoch}, step {int(bad_step)}" if bad_step > 0 else f"by the end of epoch {epoch}"
         what = "every example's training loss (or gradient)" if bad_step > 0 else "a parameter"

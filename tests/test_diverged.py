@@ -127,3 +127,33 @@ def test_the_summary_states_how_a_capped_run_was_evaluated(tmp_path):
     assert "stratified random subset of 100 of the 360 test examples" in summary["evaluation"]
     full = train(compose_config(["epochs=1", "progress=false", "max_steps_per_epoch=2"]), tmp_path / "full")
     assert full["evaluation"] == "the whole test split"
+
+
+class TwoRanks:
+    """A world of two ranks whose other rank's per-step counts are `other` ((k, 3)): all_reduce_ adds them."""
+
+    def __init__(self, other):
+        self.other = other
+
+    def all_reduce_(self, tensors):
+        for t in tensors:
+            t += self.other
+
+
+def test_divergence_is_judged_on_the_global_batch_not_a_ranks_share():
+    """A rank whose share of a step is one record that is not finite (its loss and norm inf) must not end the run
+    while the other rank's share is finite: one record would decide the outcome. Steps 21..23 here (checked at 23)."""
+    from runner.train import finite_counts, first_diverged
+
+    inf = float("inf")
+    mine = [finite_counts(torch.tensor([inf]), torch.tensor([inf])),  # step 21: my share is one bad record
+            finite_counts(torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.7])),  # step 22: fine
+            finite_counts(torch.tensor([inf, inf]), torch.tensor([inf, inf]))]  # step 23: all bad here
+    finite_elsewhere = torch.tensor([[3.0, 3.0, 3.0], [1.0, 1.0, 1.0], [2.0, 2.0, 2.0]], dtype=torch.float64)
+    assert first_diverged(TwoRanks(finite_elsewhere), [c.clone() for c in mine], 23) == 0
+    bad_elsewhere = finite_elsewhere.clone()
+    bad_elsewhere[2, 1:] = 0  # step 23: the other rank's share is not finite either
+    assert first_diverged(TwoRanks(bad_elsewhere), [c.clone() for c in mine], 23) == 23
+    empty_elsewhere = torch.zeros(3, 3, dtype=torch.float64)  # the other rank drew nothing: my share is the batch
+    assert first_diverged(TwoRanks(empty_elsewhere), [c.clone() for c in mine], 23) == 21
+    assert first_diverged(TwoRanks(empty_elsewhere), [], 23) == 0
