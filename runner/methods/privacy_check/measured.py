@@ -204,12 +204,13 @@ def check_jl_release(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torc
     off = (got - want).abs() > JL_RTOL * (want + scale)
     if bool(off.any()):
         i = int(off.nonzero()[0])
-        raise DprunError(f"method=jl's norm estimate for example {batch_row(i, index)} of the first batch is {float(got[i]):.6g}, but "
-                         f"the same directions give {float(want[i]):.6g} for that example's gradient computed alone: "
-                         f"its projections are not those of the gradient it releases (a custom autograd.Function "
-                         f"whose jvp and backward disagree, or a backward that mixes examples), so the jl "
-                         f"accountant's analysis does not hold; use method=nxbp or multiloss (each example alone)")
-    nu = method.clip_factors(P.norm(dim=1) / JL_DIRECTIONS ** 0.5).double()  # (k,) jl's own factors
+        raise DprunError(f"method=jl's norm estimate for example {batch_row(i, index)} of the first batch is "
+                         f"{float(got[i]):.6g}, but the same directions give {float(want[i]):.6g} for that "
+                         f"example's gradient computed alone: its projections are not those of the gradient it "
+                         f"releases (a custom autograd.Function whose jvp and backward disagree, or a backward that "
+                         f"mixes examples), so the jl accountant's analysis does not hold; use method=nxbp or "
+                         f"multiloss (each example alone)")
+    nu = method.clip_factors(P.pow(2).mean(1).sqrt()).double()  # (k,) jl's own factors, as JL.privatize forms them
     released = torch.cat([g.detach().double().flatten() for g in backward(nu.to(P.dtype)).values()])  # (d,)
     expected = nu @ G  # (d,)
     if not torch.allclose(released, expected, rtol=JL_RTOL, atol=JL_RTOL * float((nu * want).sum()) + 1e-12):
