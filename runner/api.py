@@ -33,6 +33,7 @@ from runner.methods import privacy_check
 from runner.assembly import API_NAMES, PrivateRun, Request, assemble
 from runner.data.base import DataInfo, Dataset
 from runner.data.sampler import Sampler
+from runner.accountants.published import delta_note
 from runner.errors import DprunError
 from runner.methods.base import StepOutput
 from runner.validate import check_options
@@ -315,6 +316,9 @@ def _training(private: PrivateRun, optimizer: torch.optim.Optimizer, params_befo
     if m.private and not validate:
         training.privacy_notes.append(privacy_check.UNCHECKED.replace("privacy_check=false", "validate=False"))
         warnings.warn(training.privacy_notes[-1], stacklevel=3)
+    weak = delta_note(delta, sampler.n) if m.private else None
+    if weak:  # the assembly logged it (a WARNING on dprun's logger)
+        training.privacy_notes.append(weak)
     if private.target:
         training.planned_epsilon = private.target["planned_epsilon"]
         training.target_epsilon_met = private.target["target_epsilon_met"]

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from runner import accountants, memory_format, methods
+from runner.accountants.published import delta_note
 from runner.data.sampler import Sampler
 from runner.distributed import World
 from runner.errors import DprunError
@@ -126,6 +127,9 @@ def set_up_privacy(request: Request, method: methods.Method, sampler: Sampler,
         target = calibrate(request, method, sampler, name, accountant, steps_per_epoch)
     if accountant is not None:
         accountants.check_for_method(accountant, method, sampler.sample_rate)
+        weak = delta_note(request.delta, int(getattr(sampler, "n", 0) or 0))
+        if weak:
+            log.warning(weak)
     return name, accountant, target
 
 

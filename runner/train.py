@@ -27,7 +27,7 @@ from runner.norms import tensor_cores
 from runner import checkpoint, distributed, methods, models, randomness
 from runner.methods import privacy_check
 from runner.audit import run as audit_run
-from runner.accountants.published import epsilon_columns, privacy_notes
+from runner.accountants.published import delta_note, epsilon_columns, privacy_notes
 from runner.assembly import PrivateRun, Request, assemble
 from runner.data import load_dataset
 from runner.data.sampler import Sampler
@@ -285,7 +285,8 @@ def start_summary(run: Run, run_config: dict[str, Any], private: PrivateRun) -> 
         "epsilon_certified": bool(accountant is not None and sampler.kind == accountant.assumes_sampling),
         "privacy_notes": privacy_notes(accountant, sampler.kind, bool(cfg.get("log_norms")), str(cfg.get("rng", "seeded")),
                                        int(cfg.seed)) + list(getattr(data, "privacy_notes", [])) + (
-            [] if method.privacy_check or not method.private else [privacy_check.UNCHECKED]),
+            [] if method.privacy_check or not method.private else [privacy_check.UNCHECKED]) + (
+            [weak] if method.private and (weak := delta_note(float(cfg.delta), sampler.n)) else []),
         "data_source": data.source,
         "sampling": sampler.kind,
         "sample_rate": sampler.sample_rate,

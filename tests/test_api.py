@@ -184,3 +184,21 @@ def test_get_epsilon_is_only_ever_a_certified_epsilon():
                                 (x, y), batch_size=20, poisson=False, seed=0)
     with pytest.raises(DprunError, match="sampling=shuffle"):
         shuffled.get_epsilon(1e-5)
+
+
+def test_a_delta_not_below_one_over_n_is_warned_and_noted(caplog):
+    """delta >= 1/N: an (epsilon, delta) guarantee that weak is met by publishing a record outright; said in the log
+    and in privacy_notes (CLI: summary.json), not refused (the user may mean it)."""
+    import logging
+
+    from runner.api import make_private
+
+    x, y = torch.randn(50, 4), torch.randint(0, 3, (50,))
+    for delta, warned in ((0.05, True), (1e-5, False)):
+        model = torch.nn.Linear(4, 3)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dprun"):
+            private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=10,
+                                   delta=delta)
+        said = [r.getMessage() for r in caplog.records if "not below 1/N" in r.getMessage()]
+        assert bool(said) == warned and any("not below 1/N = 1/50" in n for n in private.privacy_notes) == warned

@@ -178,3 +178,13 @@ def test_dataset_privacy_notes_reach_the_summary(tmp_path, monkeypatch):
     train(compose_config(DIGITS + ["method=reweight", "epochs=1", "max_steps_per_epoch=2"]), tmp_path)
     _, summary = read(tmp_path)
     assert "tokenizer trained on the private training split: outside the privacy accounting" in summary["privacy_notes"]
+
+
+def test_a_run_with_delta_not_below_one_over_n_says_so_in_its_summary(tmp_path):
+    summary = train(compose_config(["epochs=1", "progress=false", "max_steps_per_epoch=1", "delta=0.01",
+                                    "method=reweight"]), tmp_path)
+    notes = [n for n in summary["privacy_notes"] if "not below 1/N" in n]
+    assert len(notes) == 1 and "delta=0.01" in notes[0]
+    fine = train(compose_config(["epochs=1", "progress=false", "max_steps_per_epoch=1", "method=reweight"]),
+                 tmp_path / "fine")
+    assert not any("not below 1/N" in n for n in fine["privacy_notes"])  # the default 1e-5 on digits (N = 1,437)

@@ -14,6 +14,8 @@ The column `epsilon` (metrics.csv, summary.json, the report and the figures) is 
 """
 from __future__ import annotations
 
+import math
+
 from runner.accountants.base import Accountant
 from runner.randomness import guarantee_note
 
@@ -59,3 +61,13 @@ def privacy_notes(accountant: Accountant | None, sampling: str, log_norms: bool 
                      "does not satisfy (the theta-step map is not Lipschitz: docs/sbcd.md); it is NOT a guarantee. "
                      "`epsilon` is the composition epsilon (every intermediate model released), which holds")
     return notes
+
+
+def delta_note(delta: float | None, n: int) -> str | None:
+    """A warning when delta >= 1/n: an (epsilon, delta) guarantee that weak is met by a mechanism that publishes one
+    of the n training records outright, at random (the usual advice, e.g. TF Privacy's and Opacus's: delta well
+    below 1/n). None when delta < 1/n, or no delta or no data."""
+    if delta is None or n <= 0 or float(delta) < 1.0 / n:
+        return None
+    return (f"delta={float(delta):g} is not below 1/N = 1/{n} = {1.0 / n:.3g}: an (epsilon, delta) guarantee that "
+            f"weak allows publishing a training record outright; use delta < 1/N (e.g. {10 ** -math.ceil(math.log10(n) + 1):g})")
