@@ -41,6 +41,13 @@ def test_impossible_target_is_one_line():
     assert "\n" not in str(err.value) and "epsilon=" in str(err.value)
 
 
+def test_an_unreachable_jl_target_names_r():
+    """JL(1)'s estimates have a heavy tail that no sigma removes: the one line says a larger r is the way out."""
+    with pytest.raises(DprunError, match="unreachable with accountant=jl.*no finite epsilon.*a larger r") as err:
+        calibrate_sigma("jl", FakeMethod(r=1).mechanism, 0.04, 4, 3.0, 1e-5)
+    assert "\n" not in str(err.value) and "now 1" in str(err.value)
+
+
 def test_check_target_warns_when_a_gdp_sigma_misses_the_certified_target(caplog):
     q, steps, target = 0.02, 200, 2.0
     method = FakeMethod()

@@ -63,8 +63,10 @@ def calibrate_sigma(accountant_name: str, mechanism_for: Callable[[float], Mecha
             if hi > SIGMA_MAX:
                 best = eps(SIGMA_MAX)
                 reach = "no finite epsilon" if math.isinf(best) else f"epsilon={best:.4g} at best"
+                more = (f", or a larger r (JL dimension, now {template.r}: the estimates' heavy tail does not "
+                        f"shrink with sigma)" if hasattr(template, "r") else "")
                 raise DprunError(f"target_epsilon={target_epsilon} is unreachable with {where}: sigma={SIGMA_MAX:g} "
-                                 f"still gives {reach}; raise the target or lower the steps")
+                                 f"still gives {reach}; raise the target or lower the steps{more}")
     else:  # shrink sigma while the target still holds
         while eps(lo) <= target_epsilon:
             lo, hi = lo / 2, lo
