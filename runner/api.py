@@ -110,6 +110,13 @@ class _NoStep:
         pass
 
 
+def batch_size_of(batch) -> int:
+    """The number of examples in a DataLoader's batch ((x, y): len(y)); -1 when its structure does not say."""
+    if isinstance(batch, (list, tuple)) and batch and hasattr(batch[-1], "__len__"):
+        return len(batch[-1])
+    return -1
+
+
 class PrivateTraining:
     """What make_private returns: the (prepared) model, its batches, a private step and epsilon so far."""
 
@@ -138,24 +145,45 @@ class PrivateTraining:
         return self._sampler.steps_per_epoch if self._sampler is not None else len(self._loader.batch_sampler)
 
     def batches(self) -> Iterator[Any]:
-        """One epoch of batches: (x, y) index gathers for tensors, else the Poisson DataLoader's batches."""
+        """One epoch of batches: (x, y) index gathers for tensors, else the Poisson DataLoader's batches. Each is
+        for ONE step() or backward() (the accountant counts one Poisson sample per step)."""
         if self._tensors is None:
-            yield from self._loader
+            for batch in self._loader:
+                self._waiting = batch_size_of(batch)
+                yield batch
             return
         x, y = self._tensors
         for idx in self._sampler.epoch():
             idx = self.method.world.share(idx)  # several ranks: this rank's share of the global Poisson batch
             self._last_indices = idx
+            self._waiting = len(idx)
             yield x[idx], y[idx]
 
     def _run(self, x, y, loss_fn: LossFn, optimizer) -> StepOutput:
+        self._check_batch(y)
         indices = getattr(self, "_last_indices", None) if self._tensors is not None else None
         out = self.method.step(self.model, loss_fn, x, y, optimizer, sample_rate=self.sample_rate,
                                expected_batch_size=self.expected_batch_size, generator=self.generator, indices=indices)
         if self.accountant is not None:
             self.accountant.step(out.mechanism)
         self.steps += 1
+        self._waiting = None  # taken: the next step needs the next batch
         return out
+
+    def _check_batch(self, y) -> None:
+        """The epsilon counts one Poisson sample of the data per step: a batch batches() did not yield (the user's
+        own loader: a fixed size, a shuffle) or one it yielded taken twice (two noise draws on one sample, or a
+        batch split by hand) is not the mechanism the accountant analyses. Refused in one line, before any work."""
+        waiting = getattr(self, "_waiting", None)
+        if waiting is None:
+            raise DprunError("private.step()/backward() takes each batch private.batches() yields, once; none is "
+                             "waiting (the accountant counts one Poisson sample per step): iterate `for x, y in "
+                             "private.batches(): private.step(x, y, loss_fn)`; for smaller chunks of a batch use "
+                             "make_private(max_physical_batch_size=...)")
+        if waiting >= 0 and len(y) != waiting:
+            raise DprunError(f"private.step()/backward() got a batch of {len(y)} examples, but the batch "
+                             f"private.batches() yielded has {waiting}: the accountant counts that Poisson sample; "
+                             f"pass the batch as it was yielded (moved to a device is fine)")
 
     def step(self, x, y, loss_fn: LossFn) -> StepOutput:
         """One private step: per-example clipping, noise on the sum, / expected batch size, optimizer.step().

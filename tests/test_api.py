@@ -202,3 +202,47 @@ def test_a_delta_not_below_one_over_n_is_warned_and_noted(caplog):
                                    delta=delta)
         said = [r.getMessage() for r in caplog.records if "not below 1/N" in r.getMessage()]
         assert bool(said) == warned and any("not below 1/N = 1/50" in n for n in private.privacy_notes) == warned
+
+
+def test_a_step_takes_each_batch_batches_yields_once():
+    """The accountant counts one Poisson sample per step. Before, step() took any (x, y): the user's own loader
+    (fixed sizes, shuffled) or one yielded batch twice (two noise draws on one sample), and get_epsilon() still
+    reported the Poisson epsilon. Now each is refused in one line before any work; a yielded batch moved or cast is
+    taken, and a refused step (a bad loss) leaves its batch waiting."""
+    x, y = blobs()
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=20, seed=3)
+    with pytest.raises(DprunError, match=r"^private.step\(\)/backward\(\) takes each batch private.batches\(\) "
+                                         r"yields, once; none is waiting") as err:
+        private.step(x[:20], y[:20], loss_fn)  # the user's own batch, no batches() at all
+    assert "\n" not in str(err.value)
+    batches = private.batches()
+    xb, yb = next(batches)
+    with pytest.raises(DprunError, match=rf"got a batch of {len(yb) + 1} examples, but the batch private.batches\(\) "
+                                         rf"yielded has {len(yb)}"):
+        private.step(x[:len(yb) + 1], y[:len(yb) + 1], loss_fn)  # another sample of another size
+    with pytest.raises(DprunError, match=r"shape \(B,\)"):
+        private.step(xb, yb, lambda out, t: loss_fn(out, t).mean())  # refused by the validator: not taken
+    private.step(xb.double().float(), yb.clone(), loss_fn)  # the batch, copied: taken
+    assert private.steps == 1
+    with pytest.raises(DprunError, match="none is waiting"):
+        private.backward(xb, yb, loss_fn)  # the same batch again
+    xb, yb = next(batches)
+    private.backward(xb, yb, loss_fn)
+    assert private.steps == 2
+
+
+def test_a_poisson_dataloaders_batches_are_checked_too():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = blobs()
+    model = nn.Sequential(nn.Linear(5, 3))
+    loader = DataLoader(TensorDataset(x, y), batch_size=20)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, seed=3)
+    for i, (xb, yb) in enumerate(private.batches()):
+        private.step(xb, yb, loss_fn)
+        with pytest.raises(DprunError, match="none is waiting"):
+            private.step(xb, yb, loss_fn)
+        if i == 2:
+            break
+    assert private.steps == 3
