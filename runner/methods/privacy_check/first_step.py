@@ -1,11 +1,13 @@
 """The one validation of a private run, on its first step (Method.clipped_sum calls it; CLI, API, compiled and
-chunked steps alike), on a few examples of the first batch; nothing it does is released or kept.
+chunked steps alike), on a few examples of the first batch (the first PROBE whose inputs and losses are finite: probe);
+nothing it does is released or kept.
 
     check_first_step(method, model, loss_fn, x, y)     # DprunError (one line) naming what clipping cannot bound
 
 In order: the loss is exactly (B,); the examples are independent (methods that run the batch in one forward);
 every hooked call is batch-first and no parameter reaches the loss outside its module's calls (per-layer methods);
-nothing was written into a parameter or buffer; the method's norms and clipped sum equal one backward per example
+jl's estimates and clipped sum equal those of each example's gradient computed alone (a backward that mixes the
+examples); nothing was written into a parameter or buffer; the method's norms and clipped sum equal one backward per example
 (reweight; Opacus's ghost norms may only over-estimate), or, for Opacus's grad samples (no oracle: they may differ
 from the true gradient where Opacus's rule is inexact, still per example), each row's norm is unchanged when another
 example changes; its norms are (B,); each of these on the probe rows as drawn and reversed (a forward that sorts the
