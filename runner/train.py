@@ -337,16 +337,14 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
         if run.accountant is not None:
             run.accountant.step(out.mechanism)
         losses = out.losses.detach()  # (B,)
-        finite = torch.isfinite(losses)  # (B,)
-        loss_sum += torch.where(finite, losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
-        finite_losses += finite.sum()
-        if out.norms is not None:
-            finite = finite & torch.isfinite(out.norms)
-        nonfinite += (~finite).sum()
+        loss_ok, norm_ok = finite_masks(losses, out.norms)  # (B,) each
+        loss_sum += torch.where(loss_ok, losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
+        finite_losses += loss_ok.sum()
+        nonfinite += (~(loss_ok & norm_ok)).sum()
         seen += len(y)
         # one record that is not finite adds nothing to the release and must not end the run either (its presence
         # would decide the run's outcome): the run has diverged when no example of the global batch is finite
-        counts.append(finite_counts(losses, out.norms))
+        counts.append(finite_counts(loss_ok, norm_ok))
         if out.outputs is not None:
             correct += (out.outputs.detach().argmax(1) == y).sum()
         if norm_log is not None and out.norms is not None:
@@ -370,12 +368,17 @@ def run_epoch(run: Run, epoch: int) -> EpochStats:
                       step_time, epoch_time, norm_log)
 
 
-def finite_counts(losses: torch.Tensor, norms: torch.Tensor | None) -> torch.Tensor:
+def finite_masks(losses: torch.Tensor, norms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) bool each: the examples whose loss, and whose gradient norm, is finite (norms None, non-private: all)."""
+    loss_ok = torch.isfinite(losses)
+    return loss_ok, (torch.ones_like(loss_ok) if norms is None else torch.isfinite(norms))
+
+
+def finite_counts(loss_ok: torch.Tensor, norm_ok: torch.Tensor) -> torch.Tensor:
     """(3,) float64 on the device, no sync: this rank's share of the step: [examples, finite losses, finite gradient
-    norms] (norms None, non-private: every example counts as finite there)."""
-    n = torch.tensor(float(len(losses)), dtype=torch.float64, device=losses.device)
-    finite_norms = n if norms is None else torch.isfinite(norms).sum().double()
-    return torch.stack([n, torch.isfinite(losses).sum().double(), finite_norms])
+    norms], from finite_masks."""
+    return torch.stack([torch.tensor(float(len(loss_ok)), dtype=torch.float64, device=loss_ok.device),
+                        loss_ok.sum().double(), norm_ok.sum().double()])
 
 
 def first_diverged(world, counts: list[torch.Tensor], last_step: int) -> int:

@@ -143,12 +143,13 @@ class TwoRanks:
 def test_divergence_is_judged_on_the_global_batch_not_a_ranks_share():
     """A rank whose share of a step is one record that is not finite (its loss and norm inf) must not end the run
     while the other rank's share is finite: one record would decide the outcome. Steps 21..23 here (checked at 23)."""
-    from runner.train import finite_counts, first_diverged
+    from runner.train import finite_counts, finite_masks, first_diverged
 
     inf = float("inf")
-    mine = [finite_counts(torch.tensor([inf]), torch.tensor([inf])),  # step 21: my share is one bad record
-            finite_counts(torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.7])),  # step 22: fine
-            finite_counts(torch.tensor([inf, inf]), torch.tensor([inf, inf]))]  # step 23: all bad here
+    counted = lambda losses, norms: finite_counts(*finite_masks(torch.tensor(losses), torch.tensor(norms)))  # noqa: E731
+    mine = [counted([inf], [inf]),  # step 21: my share is one bad record
+            counted([1.0, 2.0], [0.5, 0.7]),  # step 22: fine
+            counted([inf, inf], [inf, inf])]  # step 23: all bad here
     finite_elsewhere = torch.tensor([[3.0, 3.0, 3.0], [1.0, 1.0, 1.0], [2.0, 2.0, 2.0]], dtype=torch.float64)
     assert first_diverged(TwoRanks(finite_elsewhere), [c.clone() for c in mine], 23) == 0
     bad_elsewhere = finite_elsewhere.clone()
