@@ -42,6 +42,21 @@ class TorchLSTM(nn.Module):
         return self.fc(torch.cat([h[0], h[1]], -1))  # (B, classes)
 
 
+class UserSDPA(nn.Module):
+    """A model of a user's own that calls F.scaled_dot_product_attention: its fused CPU kernel has no forward-mode
+    or double-backward formula; jl runs it under composite_attention (runner/models/attention.py)."""
+
+    def __init__(self, vocab=20, embed=6, classes=3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.qkv = nn.Linear(embed, 3 * embed)
+        self.fc = nn.Linear(embed, classes)
+
+    def forward(self, x):  # (B, T) ids
+        q, k, v = self.qkv(self.embed(x)).unsqueeze(1).chunk(3, -1)  # each (B, 1, T, embed)
+        return self.fc(F.scaled_dot_product_attention(q, k, v).mean((1, 2)))  # (B, classes)
+
+
 IMAGE = DataInfo("img", (1, 8, 8), 3, "image", None, 100, 10)
 CIFAR = DataInfo("cifar", (3, 32, 32), 3, "image", None, 100, 10)
 TEXT = DataInfo("txt", (7,), 3, "text", 20, 100, 10)
@@ -54,12 +69,13 @@ MODELS = {
     "bilstm": lambda: models.build("bilstm", TEXT, hidden=4, embed_dim=5, dense=4),
     "transformer": lambda: models.build("transformer", TEXT, d_model=8, heads=2, ff=8, dropout=0.0),
     "torch_lstm": TorchLSTM,
+    "user_sdpa": UserSDPA,
 }
 
 
 def batch(info_or_model: str, B: int = 4):
     g = torch.Generator().manual_seed(1)
-    if info_or_model in ("bilstm", "transformer", "torch_lstm"):
+    if info_or_model in ("bilstm", "transformer", "torch_lstm", "user_sdpa"):
         x = torch.randint(0, 20, (B, 7), generator=g)
     elif info_or_model == "cnn":
         x = torch.randn(B, 1, 28, 28, generator=g, dtype=torch.float64)

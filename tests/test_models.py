@@ -11,7 +11,8 @@ from torch import nn
 from runner import models
 from runner.data.base import DataInfo
 from runner.errors import DprunError
-from runner.models.attention import SelfAttention
+from runner.models import attention
+from runner.models.attention import SelfAttention, composite_attention, fused_attention, softmax_attention
 from runner.models.bu_cnn import TFSamePad2d
 from runner.models.recurrent import GRULayer, LSTMLayer, RNNLayer
 from runner.models.transformer import EncoderLayer
@@ -145,6 +146,76 @@ def test_attention_equals_torch_multihead_attention():
     pad = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 0, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
     expected, _ = ref(x, x, x, key_padding_mask=pad, need_weights=False)
     torch.testing.assert_close(ours(x, pad), expected, atol=1e-10, rtol=0)
+
+
+def _qkv_and_padding(dtype=torch.float64):
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(3, 2, 5, 4, dtype=dtype, requires_grad=True) for _ in range(3))  # (B, H, T, d_h)
+    pad = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 0, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)  # (B, T)
+    return q, k, v, pad
+
+
+def test_the_fused_attention_equals_the_written_out_softmax_with_its_gradients():
+    """SelfAttention without dropout runs F.scaled_dot_product_attention; with dropout the written-out softmax.
+    Same values and gradients (float64), padding keys masked."""
+    q, k, v, pad = _qkv_and_padding()
+    fused = fused_attention(q, k, v, pad)
+    written = softmax_attention(q, k, v, pad)
+    torch.testing.assert_close(fused, written, atol=1e-12, rtol=0)
+    u = torch.randn_like(fused)
+    g_fused = torch.autograd.grad(fused, (q, k, v), u)
+    g_written = torch.autograd.grad(written, (q, k, v), u)
+    for a, b in zip(g_fused, g_written):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_the_attention_path_follows_dropout_and_mode(monkeypatch):
+    calls = []
+    monkeypatch.setattr(attention, "fused_attention", lambda *a: calls.append("fused") or softmax_attention(*a[:4]))
+    monkeypatch.setattr(attention, "softmax_attention",
+                        lambda *a: calls.append("softmax") or softmax_attention(*a[:4]))
+    x = torch.randn(2, 5, 16)
+    SelfAttention(16, 4, dropout=0.0).train()(x)
+    SelfAttention(16, 4, dropout=0.1).eval()(x)
+    SelfAttention(16, 4, dropout=0.1).train()(x)
+    assert calls == ["fused", "fused", "softmax"]
+
+
+def test_composite_attention_gives_forward_mode_double_backward_and_vmap():
+    """SDPA's fused CPU kernel has none of them; jl (jvp, double_vjp) and multiloss (vmap) run under
+    composite_attention() and get the written-out softmax's derivatives."""
+    q, k, v, pad = _qkv_and_padding()
+    tangents = tuple(torch.randn_like(t) for t in (q, k, v))
+    with composite_attention():
+        _, jvp_fused = torch.func.jvp(lambda *t: fused_attention(*t, pad), (q, k, v), tangents)
+        (g,) = torch.autograd.grad(fused_attention(q, k, v, pad).pow(2).sum(), q, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), k)
+        per_example = torch.func.vmap(torch.func.grad(lambda a, b, c, m: fused_attention(
+            a[None], b[None], c[None], m[None]).pow(2).sum()))(q, k, v, pad)
+    _, jvp_written = torch.func.jvp(lambda *t: softmax_attention(*t, pad), (q, k, v), tangents)
+    torch.testing.assert_close(jvp_fused, jvp_written, atol=1e-12, rtol=0)
+    (g2,) = torch.autograd.grad(softmax_attention(q, k, v, pad).pow(2).sum(), q, create_graph=True)
+    torch.testing.assert_close(gg, torch.autograd.grad(g2.sum(), k)[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(per_example, torch.autograd.grad(softmax_attention(q, k, v, pad).pow(2).sum(), q)[0],
+                               atol=1e-12, rtol=0)
+
+
+def test_the_fused_attention_under_bf16_autocast_and_vmap():
+    """Under autocast, q, k, v arrive in bf16 (the Linears' outputs); vmap (multiloss) of SDPA's math backend with
+    autocast on fails in torch 2.13, so fused_attention turns autocast off around it."""
+    q, k, v, pad = _qkv_and_padding(torch.float32)
+    W = torch.randn(4, 4)
+
+    def loss(w, a, b, c, m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fused_attention(a[None] @ w, b[None] @ w, c[None] @ w, m[None])
+        assert out.dtype == torch.bfloat16
+        return out.float().pow(2).sum()
+
+    with composite_attention():
+        grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0, 0, 0))(W, q.detach(), k.detach(),
+                                                                                   v.detach(), pad)
+    assert grads.shape == (3, 4, 4) and bool(torch.isfinite(grads).all())
 
 
 def test_encoder_layer_equals_torch_transformer_encoder_layer():

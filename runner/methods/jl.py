@@ -38,6 +38,7 @@ from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized
 from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.features import Feature
+from runner.models.attention import composite_attention
 
 log = logging.getLogger("dprun")
 
@@ -82,6 +83,11 @@ def _chunks(r: int, chunk: int) -> list[slice]:
 def forward_projections(model, loss_fn, x, y, directions: Directions, chunk: int = 0):
     """Forward-mode AD on the model's own autograd graph. Returns losses (B,), outputs (B, classes), P (B, r) and
     backward(nu) -> {name: sum_i nu_i g_i}. The first chunk of directions shares its forward with the backward."""
+    with composite_attention():  # SDPA's fused kernels have no forward-mode formula (runner/models/attention.py)
+        return _forward_projections(model, loss_fn, x, y, directions, chunk)
+
+
+def _forward_projections(model, loss_fn, x, y, directions: Directions, chunk: int):
     named = trainable_params(model)
     r = next(iter(directions.values())).shape[0]
     slices = _chunks(r, chunk)
@@ -141,6 +147,11 @@ def _backward_on(losses: torch.Tensor, named: dict[str, torch.Tensor]):
 def double_vjp_projections(model, loss_fn, x, y, directions: Directions, chunk: int = 0):
     """The double-vjp trick on the model's own autograd graph: g(u) = sum_i u_i grad loss_i is linear in u, so
     d/du <g(u), v_j> = (<grad loss_i, v_j>)_i = P_:j. Same return values as forward_projections."""
+    with composite_attention():  # SDPA's fused backward is not differentiable (runner/models/attention.py)
+        return _double_vjp_projections(model, loss_fn, x, y, directions, chunk)
+
+
+def _double_vjp_projections(model, loss_fn, x, y, directions: Directions, chunk: int):
     named = trainable_params(model)
     names, params = list(named), list(named.values())
     out = model(x)  # (B, classes), one forward with the graph

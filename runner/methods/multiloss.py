@@ -22,6 +22,7 @@ from torch.func import functional_call, grad, vmap
 from runner.errors import DprunError
 from runner.norms.certify import certified_norms, finite_rows, upper_sqnorm
 from runner.methods.base import METHODS, Method, Privatized
+from runner.models.attention import composite_attention
 
 
 @METHODS.register("multiloss")
@@ -52,7 +53,8 @@ class MultiLoss(Method):
         for start in range(0, len(y), chunk):
             xs, ys = x[start:start + chunk], y[start:start + chunk]
             try:
-                grads, (loss, out) = per_example(trainable, xs, ys)  # grads[n]: (b, *p.shape)
+                with composite_attention():  # vmap through SDPA (runner/models/attention.py)
+                    grads, (loss, out) = per_example(trainable, xs, ys)  # grads[n]: (b, *p.shape)
             except RuntimeError as e:
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise DprunError(f"method=multiloss: torch.func.vmap cannot trace {type(model).__name__}: {msg}; "
