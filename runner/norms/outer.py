@@ -179,8 +179,13 @@ def clipped_sum(a: torch.Tensor, g: torch.Tensor, nu: torch.Tensor, stash: dict 
         for part in parts[1:]:
             total.add_(tc.mm(part.t(), rows))
         return total
-    weighted = finite_rows(g * nu.view(-1, 1, 1), keep)  # (N, T, o)
-    return weighted.reshape(-1, o).t() @ finite_rows(a, keep).reshape(-1, k)  # (o, k)
+    # nu multiplies the smaller side, a copy of (N, T, min(o, k)): the feed-forward's (B, T, 4d) side is the step's
+    # largest transient at the end of a bk backward otherwise (14.6 MB of 84.7 on the bench transformer, keep=0)
+    if o <= k:
+        weighted, rows = finite_rows(g * nu.view(-1, 1, 1), keep), finite_rows(a, keep)  # (N, T, o), (N, T, k)
+    else:
+        weighted, rows = finite_rows(g, keep), finite_rows(a * nu.view(-1, 1, 1), keep)  # (N, T, o), (N, T, k)
+    return weighted.reshape(-1, o).t() @ rows.reshape(-1, k)  # (o, k)
 
 
 def rank_one_with_bias_sq(a: torch.Tensor, g: torch.Tensor, stash: dict | None = None) -> torch.Tensor:
