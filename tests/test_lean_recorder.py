@@ -543,6 +543,26 @@ def test_defer_auto_is_on_on_cuda_only_and_holds_no_byte_more_on_a_transformer()
     assert peaks["on"] <= peaks["off"], peaks
 
 
+def test_defer_all_drops_each_output_gradient_once_its_norm_is_formed():
+    """defer=all forms every layer's norm after the backward; each output-gradient autograd returned is dropped as
+    soon as its layer's norm has kept a stash (runner/norms/streaming.py _grad), not held until the last norm is
+    formed: the bench transformer (B = 32, T = 150) peaks at 90.5 MB, against 114.1 before and 93.1 with
+    defer=off."""
+    info = DataInfo("imdb", (150,), 2, "text", 8185, 100, 100)
+    torch.manual_seed(0)
+    model = MODELS.build("transformer", info, dropout=0.0)
+    x, y = synthetic_batch(info, 32, torch.device("cpu"))
+    peaks = {}
+    for defer in ("off", "all"):
+        method = METHODS.build("reweight", cfg={"mode": "bk", "defer": defer}, clip=1.0, sigma=0.0)
+        method.privacy_check = False
+        m = method.attach(copy.deepcopy(model))
+        method.privatize(m, loss_fn, x, y)
+        peaks[defer] = step_memory_bytes(lambda: method.privatize(m, loss_fn, x, y),
+                                         torch.device("cpu"), before=lambda: m.zero_grad(set_to_none=True))
+    assert peaks["all"] <= peaks["off"], peaks
+
+
 def test_defer_with_a_keep_budget_is_exact_at_every_step(monkeypatch):
     """method.defer=on beside method.keep_mb (whose first step ranks the layers as its backward meets them, and whose
     later steps choose among all of them): norms and clipped sums are nxBP's at each of three steps."""
