@@ -44,7 +44,9 @@ EXCUSED = ("jl", "sbcd")  # see tests/test_clip_contribution.py: estimates / ano
 # method.defer=on (the record-keeping layers' norms after the backward, from the second step on: adversarial.released
 # measures that step), every norm choice
 OTHER_RECORDERS = ([{"mode": "bk", "norm": h, "recorder": r} for h in HOW for r in reweight.RECORDERS if r != "lean"]
-                   + [{"mode": "bk", "norm": h, "defer": d} for h in HOW for d in ("on", "all")])  # deferral on the CPU
+                   + [{"mode": "bk", "norm": h, "defer": d} for h in HOW for d in ("on", "all")]  # deferral on the CPU
+                   # every layer's clipped sum from its records (nu scales the smaller side), or from a kept G_i
+                   + [{"mode": "bk", "keep": keep} for keep in (0, 1000)])
 VARIANTS = {"reweight": [{"mode": m, "norm": h} for m in reweight.MODES for h in HOW] + OTHER_RECORDERS,
             "opacus": [{"grad_sample_mode": g} for g in opacus_peer.MODES]}
 CASES = [(name, cfg) for name, cls in METHODS.items() if cls.private and name not in EXCUSED

@@ -204,6 +204,7 @@ SETTINGS = {  # label -> (method, cfg, precision): the table's columns
     "bk recorder full": ("reweight", {"recorder": "full"}, "fp32"),  # Recorder from the start (method.recorder)
     "bk defer on": ("reweight", {"defer": "on"}, "fp32"),  # record-keeping layers' norms after the backward
     "bk defer all": ("reweight", {"defer": "all"}, "fp32"),  # every layer's norm after the backward
+    "bk keep 0": ("reweight", {"keep": 0}, "fp32"),  # every clipped sum from the records (no G_i kept)
     "twopass": ("reweight", {"mode": "twopass"}, "fp32"),
     "recompute": ("reweight", {"mode": "recompute"}, "fp32"),
     "bk bf16": ("reweight", {}, "bf16"),
