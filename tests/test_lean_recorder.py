@@ -538,8 +538,7 @@ def test_defer_auto_is_on_on_cuda_only_and_holds_no_byte_more_on_a_transformer()
             defer_step(method, m, x, y)
         _, _, (_, n_deferred) = defer_step(method, m, x, y)
         assert (n_deferred > 0) == (defer == "on")
-        peaks[defer] = step_memory_bytes(lambda: method.privatize(m, loss_fn, x, y),
-                                         torch.device("cpu"), before=lambda: m.zero_grad(set_to_none=True))
+        peaks[defer] = privatize_peak(method, m, x, y)
     assert peaks["on"] <= peaks["off"], peaks
 
 
@@ -548,19 +547,30 @@ def test_defer_all_drops_each_output_gradient_once_its_norm_is_formed():
     soon as its layer's norm has kept a stash (runner/norms/streaming.py _grad), not held until the last norm is
     formed: the bench transformer (B = 32, T = 150) peaks at 90.5 MB, against 114.1 before and 93.1 with
     defer=off."""
-    info = DataInfo("imdb", (150,), 2, "text", 8185, 100, 100)
-    torch.manual_seed(0)
-    model = MODELS.build("transformer", info, dropout=0.0)
-    x, y = synthetic_batch(info, 32, torch.device("cpu"))
+    model, x, y = bench_transformer()
     peaks = {}
     for defer in ("off", "all"):
         method = METHODS.build("reweight", cfg={"mode": "bk", "defer": defer}, clip=1.0, sigma=0.0)
         method.privacy_check = False
         m = method.attach(copy.deepcopy(model))
         method.privatize(m, loss_fn, x, y)
-        peaks[defer] = step_memory_bytes(lambda: method.privatize(m, loss_fn, x, y),
-                                         torch.device("cpu"), before=lambda: m.zero_grad(set_to_none=True))
+        peaks[defer] = privatize_peak(method, m, x, y)
     assert peaks["all"] <= peaks["off"], peaks
+
+
+def bench_transformer():
+    """The bench's transformer_imdb workload (B = 32, T = 150, vocab 8185, dropout 0): model, x, y."""
+    info = DataInfo("imdb", (150,), 2, "text", 8185, 100, 100)
+    torch.manual_seed(0)
+    model = MODELS.build("transformer", info, dropout=0.0)
+    x, y = synthetic_batch(info, 32, torch.device("cpu"))
+    return model, x, y
+
+
+def privatize_peak(method, m, x, y) -> int:
+    """Peak bytes of one privatize on the CPU above those live at its start (bench-clip's measure)."""
+    return step_memory_bytes(lambda: method.privatize(m, loss_fn, x, y), torch.device("cpu"),
+                             before=lambda: m.zero_grad(set_to_none=True))
 
 
 def test_defer_with_a_keep_budget_is_exact_at_every_step(monkeypatch):
@@ -639,10 +649,7 @@ def test_keep_0_holds_the_non_private_steps_peak_on_the_bench_transformer():
     output-gradient) and the clipped sums scale their smaller side: the bk step peaks at the non-private step's
     bytes on the bench transformer (B = 32, T = 150: 74.35 against 74.06 MB, below Opacus ghost's 77.80;
     docs/methods.md). Scaling the feed-forward's larger side put a (B, T, ff) copy on top (84.7 MB)."""
-    info = DataInfo("imdb", (150,), 2, "text", 8185, 100, 100)
-    torch.manual_seed(0)
-    model = MODELS.build("transformer", info, dropout=0.0)
-    x, y = synthetic_batch(info, 32, torch.device("cpu"))
+    model, x, y = bench_transformer()
     peaks = {}
     for name, cfg in (("nonprivate", {}), ("reweight", {"mode": "bk", "keep": 0})):
         method = METHODS.build(name, cfg=cfg, clip=1.0, sigma=0.0)
