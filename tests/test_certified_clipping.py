@@ -335,6 +335,46 @@ def test_a_non_finite_record_cannot_poison_the_release(name, cfg, record, act, v
         assert dropped, f"{record}: the record's norm and loss came out finite"
 
 
+TRANSFORMER_POISON = [("reweight", {"mode": m}) for m in reweight.MODES] + [
+    ("nxbp", {}), ("multiloss", {}), ("jl", {"r": 2, "jvp": "forward"}), ("jl", {"r": 2, "jvp": "double_vjp"})]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e30], ids=["inf", "nan", "1e30"])
+@pytest.mark.parametrize("name,cfg", TRANSFORMER_POISON, ids=[case_id(*c) for c in TRANSFORMER_POISON])
+def test_a_non_finite_record_through_the_fused_attention_adds_nothing(name, cfg, value):
+    """The zoo's transformer (one token per image row) runs F.scaled_dot_product_attention without dropout, and jl
+    and multiloss its math backend: one record of four holding inf or nan leaves the release finite, adds exactly
+    nothing, and every other example adds what it adds without it; a huge finite one (1e30) adds nothing or at most
+    C."""
+    from runner.data.base import DataInfo
+    from runner.models import MODELS
+
+    info = DataInfo("img", (1, 4, 6), 3, "image", None, 100, 10)
+    torch.manual_seed(0)
+    model = MODELS.build("transformer", info, d_model=8, heads=2, ff=8, dropout=0.0)  # float32, as trained
+    x, y = torch.randn(4, 1, 4, 6), torch.tensor([0, 1, 2, 0])
+    x[2] = value
+
+    def release(xs, ys):
+        method = METHODS.build(name, cfg=cfg, clip=0.5, sigma=0.0)
+        method.privacy_check = False  # clipping alone (see VALIDATOR above)
+        m = method.attach(copy.deepcopy(model))
+        torch.manual_seed(1)  # jl: the same directions with and without the record
+        out = method.step(m, ce, xs, ys, torch.optim.SGD(m.parameters(), lr=0.0), sample_rate=1.0,
+                          expected_batch_size=1.0)
+        return torch.cat([p.grad.double().flatten() for p in m.parameters()]), out
+
+    keep = torch.tensor([0, 1, 3])
+    (with_record, out), (without, _) = release(x, y), release(x[keep], y[keep])
+    assert torch.isfinite(with_record).all(), "one record turned the release into nan/inf"
+    if not (bool(torch.isfinite(out.norms[2])) and bool(torch.isfinite(out.losses[2]))):  # dropped: adds nothing
+        torch.testing.assert_close(with_record, without, rtol=1e-5, atol=1e-7)
+    elif name != "jl":  # a finite record (LayerNorm tames 1e30): at most C (jl clips by estimates)
+        assert float((with_record - without).norm()) <= 0.5 * (1 + 1e-4)
+    if value != 1e30:
+        assert not (bool(torch.isfinite(out.norms[2])) and bool(torch.isfinite(out.losses[2])))
+
+
 def test_the_dropped_record_rerun_costs_nothing_when_every_record_is_finite(monkeypatch):
     """jl and twopass ask once per chunk whether every record was finite; only a no forms the chunk again."""
     from runner.methods import dropped
