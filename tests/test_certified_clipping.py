@@ -535,6 +535,45 @@ def test_crafted_conv_example_contributes_at_most_C_in_channels_last(name, cfg, 
     assert worst <= 1 + TOL, f"{case}: an example contributed {worst:.6g} x C in channels-last"
 
 
+BK_KEEPS = [("reweight", {"mode": "bk"}), ("reweight", {"mode": "bk", "keep": 1000})]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("kind,case,build,example", CONV, ids=[c[1] for c in CONV])
+@pytest.mark.parametrize("name,cfg", BK_KEEPS, ids=[case_id(*c) for c in BK_KEEPS])
+def test_crafted_conv_example_contributes_at_most_C_by_rows(monkeypatch, name, cfg, kind, case, build, example,
+                                                             layout):
+    """Book-keeping on the CPU forms a kept conv G_i by output rows, without the unfolded input, above
+    conv.ROWS_FLOOR_BYTES (runner/norms/conv.py): the route at these small sizes, the same bound on the same
+    crafted inputs, and the route really taken (ConvRule.records_norm_sq answered)."""
+    from runner.norms import conv
+
+    monkeypatch.setattr(conv, "ROWS_FLOOR_BYTES", 0)
+    answered = []
+    real = conv.ConvRule.records_norm_sq
+    monkeypatch.setattr(conv.ConvRule, "records_norm_sq",
+                        lambda self, *a: (lambda r: (answered.append(r is not None), r)[1])(real(self, *a)))
+    torch.manual_seed(0)
+    model, x = build(0), example(torch.Generator().manual_seed(1), EPS)
+    if layout == "channels_last":
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    worst = max(contribution(name, cfg, model, x, fraction) for fraction in (0.01, 0.9))
+    assert worst <= 1 + TOL, f"{case}: an example contributed {worst:.6g} x C by rows"
+    if cfg.get("keep") == 1000:  # every G_i kept: the rows route wherever a conv allows it (one group, no dilation)
+        convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+        if all(m.groups == 1 and all(d == 1 for d in m.dilation) for m in convs):
+            assert answered and any(answered), f"{case}: the rows route was not taken"
+
+
+def test_a_non_finite_record_adds_nothing_by_rows(monkeypatch):
+    """The same with the conv's kept G_i formed by rows: the record with inf/nan adds nothing, the others all."""
+    from runner.norms import conv
+
+    monkeypatch.setattr(conv, "ROWS_FLOOR_BYTES", 0)
+    for value in (float("inf"), float("nan")):
+        test_a_non_finite_record_adds_nothing_and_the_others_everything("bk", value, "conv_norms")
+
+
 @pytest.mark.parametrize("route", ["chunks", "compiled"])
 @pytest.mark.parametrize("name,cfg", [("jl", {"r": 2}), ("reweight", {"mode": "twopass"})], ids=["jl", "twopass"])
 def test_a_dropped_record_adds_nothing_in_chunks_and_compiled(name, cfg, route):

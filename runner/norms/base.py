@@ -56,6 +56,13 @@ class NormRule:
         """{param name: sum_i nu_i * per-example gradient} for the layer's trainable parameters; nu (B,)."""
         raise NotImplementedError
 
+    def records_norm_sq(self, layer: nn.Module, inp: torch.Tensor, grad_out: torch.Tensor, how: str,
+                        stash: dict | None = None) -> torch.Tensor | None:
+        """norm_sq straight from one call's (input, output-gradient), where the rule has a route that skips
+        `sequence`'s (a, g) (a conv's kept per-example gradient without its unfolded input); None: no such route
+        here, use sequence and norm_sq."""
+        return None
+
 
     def stash_only(self, layer: nn.Module, stash: dict) -> bool:
         """True when `stash` (filled by norm_sq) alone gives every trainable parameter's clipped sum: book-keeping's

@@ -7,6 +7,12 @@ Stride, dilation, zero or string ('same'/'valid') padding, non-zero padding mode
 Conv1d is Conv2d with height 1.
 
     a, g = ConvRule().sequence(conv, x, grad_out)   # (B, L, G, kh*kw*C_in/G), (B, L, G, C_out/G)
+
+Book-keeping on the CPU (issue 31): where the per-example gradient is kept for the clipped sum, it is formed by
+output rows (per_example_by_rows) without the unfolded input, whose (B, L, k) copy costs more than the products
+(bu_cnn's conv1 at B = 256: 12.8 MB, ~2.7 ms of a 3.6 ms norm; by rows 2.2 ms, docs/bench.md "Stop 50"). The kept
+tensor's own norm is the certificate and the clipped sum adds that very tensor, so how it was multiplied out does
+not enter the bound.
 """
 from __future__ import annotations
 
@@ -42,6 +48,50 @@ def unfold(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     sB, sH, sW, _ = x.stride()
     view = x.as_strided((B, oh, ow, G, kh, kw, C // G), (sB, sH * sh, sW * sw, C // G, sH * dh, sW * dw, 1))
     return view.reshape(B, oh * ow, G, kh * kw * (C // G))  # (B, L, G, k_g)
+
+
+# book-keeping forms a kept G_i by rows only where the unfolded input (B x L x k) would exceed this: below it the im2col
+# stays in cache and one bmm beats one bmm per output row (in-process, interleaved with the unfold route: bu_cnn B=256
+# conv1 12.8 MB 0.88x the bk step, L&K's fig. 6 CNN 0.84-0.88x at B=64/128 and 0.90-0.98x at B=32 (conv2 12.5 MB),
+# but 1.03x at B=16 (conv2 6.3 MB); docs/bench.md "Stop 50")
+ROWS_FLOOR_BYTES = 2**23
+
+
+def by_rows(layer: nn.Module, inp: torch.Tensor) -> bool:
+    """Can per_example_by_rows form this call's per-example gradients: one group, no dilation, a float32/float64
+    input on the CPU (on a GPU it would be one small launch per output row; the unfold stays there)."""
+    return (layer.groups == 1 and all(d == 1 for d in layer.dilation) and inp.device.type == "cpu"
+            and inp.dtype in (torch.float32, torch.float64))
+
+
+def per_example_by_rows(layer: nn.Module, inp: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """(B, C_out, kh*kw*C_in) per-example weight gradients in unfold's (kh, kw, c) order, for a layer by_rows
+    accepts, without the unfolded input.
+
+    Each input row unfolded along the width only, rows: (B, Hp, kw, C_in, ow), kw/sw times the input. Output row i
+    read input rows sh*i ... sh*i + kh - 1, which are one contiguous (kh*kw*C_in, ow) block of `rows`, in the
+    (kh, kw, c) order: G_b += g_b[:, i, :] (C_out, ow) @ block_b^T (ow, k), one batched product per output row."""
+    pads = layer._reversed_padding_repeated_twice
+    if any(pads):
+        inp = F.pad(inp, pads, mode="constant" if layer.padding_mode == "zeros" else layer.padding_mode)
+    if inp.dim() == 3:  # Conv1d: (B, C, L) as (B, C, 1, L)
+        inp, grad_out = inp.unsqueeze(2), grad_out.unsqueeze(2)
+        (kh, kw), (sh, sw) = (1, *layer.kernel_size), (1, *layer.stride)
+    else:
+        (kh, kw), (sh, sw) = layer.kernel_size, layer.stride
+    B, C = inp.shape[:2]
+    oh, ow = grad_out.shape[2:]
+    rows = inp.unfold(3, kw, sw).permute(0, 2, 4, 1, 3).contiguous()  # (B, Hp, kw, C, ow)
+    row, k = kw * C * ow, kh * kw * C  # elements per input row; features per output position
+    flat = rows.view(B, -1)
+    per_example = torch.empty(B, grad_out.shape[1], k, dtype=inp.dtype, device=inp.device)  # (B, C_out, k)
+    for i in range(oh):
+        block = flat[:, sh * i * row: (sh * i + kh) * row].view(B, k, ow)  # (B, k, ow), a view
+        if i == 0:
+            torch.bmm(grad_out[:, :, i, :], block.transpose(1, 2), out=per_example)
+        else:
+            per_example.baddbmm_(grad_out[:, :, i, :], block.transpose(1, 2))
+    return per_example
 
 
 def weight_order(layer: nn.Module, w: torch.Tensor) -> torch.Tensor:
@@ -80,6 +130,28 @@ class ConvRule(NormRule):
                     norm_factor(G * g.shape[3], unit(g)) * (1 + gamma(L + 2, unit(g))))
                 parts.append(summed_vector(sums, mass, L))
         return total(parts, a)
+
+    def records_norm_sq(self, layer, inp, grad_out, how, stash=None):
+        """norm_sq from one call's records where book-keeping keeps the per-example gradient and by_rows applies:
+        formed by per_example_by_rows and kept with the bias's per-example sums (B, C_out); the bound is their own
+        norm, as on norm_sq's kept route (the clipped sums add these very tensors). None elsewhere (sequence, then
+        norm_sq)."""
+        if stash is None or not trains(layer.weight) or not by_rows(layer, inp):
+            return None
+        B, o, T = grad_out.shape[0], grad_out.shape[1], grad_out[0, 0].numel()
+        k = layer.weight[0].numel()
+        keeps = stash.keeps(B, T, k, o, inp.element_size()) if isinstance(stash, outer.Stash) else outer.keeps(T, k, o)
+        if T == 1 or not keeps or outer.use_ghost(T, k, o, how, stash=True) \
+                or B * T * k * inp.element_size() <= ROWS_FLOOR_BYTES:
+            return None
+        per_example = per_example_by_rows(layer, inp, grad_out)  # (B, C_out, k)
+        stash["weight"] = per_example
+        value = upper_sqnorm(per_example)  # (B,)
+        if trains(layer.bias):
+            sums = grad_out.flatten(2).sum(2)  # (B, C_out): sum over positions, the per-example bias gradient
+            stash["bias"] = sums
+            value = add_sqnorm_(value, sums)
+        return value
 
     def clipped_sums(self, layer, a, g, nu, stash=None):
         sums: dict[str, torch.Tensor] = {}

@@ -98,8 +98,13 @@ class LeanRecorder(StreamingNorms):
         # bf16: the norm and the clipped sum are formed from the same float32 upcasts (as Recorder), or the same
         # bf16 records on a GPU's tensor cores (a Linear: runner/norms/tensor_cores.py)
         recs = [records(i, g, rule.tensor_cores and self.tensor_cores) for i, g in zip(inputs, grads)]
-        chunk = self._chunk(rule, module, inputs, grads, stash)
-        if chunk < inputs[0].shape[0]:  # one call, transients (a conv's im2col) cut by examples (BK_TRANSIENT_BUDGET)
+        with exact_float32(grads[0].device):  # a rule's route from the raw records (a conv's kept G_i by rows)
+            direct = rule.records_norm_sq(module, *recs[0], self.how, stash) if len(recs) == 1 else None
+        if direct is not None:
+            self._accumulate(direct.detach())  # (B,) certified bounds
+            seq = a = g = None
+        elif (chunk := self._chunk(rule, module, inputs, grads, stash)) < inputs[0].shape[0]:
+            # one call, transients (a conv's im2col) cut by examples (BK_TRANSIENT_BUDGET)
             self._add_chunked(module, rule, recs[0], stash, chunk)
             seq = a = g = None
         else:
