@@ -9,10 +9,10 @@ Conv1d is Conv2d with height 1.
     a, g = ConvRule().sequence(conv, x, grad_out)   # (B, L, G, kh*kw*C_in/G), (B, L, G, C_out/G)
 
 Book-keeping on the CPU (issue 31): where the per-example gradient is kept for the clipped sum, it is formed by
-output rows (per_example_by_rows) without the unfolded input, whose (B, L, k) copy costs more than the products
-(bu_cnn's conv1 at B = 256: 12.8 MB, ~2.7 ms of a 3.6 ms norm; by rows 2.2 ms, docs/bench.md "Stop 50"). The kept
-tensor's own norm is the certificate and the clipped sum adds that very tensor, so how it was multiplied out does
-not enter the bound.
+output rows (per_example_by_rows) without the unfolded input, whose (B, L, k) copy can cost more than the products
+(bu_cnn's conv1 at B = 256: 2.59 -> 1.97 ms; a 32->32 3x3 conv at 32 px, B = 64: 37.6 -> 14.1 ms; docs/bench.md
+"Stop 50"). The kept tensor's own norm is the certificate and the clipped sum adds that very tensor, so how it was
+multiplied out does not enter the bound.
 """
 from __future__ import annotations
 
@@ -51,9 +51,8 @@ def unfold(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 # book-keeping forms a kept G_i by rows only where the unfolded input (B x L x k) would exceed this: below it the im2col
-# stays in cache and one bmm beats one bmm per output row (in-process, interleaved with the unfold route: bu_cnn B=256
-# conv1 12.8 MB 0.88x the bk step, L&K's fig. 6 CNN 0.84-0.88x at B=64/128 and 0.90-0.98x at B=32 (conv2 12.5 MB),
-# but 1.03x at B=16 (conv2 6.3 MB); docs/bench.md "Stop 50")
+# stays in cache and one bmm beats one bmm per output row (per layer: bu_cnn's conv1 at B=128, 6.4 MB, 1.06 vs 1.07
+# ms; L&K's conv2 at B=16, 6.3 MB, 1.53 vs 1.66 ms; above it the rows win; docs/bench.md "Stop 50")
 ROWS_FLOOR_BYTES = 2**23
 
 
@@ -140,9 +139,8 @@ class ConvRule(NormRule):
             return None
         B, o, T = grad_out.shape[0], grad_out.shape[1], grad_out[0, 0].numel()
         k = layer.weight[0].numel()
-        keeps = stash.keeps(B, T, k, o, inp.element_size()) if isinstance(stash, outer.Stash) else outer.keeps(T, k, o)
-        if T == 1 or not keeps or outer.use_ghost(T, k, o, how, stash=True) \
-                or B * T * k * inp.element_size() <= ROWS_FLOOR_BYTES:
+        if T == 1 or not outer.stash_keeps(stash, B, T, k, o, inp.element_size()) \
+                or outer.use_ghost(T, k, o, how, stash=True) or B * T * k * inp.element_size() <= ROWS_FLOOR_BYTES:
             return None
         per_example = per_example_by_rows(layer, inp, grad_out)  # (B, C_out, k)
         stash["weight"] = per_example

@@ -64,6 +64,12 @@ def keeps(T: int, k: int, o: int, ratio: float = KEEP) -> bool:
     return o * k <= ratio * T * (k + o)
 
 
+def stash_keeps(stash: dict, N: int, T: int, k: int, o: int, itemsize: int) -> bool:
+    """Does book-keeping keep this layer's G_i in `stash`: its Stash's rule (method.keep or method.keep_mb), the
+    default ratio for a plain dict."""
+    return stash.keeps(N, T, k, o, itemsize) if isinstance(stash, Stash) else keeps(T, k, o)
+
+
 def sqnorm(t: torch.Tensor) -> torch.Tensor:
     """(N,) squared norm of each t[i], without materialising t**2 (a large temporary for per-example grads)."""
     return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square()
@@ -82,8 +88,7 @@ def norm_sq(a: torch.Tensor, g: torch.Tensor, how: str = "auto", stash: dict | N
         fk, fo = norm_factor(k, u), norm_factor(o, u)
         norm = floored_norms(vector_norms, a[:, 0], k, fk, u).mul_(floored_norms(vector_norms, g[:, 0], o, fo, u))
         return norm.square_().mul_((fk * fo) ** 2 * (1 + u) ** 4 * (1 + 5 * u))  # (N,)
-    if stash is not None and not (stash.keeps(N, T, k, o, a.element_size()) if isinstance(stash, Stash)
-                                  else keeps(T, k, o)):
+    if stash is not None and not stash_keeps(stash, N, T, k, o, a.element_size()):
         stash = None  # memory: do not keep G_i for the clipped sum (clipped_sum falls back to one GEMM)
     if use_ghost(T, k, o, how, stash is not None):
         return ghost_parts(torch.bmm(a, a.transpose(1, 2)), torch.bmm(g, g.transpose(1, 2)), k, o, u)[0]
