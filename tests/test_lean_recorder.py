@@ -670,3 +670,55 @@ def test_keep_0_holds_the_non_private_steps_peak_on_the_bench_transformer():
         step()
         peaks[name] = step_memory_bytes(step, torch.device("cpu"), before=lambda: opt.zero_grad(set_to_none=True))
     assert peaks["reweight"] < 1.02 * peaks["nonprivate"], peaks  # 1.004x measured; the larger side: 1.14x
+
+
+class ConvStack(nn.Module):
+    """Three convs whose per-example gradients book-keeping keeps (T = 64 positions, k <= 72), then a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.c3, self.fc = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.Linear(8, 4)
+
+    def forward(self, x):  # x (B, 3, 8, 8)
+        h = torch.tanh(self.c3(torch.tanh(self.c2(torch.tanh(self.c1(x))))))
+        return self.fc(h.mean((2, 3)))
+
+
+def test_a_conv_that_keeps_its_per_example_gradient_frees_its_records_inside_the_backward(monkeypatch):
+    """On the CPU a conv whose G_i (and bias sums) book-keeping kept is stash-only: the lean recorder drops its input
+    and output-gradient at its norm, not at the clipped sums (ResNet-18 B = 16: 166.0 -> 110.0 MB, docs/bench.md
+    "Stop 50"); the step stays nxBP's, and peaks lower than with the records held. A stash on another device is not
+    stash-only (a GPU's deferral keeps those records: lean.py)."""
+    from runner.norms import conv
+
+    torch.manual_seed(0)
+    model = ConvStack().double()
+    x, y = torch.randn(6, 3, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 2, 3, 0, 1])
+    kept = {}
+    real_add = LeanRecorder._add
+
+    def add(self, key):
+        real_add(self, key)
+        kept[self.rules[key][0]] = len(self.kept[key])  # path -> records still held
+
+    monkeypatch.setattr(LeanRecorder, "_add", add)
+    assert_lean_equals_nxbp(model, x, y, clip=0.05)
+    assert kept == {"c1": 0, "c2": 0, "c3": 0, "fc": 1}, kept
+
+    def peak():
+        m = METHODS.build("reweight", cfg={"mode": "bk"}, clip=1.0, sigma=0.0)
+        m.privacy_check = False
+        net = m.attach(copy.deepcopy(model))
+        privatize_peak(m, net, x, y)  # the first step learns the shapes
+        return privatize_peak(m, net, x, y)
+
+    stash_only = peak()
+    monkeypatch.setattr(conv.ConvRule, "stash_only", lambda self, layer, stash: False)
+    assert stash_only < peak()
+    monkeypatch.undo()
+    rule, layer = conv.ConvRule(), model.c1
+    assert rule.stash_only(layer, {"weight": torch.zeros(6, 8, 27, dtype=torch.float64), "bias": torch.zeros(6, 8)})
+    assert not rule.stash_only(layer, {"weight": torch.zeros(6, 8, 27, device="meta"), "bias": torch.zeros(6, 8)})
+    assert not rule.stash_only(layer, {"weight": torch.zeros(6, 8, 27)})  # the bias trains: its sums are needed
+    assert rule.stash_only(model.c3, {"weight": torch.zeros(6, 8, 72)})  # no bias

@@ -151,6 +151,14 @@ class ConvRule(NormRule):
             value = add_sqnorm_(value, sums)
         return value
 
+    def stash_only(self, layer, stash):
+        """The CPU: book-keeping kept G_i and the bias's per-example sums, so the records are freed inside the
+        backward, not held to the clipped sums. On a GPU a conv keeps its records there, so that method.defer=auto
+        forms its norm after the backward (runner/norms/lean.py: the host's launch order, stop 44)."""
+        weight = stash.get("weight")
+        return (weight is not None and weight.device.type == "cpu"
+                and all(name in stash for name in self.params if trains(getattr(layer, name))))
+
     def clipped_sums(self, layer, a, g, nu, stash=None):
         sums: dict[str, torch.Tensor] = {}
         B, L, G, k = a.shape
@@ -194,7 +202,7 @@ def _clipped_sums_calls(self, layer, calls, nu, stash=None):
     B, G = nu.shape[0], layer.groups
     keep = kept(nu)
     stash = stash if stash is not None else {}
-    shape = (-1,) + (1,) * (calls[0][1].dim() - 1)
+    shape = (-1,) + (1,) * (calls[0][1].dim() - 1) if calls else None  # no calls: stash_only, the stash suffices
     weighted = None
     if trains(layer.weight) and "weight" in stash:  # per-example (B*G, o_g, k_g) kept
         per_example = stash.pop("weight")

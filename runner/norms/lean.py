@@ -19,8 +19,9 @@ follows the backward (a hook and a norm inside the backward cost small layers mo
 
 - the outputs are never kept (the hook lives on the graph, not on the tensor);
 - a layer whose stash holds every parameter's per-example gradient or sum (rule.stash_only: a Linear that keeps
-  G_i, a LayerNorm's per-example sums) drops its inputs and output-gradients at once: the clipped sum adds the
-  stashed tensors, the very ones measured (the certificate is theirs);
+  G_i, a LayerNorm's per-example sums, on the CPU a conv that keeps G_i and its bias sums) drops its inputs and
+  output-gradients at once: the clipped sum adds the stashed tensors, the very ones measured (the certificate is
+  theirs);
 - any other layer keeps its raw (input, output-gradient) records, no upcast or concatenated copy, until its clipped
   sum is formed (exactly what Recorder.raw_layers gives).
 
