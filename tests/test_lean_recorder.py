@@ -20,6 +20,7 @@ from runner.models import MODELS
 from runner.norms import plan_model
 from runner.norms import streaming
 from runner.norms.lean import LeanRecorder
+from runner.norms.outer import Stash
 
 IMDB_SMALL = DataInfo("imdb", (40,), 2, "text", 500, 100, 100)
 MNIST = DataInfo("mnist", (1, 28, 28), 10, "image", None, 60000, 10000)
@@ -686,10 +687,11 @@ class ConvStack(nn.Module):
 
 
 def test_a_conv_that_keeps_its_per_example_gradient_frees_its_records_inside_the_backward(monkeypatch):
-    """On the CPU a conv whose G_i (and bias sums) book-keeping kept is stash-only: the lean recorder drops its input
-    and output-gradient at its norm, not at the clipped sums (ResNet-18 B = 16: 166.0 -> 110.0 MB, docs/bench.md
-    "Stop 50"); the step stays nxBP's, and peaks lower than with the records held. A stash on another device is not
-    stash-only (a GPU's deferral keeps those records: lean.py)."""
+    """A conv whose G_i (and bias sums) book-keeping kept is stash-only: the lean recorder drops its input and
+    output-gradient at its norm, not at the clipped sums (ResNet-18 B = 16 on the CPU: 166.0 -> 110.0 MB,
+    docs/bench.md "Stop 50"); the step stays nxBP's, and peaks lower than with the records held. Not when the
+    recorder defers record-keeping layers' norms (method.defer=on, auto on a GPU): the convs keep their records and
+    are deferred, as before."""
     from runner.norms import conv
 
     torch.manual_seed(0)
@@ -705,6 +707,12 @@ def test_a_conv_that_keeps_its_per_example_gradient_frees_its_records_inside_the
     monkeypatch.setattr(LeanRecorder, "_add", add)
     assert_lean_equals_nxbp(model, x, y, clip=0.05)
     assert kept == {"c1": 0, "c2": 0, "c3": 0, "fc": 1}, kept
+    kept.clear()
+    method = METHODS.build("reweight", cfg={"mode": "bk", "defer": "on"}, clip=0.05, sigma=0.0)
+    method.privacy_check = False
+    net = method.attach(copy.deepcopy(model))
+    method.privatize(net, loss_fn, x, y)
+    assert kept == {"c1": 1, "c2": 1, "c3": 1, "fc": 1}, kept  # records kept: deferred from the next step
 
     def peak():
         m = METHODS.build("reweight", cfg={"mode": "bk"}, clip=1.0, sigma=0.0)
@@ -719,6 +727,8 @@ def test_a_conv_that_keeps_its_per_example_gradient_frees_its_records_inside_the
     monkeypatch.undo()
     rule, layer = conv.ConvRule(), model.c1
     assert rule.stash_only(layer, {"weight": torch.zeros(6, 8, 27, dtype=torch.float64), "bias": torch.zeros(6, 8)})
-    assert not rule.stash_only(layer, {"weight": torch.zeros(6, 8, 27, device="meta"), "bias": torch.zeros(6, 8)})
+    deferring = Stash(defers=True)
+    deferring.update(weight=torch.zeros(6, 8, 27), bias=torch.zeros(6, 8))
+    assert not rule.stash_only(layer, deferring)
     assert not rule.stash_only(layer, {"weight": torch.zeros(6, 8, 27)})  # the bias trains: its sums are needed
     assert rule.stash_only(model.c3, {"weight": torch.zeros(6, 8, 72)})  # no bias

@@ -152,11 +152,11 @@ class ConvRule(NormRule):
         return value
 
     def stash_only(self, layer, stash):
-        """The CPU: book-keeping kept G_i and the bias's per-example sums, so the records are freed inside the
-        backward, not held to the clipped sums. On a GPU a conv keeps its records there, so that method.defer=auto
-        forms its norm after the backward (runner/norms/lean.py: the host's launch order, stop 44)."""
-        weight = stash.get("weight")
-        return (weight is not None and weight.device.type == "cpu"
+        """Book-keeping kept G_i and the bias's per-example sums, so the records are freed inside the backward, not
+        held to the clipped sums; unless the lean recorder defers the norms of record-keeping layers (method.defer on
+        or all, and auto on a GPU): a conv keeps its records then and its norm follows the backward, with no hook
+        (runner/norms/lean.py: a host-bound GPU step's launch order, stop 44)."""
+        return (not getattr(stash, "defers", False) and "weight" in stash
                 and all(name in stash for name in self.params if trains(getattr(layer, name))))
 
     def clipped_sums(self, layer, a, g, nu, stash=None):

@@ -19,9 +19,9 @@ follows the backward (a hook and a norm inside the backward cost small layers mo
 
 - the outputs are never kept (the hook lives on the graph, not on the tensor);
 - a layer whose stash holds every parameter's per-example gradient or sum (rule.stash_only: a Linear that keeps
-  G_i, a LayerNorm's per-example sums, on the CPU a conv that keeps G_i and its bias sums) drops its inputs and
-  output-gradients at once: the clipped sum adds the stashed tensors, the very ones measured (the certificate is
-  theirs);
+  G_i, a LayerNorm's per-example sums, a conv that keeps G_i and its bias sums unless norms are deferred) drops its
+  inputs and output-gradients at once: the clipped sum adds the stashed tensors, the very ones measured (the
+  certificate is theirs);
 - any other layer keeps its raw (input, output-gradient) records, no upcast or concatenated copy, until its clipped
   sum is formed (exactly what Recorder.raw_layers gives).
 
@@ -95,7 +95,7 @@ class LeanRecorder(StreamingNorms):
 
     def _add(self, key: int) -> None:
         path, module, rule, inputs, grads = self._calls(key)
-        stash = self.stashes.setdefault(key, Stash(self.keep, key))
+        stash = self.stashes.setdefault(key, Stash(self.keep, key, defers=self.defer != "off"))
         # bf16: the norm and the clipped sum are formed from the same float32 upcasts (as Recorder), or the same
         # bf16 records on a GPU's tensor cores (a Linear: runner/norms/tensor_cores.py)
         recs = [records(i, g, rule.tensor_cores and self.tensor_cores) for i, g in zip(inputs, grads)]
@@ -154,7 +154,7 @@ class LeanRecorder(StreamingNorms):
         for start in range(0, inp.shape[0], chunk):
             rows = slice(start, start + chunk)
             a, g = rule.sequence(module, inp[rows], grad[rows])
-            subs.append(Stash(stash.keep, stash.key))
+            subs.append(Stash(stash.keep, stash.key, stash.defers))
             with exact_float32(g.device):
                 parts.append(rule.norm_sq(module, a, g, self.how, subs[-1]).detach())  # (chunk,) certified
             del a, g

@@ -45,11 +45,13 @@ KEEP = 1.1  # method.keep's default: keep G_i up to 1.1x the records it replaces
 
 class Stash(dict):
     """A layer's book-keeping stash (what norm_sq keeps for the clipped sum), with the method's keep rule: a ratio
-    (method.keep) or a per-step budget (method.keep_mb, runner/norms/keep_budget.py), and the layer's key."""
+    (method.keep) or a per-step budget (method.keep_mb, runner/norms/keep_budget.py), the layer's key, and whether
+    the lean recorder defers the norms of record-keeping layers (method.defer on / all: a conv then keeps its records
+    and is deferred, ConvRule.stash_only)."""
 
-    def __init__(self, keep=KEEP, key=None):
+    def __init__(self, keep=KEEP, key=None, defers: bool = False):
         super().__init__()
-        self.keep, self.key = keep, key
+        self.keep, self.key, self.defers = keep, key, defers
 
     def keeps(self, N: int, T: int, k: int, o: int, itemsize: int) -> bool:
         if isinstance(self.keep, (int, float)):
