@@ -12,6 +12,7 @@ from torch import nn
 from runner.methods import METHODS
 from runner.norms import conv, outer
 from runner.norms.certify import add_sqnorm_, upper_sqnorm
+from runner.norms.keep_budget import KeepBudget
 from runner.norms.outer import Stash
 
 CASES = [  # (layer, input shape): the routes' shapes, one group, no dilation
@@ -111,6 +112,15 @@ def test_records_norm_sq_declines_where_the_kept_route_does_not_apply(monkeypatc
     assert rule.records_norm_sq(layer, x, g, "auto", Stash(1e9)) is None
     monkeypatch.setattr(conv, "ROWS_FLOOR_BYTES", 3 * 99 * 27 * 8 - 1)
     assert rule.records_norm_sq(layer, x, g, "auto", Stash(1e9)) is not None
+    # a method.keep_mb budget is asked once per layer: not by a route that then declines (norm_sq asks next)
+    budget = KeepBudget(megabytes=100)
+    budget.begin_step()
+    monkeypatch.setattr(conv, "ROWS_FLOOR_BYTES", 2**40)
+    big = nn.Conv2d(3, 40, 3, padding=1).double()  # T = 16: o*k = 1080 > T*(k+o) = 1072, a cost the budget counts
+    xb, gb = records(big, (3, 3, 4, 4))[1:]
+    budgeted = Stash(budget, key="big")
+    assert rule.records_norm_sq(big, xb, gb, "direct", budgeted) is None and budget.used == 0
+    monkeypatch.setattr(conv, "ROWS_FLOOR_BYTES", 0)
     frozen, xf, gf = records(nn.Conv2d(3, 4, 3), (2, 3, 6, 6))
     frozen.weight.requires_grad_(False)
     assert rule.records_norm_sq(frozen, xf, gf, "auto", Stash(1e9)) is None

@@ -139,8 +139,9 @@ class ConvRule(NormRule):
             return None
         B, o, T = grad_out.shape[0], grad_out.shape[1], grad_out[0, 0].numel()
         k = layer.weight[0].numel()
-        if T == 1 or not outer.stash_keeps(stash, B, T, k, o, inp.element_size()) \
-                or outer.use_ghost(T, k, o, how, stash=True) or B * T * k * inp.element_size() <= ROWS_FLOOR_BYTES:
+        # the keep rule last: a method.keep_mb budget counts what it admits, and norm_sq asks again on a None
+        if T == 1 or outer.use_ghost(T, k, o, how, stash=True) or B * T * k * inp.element_size() <= ROWS_FLOOR_BYTES \
+                or not outer.stash_keeps(stash, B, T, k, o, inp.element_size()):
             return None
         per_example = per_example_by_rows(layer, inp, grad_out)  # (B, C_out, k)
         stash["weight"] = per_example
