@@ -45,7 +45,7 @@ from torch import nn
 from runner.bench.adversarial import (CONSTRUCTIONS, SETTINGS, Cancelling, channels_last, exact_norm, loss_fn, measured,
                                       near_constant, seq, tokens)
 from runner.errors import DprunError
-from runner.norms import conv
+from runner.norms import conv, outer
 from runner.norms import tensor_cores as tc
 
 TOL = 1e-6  # the contract: ||contribution|| <= C (1 + TOL)
@@ -54,10 +54,14 @@ UNCERTIFIED = ("opacus ghost (timed only)",)  # promises nothing: the search's p
 # bf16's tensor-core route (compiled steps on a GPU) in both clipped-sum forms: on a GPU its own kernels
 # (DPRUN_TENSOR_CORES=1 for the step), on the CPU the exact emulation of their arithmetic (tc.EMULATE)
 # and book-keeping's kept conv G_i formed by output rows (runner/norms/conv.py) at every size, not only above
-# ROWS_FLOOR_BYTES of unfolded input (the searched layers are small), every G_i kept
+# ROWS_FLOOR_BYTES of unfolded input (the searched layers are small), every G_i kept; and the ghost norm's Grams
+# by row blocks over their upper block-triangle (runner/norms/outer.py ghost_norm_sq) at every T >= 4, not only
+# from 2 * GRAM_BLOCK_ROWS positions
 SEARCH_SETTINGS = dict(SETTINGS, **{"bk bf16 tensor cores split": ("reweight", {}, "bf16", "split"),
                                     "bk bf16 tensor cores single": ("reweight", {}, "bf16", "single"),
-                                    "bk conv rows keep all": ("reweight", {"keep": 1000}, "fp32", "rows")})
+                                    "bk conv rows keep all": ("reweight", {"keep": 1000}, "fp32", "rows"),
+                                    "bk ghost blocked Grams": ("reweight", {"norm": "ghost"}, "fp32", "blocks")})
+GRAM_BLOCK_ROWS_SEARCHED = 2  # "blocks": T >= 4 positions form their Grams in min(GRAM_BLOCKS, T // 2) blocks
 GPU_ONLY = ("tf32",)  # the CPU runs precision=tf32 as fp32: those columns are searched on a GPU only
 
 
@@ -85,9 +89,11 @@ def ratio(setting: tuple, model, x, device: str = "cpu", neighbour: torch.Tensor
     """The worst ||released|| / C over FRACTIONS; nan where the method refuses the model (one line), inf where the
     release is not finite (one record must never turn it into nan). neighbour: see adversarial.measured."""
     name, cfg, precision, *sum_mode = setting
-    saved = tc.EMULATE, tc.SUM, os.environ.get("DPRUN_TENSOR_CORES"), conv.ROWS_FLOOR_BYTES
+    saved = tc.EMULATE, tc.SUM, os.environ.get("DPRUN_TENSOR_CORES"), conv.ROWS_FLOOR_BYTES, outer.GRAM_BLOCK_ROWS
     if sum_mode == ["rows"]:  # the conv rows route at every size
         conv.ROWS_FLOOR_BYTES = 0
+    elif sum_mode == ["blocks"]:  # the blocked Grams at every T >= 4
+        outer.GRAM_BLOCK_ROWS = GRAM_BLOCK_ROWS_SEARCHED
     elif sum_mode:  # the bf16 tensor-core route with this clipped sum
         tc.SUM = sum_mode[0]
         if device == "cpu":
@@ -100,7 +106,7 @@ def ratio(setting: tuple, model, x, device: str = "cpu", neighbour: torch.Tensor
     except DprunError:
         return math.nan
     finally:
-        tc.EMULATE, tc.SUM, conv.ROWS_FLOOR_BYTES = saved[0], saved[1], saved[3]
+        tc.EMULATE, tc.SUM, conv.ROWS_FLOOR_BYTES, outer.GRAM_BLOCK_ROWS = saved[0], saved[1], saved[3], saved[4]
         if saved[2] is None:
             os.environ.pop("DPRUN_TENSOR_CORES", None)
         else:
