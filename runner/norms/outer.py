@@ -137,9 +137,9 @@ def ghost_bound(value: torch.Tensor, mass_sq: torch.Tensor, k: int, o: int, u_gr
 # Grams over at least 2 * GRAM_BLOCK_ROWS positions are formed by row blocks over their upper block-triangle: the
 # Grams are symmetric, so sum_{s,t} = the diagonal blocks + 2 x the blocks above them, (nb + 1) / (2 nb) of the
 # products of the full Grams for nb blocks (at most GRAM_BLOCKS). Measured on this 2-core CPU (float32, one
-# layer's ghost norm): a GPT-2-sized feed-forward layer (768 -> 3072) at T = 512, B = 8: 81 -> 56 ms (4 blocks;
-# its weight-gradient GEMM: 97 ms); at T = 128, B = 32: 22.7 -> 19.5 ms (2 blocks). Below 128 positions one bmm
-# per Gram is faster than several.
+# layer's ghost norm, docs/bench.md "Stop 51"): a GPT-2-sized feed-forward layer (768 -> 3072) at T = 512, B = 8:
+# 81.5 -> 57.3 ms (4 blocks; its weight-gradient GEMM: 97 ms); at T = 128, B = 32: 23.1 -> 20.2 ms (2 blocks).
+# Below 128 positions one bmm per Gram is faster than several.
 GRAM_BLOCK_ROWS = 64
 GRAM_BLOCKS = 4
 
