@@ -12,11 +12,14 @@ submitit launcher with 2 tasks (submitit_local: the same code as launcher=slurm 
 from __future__ import annotations
 
 import json
+import multiprocessing.connection as mp_connection
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -127,17 +130,68 @@ def _library_worker(rank, world, init_file, out_dir):
     distributed.leave()
 
 
+def _finished_marker(workdir: Path, rank: int) -> Path:
+    return Path(workdir) / f"finished{rank}"
+
+
+def _run_and_mark(rank, fn, world, init_file, workdir, *args):
+    """fn's whole body ran (its results written, the process group left) when the marker exists."""
+    fn(rank, world, init_file, workdir, *args)
+    _finished_marker(workdir, rank).touch()
+
+
 def spawn(fn, world, workdir: Path, *args):
-    """fn(rank, world, init_file, workdir, *args) on `world` fresh processes; fails the test after TIMEOUT."""
+    """fn(rank, world, init_file, workdir, *args) on `world` fresh processes; fails the test after TIMEOUT.
+
+    A rank that died by SIGABRT after fn returned (its marker written: results saved, destroy_process_group done)
+    is torch's gloo teardown in the interpreter's exit ("terminate called without an active exception"), seen twice
+    in CI under full-suite load and not reproduced in 42 runs alone or beside CPU burners (stop 52). These workers
+    test what fn computes, so that is a warning here; the command-line tests (torchrun, submitit) keep asserting a
+    zero exit code, where the same teardown would be a user's failed job. Any other failure fails the test."""
     workdir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(fn, args=(world, str(workdir / "init"), str(workdir), *args), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT
-    while not ctx.join(timeout=max(1, deadline - time.monotonic())):
+    ctx = mp.start_processes(_run_and_mark, args=(fn, world, str(workdir / "init"), str(workdir), *args),
+                             nprocs=world, join=False, start_method="spawn")
+    procs, deadline, first_failure = ctx.processes, time.monotonic() + TIMEOUT, None
+    while any(p.is_alive() for p in procs):
         if time.monotonic() > deadline:
-            for p in ctx.processes:
+            for p in procs:
                 p.kill()
             pytest.fail(f"the {world}-process job did not end within {TIMEOUT} s")
+        if any(p.exitcode not in (None, 0) for p in procs):  # a failed rank: the others get 20 s to end too
+            first_failure = first_failure or time.monotonic()
+            if time.monotonic() - first_failure > 20:
+                for p in procs:
+                    p.kill()
+        mp_connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=1)
+    codes = [p.exitcode for p in procs]
+    if all(c == 0 for c in codes):
+        return
+    if all(_finished_marker(workdir, r).exists() for r in range(world)) and set(codes) <= {0, -signal.SIGABRT}:
+        warnings.warn(f"ranks {[r for r, c in enumerate(codes) if c]} aborted in the interpreter's exit after "
+                      f"finishing their work (torch's gloo teardown)")
+        return
+    ctx.join()  # raises with the failed rank's traceback (or its exit code)
+    pytest.fail(f"the ranks ended with exit codes {codes}")
+
+
+def _aborting_worker(rank, world, init_file, out_dir, when):
+    """Rank 1 aborts as torch's teardown did (SIGABRT): after its work ("exit": the marker is written first, then
+    abort from an exit handler) or in the middle of it ("work")."""
+    if rank == 1 and when == "work":
+        os.abort()
+    if rank == 1:
+        import atexit
+        atexit.register(os.abort)
+
+
+@pytest.mark.parametrize("when", ["exit", "work"])
+def test_the_spawn_helper_forgives_only_an_abort_after_the_work(tmp_path, when):
+    if when == "exit":
+        with pytest.warns(UserWarning, match="aborted in the interpreter's exit after finishing"):
+            spawn(_aborting_worker, 2, tmp_path, when)
+    else:
+        with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+            spawn(_aborting_worker, 2, tmp_path, when)
 
 
 def test_two_ranks_give_the_one_process_weights_and_epsilon_for_every_method(tmp_path):
