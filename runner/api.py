@@ -282,10 +282,25 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       memory_format=memory_format,
                       target_epsilon=target_epsilon, delta=delta, names=API_NAMES)
     params_before = [p for g in optimizer.param_groups for p in g["params"]]
+    _check_optimizer_in_model(optimizer, params_before, model)
     private = assemble(request, model, source.dataset, world, source.sampler)  # runner/assembly.py, as the CLI's
     private.method.privacy_check = bool(validate)  # the first step's check (runner/methods/privacy_check/)
     privacy_check.check_ranks(world, *(source.tensors or (None, None)), private.sampler)  # same data, same batches
     return _training(private, optimizer, params_before, source, delta, generator, rng, validate)
+
+
+def _check_optimizer_in_model(optimizer, params: list, model: torch.nn.Module) -> None:
+    """Only the model's parameters have clipped, noised gradients: a tensor the optimizer steps that is not one (a
+    learnable temperature used in loss_fn) would be trained on its raw gradient, so it is refused here rather than
+    dropped from the optimizer (the rebuild in _training) or stepped."""
+    own = {id(p) for p in model.parameters()}
+    outside = [p for p in params if id(p) not in own and p.requires_grad]
+    if outside:
+        shapes = [tuple(p.shape) for p in outside[:4]]
+        raise DprunError(f"the optimizer holds {len(outside)} tensor(s) that are not parameters of the model (shapes "
+                         f"{shapes}): their gradients would be neither clipped nor noised; register them on the model "
+                         f"(an nn.Parameter attribute of a module it calls) or give {type(optimizer).__name__} only "
+                         f"model.parameters()")
 
 
 class _Source:

@@ -26,6 +26,7 @@ from runner.data.sampler import Sampler
 from runner.distributed import World
 from runner.errors import DprunError
 from runner.heap import retain_freed_memory
+from runner.validate import integer
 
 log = logging.getLogger("dprun")
 
@@ -139,6 +140,11 @@ def calibrate(request: Request, method: methods.Method, sampler: Sampler, name: 
     planned_epsilon (the certified epsilon the run publishes after them) and target_epsilon_met."""
     if not method.private:
         raise DprunError("target_epsilon is set but method=nonprivate has no privacy to calibrate")
+    # whole epochs only: int(0.5) planned 0 steps, so sigma was calibrated to its floor and the target "met"
+    accepted = None if request.epochs is None else integer(1)(request.epochs)
+    if accepted is not None:
+        raise DprunError(f"{request.name('epochs')}={request.epochs!r} is not valid: {request.name('epochs')} must "
+                         f"be {accepted} (target_epsilon is calibrated for whole epochs)")
     if not request.epochs or request.delta is None:
         raise DprunError("target_epsilon needs epochs and delta (the privacy budget is for the whole run)")
     if accountant is not None and sampler.kind != accountant.assumes_sampling:

@@ -146,6 +146,12 @@ def check_config(run_dir: str | Path, cfg: dict) -> None:
         may_change = ", ".join(k for k in MAY_CHANGE if k not in SET_BY_RESUME)
         raise DprunError(f"resume={run_dir}: the run's config differs ({shown}); only {may_change} may change on "
                          f"resume")
+    if saved.get("target_epsilon") is not None and saved.get("epochs") != cfg.get("epochs"):
+        # sigma was calibrated so that epsilon after the saved epochs meets the target; the resume restores that
+        # sigma (restore), so more epochs would spend more than the target the run's records say was met
+        raise DprunError(f"resume={run_dir}: the run calibrated sigma to target_epsilon={saved['target_epsilon']} "
+                         f"over epochs={saved.get('epochs')}, so epochs cannot change on resume (epochs="
+                         f"{cfg.get('epochs')} would exceed that target); start a new run for a longer one")
 
 
 def restore(state: dict[str, Any], *, model, optimizer, sampler, method, accountant) -> tuple[int, list[dict]]:

@@ -119,12 +119,12 @@ def test_bad_input_is_one_line():
     with pytest.raises(DprunError, match="BatchNorm1d"):
         dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=40)
     with pytest.raises(DprunError, match="unknown method 'rewieght'"):
-        dprun.make_private(nn.Linear(5, 3), torch.optim.SGD(nn.Linear(5, 3).parameters(), lr=0.1), (x, y),
+        dprun.make_private(model := nn.Linear(5, 3), torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
                            method="rewieght", batch_size=40)
     with pytest.raises(DprunError, match="data must be"):
-        dprun.make_private(nn.Linear(5, 3), torch.optim.SGD(nn.Linear(5, 3).parameters(), lr=0.1), x, batch_size=4)
+        dprun.make_private(model := nn.Linear(5, 3), torch.optim.SGD(model.parameters(), lr=0.1), x, batch_size=4)
     with pytest.raises(DprunError, match=r"^unknown option method.mdoe for method=reweight; its options: defer, keep, keep_mb, mode, norm, recorder"):
-        dprun.make_private(nn.Linear(5, 3), torch.optim.SGD(nn.Linear(5, 3).parameters(), lr=0.1), (x, y),
+        dprun.make_private(model := nn.Linear(5, 3), torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
                            method="reweight", method_options={"mdoe": "twopass"}, batch_size=40)
 
 
@@ -180,7 +180,7 @@ def test_get_epsilon_is_only_ever_a_certified_epsilon():
     assert private.get_epsilon(1e-5) != pytest.approx(private.accountant.epsilon(1e-5), rel=1e-3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        shuffled = make_private(torch.nn.Linear(4, 2), torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1),
+        shuffled = make_private(model := torch.nn.Linear(4, 2), torch.optim.SGD(model.parameters(), lr=0.1),
                                 (x, y), batch_size=20, poisson=False, seed=0)
     with pytest.raises(DprunError, match="sampling=shuffle"):
         shuffled.get_epsilon(1e-5)
@@ -246,3 +246,58 @@ def test_a_poisson_dataloaders_batches_are_checked_too():
         if i == 2:
             break
     assert private.steps == 3
+
+
+def test_make_private_refuses_what_would_publish_an_epsilon_the_step_does_not_have():
+    """Each of these trained and reported a finite epsilon before it was refused: max_grad_norm <= 0 (sigma * C <= 0
+    skipped the noise draw), a sigma set below 0 after make_private, epochs=0.5 (int(0.5) = 0 planned steps, so
+    target_epsilon calibrated sigma to its floor and said "met"; 2.5 planned 2 epochs), and bfloat16 weights (the
+    clipped sum and the noise in bf16: removing one example moved the sum by 2 C)."""
+    x, y = blobs()
+
+    def make(model=None, **kw):
+        model = model or nn.Linear(5, 3)
+        return dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=40,
+                                  method=kw.pop("method", "nxbp"), **kw)
+
+    for clip in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(DprunError, match=rf"^clip \(max_grad_norm\)={clip} must be a finite number > 0"):
+            make(max_grad_norm=clip)
+    for sigma in (-0.5, math.nan, math.inf):
+        with pytest.raises(DprunError, match=rf"^sigma \(noise_multiplier\)={sigma} must be a finite number >= 0"):
+            make(noise_multiplier=sigma)
+    private = make()
+    with pytest.raises(DprunError, match="must be a finite number >= 0"):
+        private.method.sigma = -1.0
+    assert private.noise_multiplier == 1.0
+    for epochs in (0.5, 2.5, 0, -1, True):
+        with pytest.raises(DprunError, match=rf"^epochs={epochs!r} is not valid: epochs must be an integer >= 1"):
+            make(target_epsilon=1.0, epochs=epochs, delta=1e-5)
+    assert make(target_epsilon=1.0, epochs=2.0, delta=1e-5).target_epsilon_met
+    for dtype in (torch.bfloat16, torch.float16):
+        for method in ("nxbp", "reweight", "jl", "multiloss", "opacus"):
+            with pytest.raises(DprunError, match=rf"^weight \({str(dtype)[6:]}\) cannot be trained with "
+                                                 rf"method={method}: .*float32 or float64"):
+                make(nn.Linear(5, 3).to(dtype), method=method)
+    make(nn.Linear(5, 3).double(), method="nxbp")  # float64 is fine
+
+
+def test_a_tensor_trained_outside_the_model_is_refused_and_gets_no_raw_gradient():
+    """A learnable temperature in loss_fn: its gradient is an unclipped, un-noised function of the batch. make_private
+    rebuilt the optimizer without it (silently untrained); method=opacus's .backward() left its raw gradient in
+    .grad for whoever steps it. Now the optimizer holding it is refused, and no method writes its .grad."""
+    x, y = blobs()
+    temperature = nn.Parameter(torch.ones(()))
+    for method in ("nxbp", "reweight", "opacus", "jl", "multiloss"):
+        model = nn.Linear(5, 3)
+        with pytest.raises(DprunError, match=r"^the optimizer holds 1 tensor\(s\) that are not parameters of the "
+                                             r"model \(shapes \[\(\)\]\)"):
+            dprun.make_private(model, torch.optim.SGD([*model.parameters(), temperature], lr=0.1), (x, y),
+                               method=method, batch_size=40)
+        private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method=method,
+                                     batch_size=40, seed=0)
+        for xb, yb in private.batches():
+            private.step(xb, yb, lambda out, t: loss_fn(out / temperature, t))
+            break
+        assert temperature.grad is None, method
+        assert all(p.grad is not None for p in model.parameters())

@@ -74,6 +74,18 @@ def test_resume_refuses_a_different_run_and_a_missing_checkpoint(tmp_path):
         train(compose_config(RUN + ["epochs=2", f"resume={tmp_path}"]), tmp_path / "b")
 
 
+def test_resume_cannot_lengthen_a_run_calibrated_to_a_target_epsilon(tmp_path):
+    """sigma was calibrated to the target over the saved epochs and the resume restores it: more epochs spent more
+    than the target (2 -> 3.09) while summary.json still said target_epsilon_met. The same epochs resume as before."""
+    target = RUN[:1] + RUN[2:] + ["target_epsilon=2", "delta=1e-5"]
+    train(compose_config(target + ["epochs=1"]), tmp_path)
+    with pytest.raises(DprunError, match=r"^resume=.*calibrated sigma to target_epsilon=2 over epochs=1, so "
+                                         r"epochs cannot change on resume \(epochs=2 would exceed"):
+        train(compose_config(target + ["epochs=2", f"resume={tmp_path}"]), tmp_path)
+    summary = train(compose_config(target + ["epochs=1", f"resume={tmp_path}"]), tmp_path)
+    assert summary["target_epsilon_met"] and summary["final"]["epsilon"] <= 2.0
+
+
 def test_a_method_whose_state_a_checkpoint_would_miss_writes_none_and_refuses_resume(tmp_path):
     """Method.not_resumable (DP-SBCD's per-example auxiliary variables): no checkpoint.pt, resume= refused."""
     sbcd = ["method=sbcd", "epochs=1", "progress=false"]

@@ -288,6 +288,65 @@ def test_a_buffer_written_by_the_forward_is_refused_by_every_method(case):
     refused(case, CachesData, features(), "last.*written")
 
 
+class RunningMean(nn.Module):
+    """A running mean kept as a plain attribute (no buffer, so not in the state_dict): each forward moves it, so the
+    next example's (nxbp, multiloss: each alone) or the next step's gradient carries this batch's data unclipped.
+    `under_grad`: updated only when autograd records (the independence probe's forwards run under no_grad)."""
+
+    def __init__(self, kind="tensor", under_grad=False):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.kind, self.under_grad = kind, under_grad
+        self.mean = 0.0 if kind == "float" else torch.zeros(4)
+
+    def forward(self, x):
+        if not self.under_grad or torch.is_grad_enabled():
+            if self.kind == "tensor":
+                self.mean = 0.5 * self.mean + 0.5 * x.detach().mean(0)  # (4,)
+            elif self.kind == "in place":
+                self.mean.mul_(0.5).add_(x.detach().mean(0), alpha=0.5)
+            else:
+                self.mean = 0.5 * self.mean + 0.5 * float(x.detach().mean())
+        return self.fc(x - self.mean)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "in place", "float", "tensor under grad"])
+@pytest.mark.parametrize("case", ALL, ids=case_id)
+def test_a_plain_attribute_written_by_the_forward_is_refused_by_every_method(case, kind):
+    """Before: accepted by nxbp and multiloss (no independence probe where each example runs alone) and, updated
+    only under grad, by jl; each moved one example's contribution to 4-7 C."""
+    build = lambda: RunningMean(kind.split(" under")[0], under_grad="under grad" in kind)
+    written = r"^attribute mean was written during a forward/backward"
+    coupled = r"^the examples' losses depend on the other examples of the batch"  # the batched methods' probe
+    estimate = r"^method=jl's norm estimate for example"  # jl's release check sees the moved gradient first
+    refused(case, build, features(), written if case in ALONE else f"{written}|{coupled}|{estimate}")
+    model = build()
+    before = model.mean.clone() if torch.is_tensor(model.mean) else model.mean
+    with pytest.raises(DprunError):
+        first_step(case, model, *features())
+    assert (torch.equal(model.mean, before) if torch.is_tensor(before) else model.mean == before)  # left as given
+
+
+class FixedAttributes(nn.Module):
+    """Plain attributes the forward leaves alone, or rebuilds to the same value each call, and a counter: accepted."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.scale, self.calls = 0.5, 0
+        self.shift = torch.ones(4)
+
+    def forward(self, x):
+        self.calls += 1
+        self.shift = torch.ones(4)  # a cache rebuilt the same
+        return self.fc(self.scale * x + self.shift)
+
+
+@pytest.mark.parametrize("case", ALL, ids=case_id)
+def test_plain_attributes_the_forward_leaves_alone_are_accepted(case):
+    assert first_step(case, FixedAttributes(), *features()).losses.shape == (6,)
+
+
 # -- row 5: a covered parameter used outside its module's call -------------------------------------------------
 
 class OutsideUse(nn.Module):

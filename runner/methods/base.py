@@ -29,6 +29,7 @@ ranks' (runner/distributed.py); then `update`, ONE noise draw and optimizer step
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -131,10 +132,38 @@ class Method:
             raise DprunError(f"method={self.name} got unknown argument(s) {', '.join(sorted(unknown))}; pass method "
                              f"options in cfg, e.g. METHODS.build({self.name!r}, cfg={{'r': 4}}, clip=1.0, sigma=1.0)")
         self.cfg = cfg if cfg is not None else {}
-        self.clip = float(clip)
-        self.sigma = float(sigma)
+        self.clip = clip
+        self.sigma = sigma
         self.model: torch.nn.Module | None = None  # the model attach() returned: the one step() trains
         self.world = World()  # one process until configure(world=...)
+
+    # clip and sigma are checked wherever they are set (the constructor, calibration, a resume, a user's own
+    # `private.method.sigma = ...`): noise.py draws no noise for sigma * C <= 0, so a clip <= 0 or a sigma < 0
+    # would train without noise while the accountant certifies a finite epsilon (the CLI's validate.py refuses
+    # them too, in its words)
+    @property
+    def clip(self) -> float:
+        return self._clip
+
+    @clip.setter
+    def clip(self, value: float) -> None:
+        value = float(value)
+        if not (math.isfinite(value) and value > 0):
+            raise DprunError(f"clip (max_grad_norm)={value} must be a finite number > 0: the bound on each "
+                             f"example's gradient norm, which the noise is scaled to")
+        self._clip = value
+
+    @property
+    def sigma(self) -> float:
+        return self._sigma
+
+    @sigma.setter
+    def sigma(self, value: float) -> None:
+        value = float(value)
+        if not (math.isfinite(value) and value >= 0):
+            raise DprunError(f"sigma (noise_multiplier)={value} must be a finite number >= 0 (0: no noise, "
+                             f"epsilon = inf)")
+        self._sigma = value
 
     def option(self, key: str, default: Any) -> Any:
         """A method option from conf/method/<name>.yaml (`method.<key>=...`)."""
@@ -225,6 +254,15 @@ class Method:
         from runner.methods.privacy_check import check_modules
 
         check_modules(model, self.name)  # Embedding(max_norm), tracked InstanceNorm: they write data into the model
+
+        for path, p in model.named_parameters():
+            # the clipped sum is accumulated and noised in the weights' dtype: in bf16 (8-bit mantissa) or fp16 one
+            # example's share of the sum is rounded by up to a few C, which the noise was not scaled to.
+            # precision=bf16 autocasts the forward and keeps float32 weights (the CLI's dtype= allows only these)
+            if p.requires_grad and p.dtype not in (torch.float32, torch.float64):
+                raise DprunError(f"{path} ({str(p.dtype).replace('torch.', '')}) cannot be trained with "
+                                 f"method={self.name}: weights must be float32 or float64 (for bfloat16 compute "
+                                 f"keep float32 weights and pass precision='bf16')")
 
         for path, module in model.named_modules():
             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):

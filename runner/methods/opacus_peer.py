@@ -178,7 +178,9 @@ class OpacusPeer(Method):
         with self.autocast(x):
             outputs = model(x)
             losses = loss_fn(outputs, y)  # (B,)
-        losses.sum().backward()  # Opacus's hooks fill p.grad_sample; p.grad gets the unclipped sum (overwritten)
+        # Opacus's hooks fill p.grad_sample; p.grad gets the unclipped sum (overwritten). inputs=params: a leaf
+        # outside the model (a learnable temperature in loss_fn) gets no raw, unclipped gradient in its .grad
+        losses.sum().backward(inputs=params)
         samples = []
         for p in params:
             if not torch.is_tensor(p.grad_sample):  # None: unused parameter; list: an un-cleared earlier backward
@@ -196,14 +198,14 @@ class OpacusPeer(Method):
         self.hooks.enable_hooks()
         outputs = model(x)
         losses = loss_fn(outputs, y)  # (B,)
-        losses.sum().backward(retain_graph=True)
+        losses.sum().backward(retain_graph=True, inputs=params)  # inputs: as in grad_samples
         norms = self.hooks.get_norm_sample()  # (B,) from each parameter's p._norm_sample
         factor = self.clip_factors(norms)  # (B,)
         for p in params:
             p.grad = None
         self.hooks.disable_hooks()
         try:
-            (factor.detach().to(losses.dtype) * losses).sum().backward()
+            (factor.detach().to(losses.dtype) * losses).sum().backward(inputs=params)
         finally:
             self.hooks.enable_hooks()
         return outputs, losses, norms
