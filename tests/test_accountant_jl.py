@@ -103,3 +103,16 @@ def test_monte_carlo_delta_within_the_accountants_bound():
         bound = acc.delta(eps)
         assert mc <= bound + 4 * se  # pessimistic
         assert mc >= 0.7 * bound - 4 * se  # and not wildly so
+
+
+def test_a_step_at_sample_rate_zero_releases_nothing():
+    """q = 0 samples nobody: epsilon 0, as pld and rdp say, and no change to the others' composition (it raised
+    ValueError: math domain error from the analysis' log(q))."""
+    empty = ACCOUNTANTS.build("jl")
+    empty.step(SubsampledJL(0.0, 1.0, 4), count=10)
+    assert empty.epsilon(1e-5) == 0.0 and empty.delta(1.0) == 0.0 and empty.epsilon_lower_bound(1e-5) == 0.0
+    both, alone = ACCOUNTANTS.build("jl"), ACCOUNTANTS.build("jl")
+    for acc in (both, alone):
+        acc.step(SubsampledJL(0.01, 1.0, 64), count=20)
+    both.step(SubsampledJL(0.0, 1.0, 64), count=5)
+    assert both.epsilon(1e-5) == alone.epsilon(1e-5) > 0

@@ -280,6 +280,11 @@ def test_make_private_refuses_what_would_publish_an_epsilon_the_step_does_not_ha
                                                  rf"method={method}: .*float32 or float64"):
                 make(nn.Linear(5, 3).to(dtype), method=method)
     make(nn.Linear(5, 3).double(), method="nxbp")  # float64 is fine
+    private = make(method="reweight")
+    private.model.to(torch.bfloat16)  # after make_private's check: the step refuses before adding noise
+    xb, yb = next(iter(private.batches()))
+    with pytest.raises(DprunError, match=r"^weight \(bfloat16\) cannot be trained with method=reweight"):
+        private.step(xb.to(torch.bfloat16), yb, loss_fn)
 
 
 def test_a_tensor_trained_outside_the_model_is_refused_and_gets_no_raw_gradient():

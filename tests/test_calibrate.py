@@ -41,6 +41,14 @@ def test_impossible_target_is_one_line():
     assert "\n" not in str(err.value) and "epsilon=" in str(err.value)
 
 
+def test_a_target_only_sigmas_near_the_largest_meet_is_met():
+    """sigma grows 1, 4, ..., 256, then 1024 > SIGMA_MAX: it gave up without trying SIGMA_MAX = 1000 itself, so a
+    target that sigma ~600 meets (rdp: 0.2288 at 500, 0.1086 at 1000; q = 1, 1000 steps) was called unreachable."""
+    sigma = calibrate_sigma("rdp", FakeMethod().mechanism, 1.0, 1000, 0.2, 1e-5)
+    assert 500 < sigma <= 1000 and 0.99 * 0.2 <= epsilon("rdp", SubsampledGaussian(1.0, sigma), 1000) <= 0.2
+    assert calibrate_sigma("rdp", FakeMethod().mechanism, 1.0, 1000, 0.1087, 1e-5) == pytest.approx(1000, rel=2e-3)
+
+
 def test_an_unreachable_jl_target_names_r():
     """JL(1)'s estimates have a heavy tail that no sigma removes: the one line says a larger r is the way out."""
     with pytest.raises(DprunError, match="unreachable with accountant=jl.*no finite epsilon.*a larger r") as err:

@@ -87,7 +87,8 @@ def test_records_that_are_not_finite_neither_end_the_run_nor_poison_its_loss(tmp
     assert row.nonfinite_records > 0 and np.isfinite(row.train_loss)
     assert all(torch.isfinite(p).all() for p in torch.load(tmp_path / "checkpoint.pt", weights_only=True)["model"].values())
     assert any("nonfinite_records" in note for note in summary["privacy_notes"])
-    assert any(note.startswith("epsilon covers this run alone") and "timings" in note for note in summary["privacy_notes"])
+    assert any(note.startswith("epsilon covers this run alone") and "timings" in note and "peak_mem_bytes" in note
+               for note in summary["privacy_notes"])
 
 
 def test_report_lists_a_diverged_run_as_not_finished(tmp_path, monkeypatch):

@@ -107,6 +107,32 @@ def test_batch_coupling_is_accepted_where_each_example_runs_alone(case):
     first_step(case, Centred(), *features())  # (F.batch_norm in training cannot run on one example at all)
 
 
+class MixesBatch(nn.Module):
+    def forward(self, x):  # (B, d) -> (B, d): every example moves with the batch mean; no parameters
+        return x - x.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("case", ALL, ids=case_id)
+def test_a_module_inserted_after_the_first_step_is_checked_again(case):
+    """The checks ran at attach and on the first step only: a BatchNorm put into the model afterwards, or a
+    parameter-free layer that mixes the batch, trained unchecked. A changed model is validated again."""
+    name, cfg = case
+    x, y = features(B=8)
+    for inserted, match in ((lambda: nn.BatchNorm1d(4), "BatchNorm1d"), (MixesBatch, "depend on the other examples")):
+        if inserted is MixesBatch and case in ALONE:
+            continue  # each example runs alone: a batch mean of one example mixes nothing
+        torch.manual_seed(0)
+        method = METHODS.build(name, cfg=dict(cfg), clip=1.0, sigma=0.0)
+        model = method.attach(nn.Sequential(nn.Identity(), nn.Linear(4, 3)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = lambda: method.step(model, loss_fn, x, y, optimizer, sample_rate=0.5, expected_batch_size=8.0)
+        step()
+        model[0] = inserted()  # nn.Sequential.__setitem__: a module swapped in
+        with pytest.raises(DprunError, match=match) as e:
+            step()
+        assert "\n" not in str(e.value)
+
+
 def test_a_contrastive_loss_is_refused():
     def contrastive(out, y):  # each example's loss against the whole batch (a batch-dim softmax)
         return -torch.log_softmax(out[:, 0], dim=0)

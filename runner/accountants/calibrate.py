@@ -59,14 +59,14 @@ def calibrate_sigma(accountant_name: str, mechanism_for: Callable[[float], Mecha
     lo, hi = 1.0, 1.0
     if eps(hi) > target_epsilon:  # grow sigma until the target is met
         while eps(hi) > target_epsilon:
-            lo, hi = hi, hi * 4
-            if hi > SIGMA_MAX:
+            if hi >= SIGMA_MAX:  # SIGMA_MAX itself was tried (a target only sigma in (256, 1000] meets is met)
                 best = eps(SIGMA_MAX)
                 reach = "no finite epsilon" if math.isinf(best) else f"epsilon={best:.4g} at best"
                 more = (f", or a larger r (JL dimension, now {template.r}: the estimates' heavy tail does not "
                         f"shrink with sigma)" if hasattr(template, "r") else "")
                 raise DprunError(f"target_epsilon={target_epsilon} is unreachable with {where}: sigma={SIGMA_MAX:g} "
                                  f"still gives {reach}; raise the target or lower the steps{more}")
+            lo, hi = hi, min(hi * 4, SIGMA_MAX)
     else:  # shrink sigma while the target still holds
         while eps(lo) <= target_epsilon:
             lo, hi = lo / 2, lo

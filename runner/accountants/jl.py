@@ -65,7 +65,9 @@ class JLAccountant(Accountant):
                              "equals the training set size); use a smaller batch_size")
 
     def _runs(self) -> tuple:
-        return tuple((m.sample_rate, m.noise_multiplier, m.r, n) for m, n in self.history.items())
+        """(q, sigma, r, count) of the steps that can release something: a step at q = 0 samples nobody (its
+        privacy loss is 0; the analysis' log(q) has no value there)."""
+        return tuple((m.sample_rate, m.noise_multiplier, m.r, n) for m, n in self.history.items() if m.sample_rate > 0)
 
     def _certainly_infinite(self, delta: float) -> bool:
         """The composed infinity mass 1 - prod (1 - m)^n already exceeds delta (cheap: no PLD is built)."""
@@ -77,19 +79,21 @@ class JLAccountant(Accountant):
         return _composed((self._runs(), self.discretization, self.max_loss))
 
     def _epsilon(self, delta: float) -> float:
+        if not self._runs():
+            return 0.0
         if self._certainly_infinite(delta):
             return math.inf
         return float(self._pld().get_epsilon_for_delta(delta))
 
     def delta(self, epsilon: float) -> float:
         """Pessimistic delta(epsilon) of the composition (0 when nothing is composed)."""
-        if self.steps == 0:
+        if not self._runs():
             return 0.0
         return float(self._pld().get_delta_for_epsilon(epsilon))
 
     def epsilon_lower_bound(self, delta: float) -> float:
         """A certified lower bound on the analysis' epsilon(delta) from the tail of Z_r (0 if none found)."""
-        if self.steps == 0:
+        if not self._runs():
             return 0.0
         if any(s == 0 for _, s, _, _ in self._runs()):
             return math.inf  # no noise: no finite epsilon (as epsilon() says)
@@ -111,7 +115,7 @@ class JLAccountant(Accountant):
         """The smallest JL dimension r that, put in place of every step's r (same q, sigma and steps), leaves at most
         delta of composed infinity mass: below it epsilon(delta) is certainly inf. Cheap (no PLD is built); None when
         none up to `limit` does (sigma = 0). Scanned r = 1..64, then doubled, so it does not assume monotonicity."""
-        if self.steps == 0 or any(s == 0 for _, s, _, _ in self._runs()):
+        if not self._runs() or any(s == 0 for _, s, _, _ in self._runs()):
             return None
         candidates = list(range(1, 65)) + [2**k for k in range(7, limit.bit_length())]
         return next((r for r in candidates if not self._with_r(r)._certainly_infinite(delta)), None)

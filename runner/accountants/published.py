@@ -44,7 +44,7 @@ def privacy_notes(accountant: Accountant | None, sampling: str, log_norms: bool 
              "accounting; publish test metrics only",
              "epsilon covers this run alone: publishing or choosing among several runs trained on the same data (a "
              "sweep over hyperparameters) composes their privacy losses; the timings (epoch_time_s, step_time_s) "
-             "depend on the sampled batches' sizes and are outside the accounting too"]
+             "and peak_mem_bytes depend on the sampled batches' sizes and are outside the accounting too"]
     if log_norms:
         notes.append("log_norms: the per-example gradient norm quantiles (norm_p10 .. norm_max) and unclipped_frac "
                      "are computed on the private training data without noise: NOT differentially private, outside "

@@ -44,6 +44,7 @@ from runner.methods.dropped import without_dropped
 from runner.methods.features import Feature
 from runner.methods.noise import add_noise_and_scale
 from runner.methods.rng import rng_state
+from runner.methods.structure import Structure
 from runner.precision import PRECISIONS, ROUNDING_MARGIN, autocast, matmul_precision
 from runner.registry import Registry
 
@@ -64,6 +65,9 @@ class Privatized:
 @dataclass
 class StepOutput(Privatized):
     mechanism: Mechanism  # what the accountant is told about this step
+
+
+WEIGHT_DTYPES = (torch.float32, torch.float64)  # what a private method trains (Method.validate says why)
 
 
 def clip_factors(norms: torch.Tensor, clip: float, margin: float = 0.0) -> torch.Tensor:
@@ -126,6 +130,7 @@ class Method:
     privacy_check: bool = True
     audit: Any = None  # audit=one_run: its hook adds gradient canaries to the clipped sum (runner/audit/run.py)
     _walked: Any = None  # (model, trainable(model)) while step() runs: Method.trainable
+    _structure: Any = None  # runner/methods/structure.py Structure of the attached model's modules
 
     def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, **unknown: Any):
         if unknown:  # e.g. r=4: method options live in cfg (conf/method/<name>.yaml), never silently dropped
@@ -243,6 +248,7 @@ class Method:
         self.validate(model)
         prepared = self.prepare(model, data)
         self.model = model if prepared is None else prepared
+        self._structure = Structure(self.model)  # step() validates again if its modules change
         return self.model
 
     def validate(self, model: torch.nn.Module) -> None:
@@ -259,7 +265,7 @@ class Method:
             # the clipped sum is accumulated and noised in the weights' dtype: in bf16 (8-bit mantissa) or fp16 one
             # example's share of the sum is rounded by up to a few C, which the noise was not scaled to.
             # precision=bf16 autocasts the forward and keeps float32 weights (the CLI's dtype= allows only these)
-            if p.requires_grad and p.dtype not in (torch.float32, torch.float64):
+            if p.requires_grad and p.dtype not in WEIGHT_DTYPES:
                 raise DprunError(f"{path} ({str(p.dtype).replace('torch.', '')}) cannot be trained with "
                                  f"method={self.name}: weights must be float32 or float64 (for bfloat16 compute "
                                  f"keep float32 weights and pass precision='bf16')")
@@ -321,10 +327,18 @@ class Method:
         if self.model is None or model is not self.model:
             raise DprunError(f"method={self.name}: step a model returned by method.attach(model) (it validates and "
                              f"prepares it)")
+        if self.private and self._structure is not None and self._structure.changed(model):
+            # a module inserted or swapped after attach (a BatchNorm, a layer that mixes the batch): the checks
+            # attach and the first step made are checked again, the first step's on this step
+            self.validate(model)
+            self._privacy_checked = None
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         mechanism = self.step_mechanism(sample_rate, indices)
         self._walked = (model, trainable(model))  # this step's trainable parameters (Method.trainable)
+        if self.private and any(p.dtype not in WEIGHT_DTYPES for p in self._walked[1]):  # model.half() after attach
+            self._walked = None
+            self.validate(model)  # names the parameter
         try:
             out = self.clipped_sum(model, loss_fn, x, y, privatize)
             self.update(model, optimizer, mechanism, x=x, y=y, indices=indices,
