@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import DprunError, RunComplete
 from runner.interrupt import interrupted_exit, sigterm_as_interrupt
-from runner.overrides import CONFIG_GROUPS, check_group_choices, check_group_keys
+from runner.overrides import (CONFIG_GROUPS, check_group_choices, check_group_keys, check_noise, check_scale,
+                              check_sweeps)
 from runner.paths import CONF_DIR, register_resolvers
 from runner.registry import unknown_name_message
 from runner.run_dir import check_reused_dirs, discard_hydra_record, discard_unstarted, run_dir_in_out_dir
@@ -231,9 +232,6 @@ def main() -> None:
 
         print(f"dprun {__version__}")
         return
-    note = extra_sweeps_note(sys.argv[1:])
-    if note:
-        print(note, file=sys.stderr)
     from runner import launch
 
     argv = sys.argv[1:]
@@ -242,6 +240,8 @@ def main() -> None:
         check_launcher_extra(argv)
         check_keys(argv)
         check_group_keys(argv)  # method.r=3 under method=nonprivate: one line, not Hydra's "not in struct"
+        check_scale(argv)  # scale=huge: before Hydra resolves ${scales.huge.*}
+        check_noise(argv)  # sigma= with target_epsilon=
         check_reused_dirs(argv)
         # resume=<dir>: that run's own config (summary.json), continued in its folder; checked before Hydra writes
         if any(a.lstrip("+").startswith("resume=") for a in argv):
@@ -250,6 +250,10 @@ def main() -> None:
             argv_run = resume_argv(argv)
         else:
             argv_run = argv
+        check_sweeps(argv_run)  # r=1,4 without -m (a resume's own check names its sweeps first)
+        note = extra_sweeps_note(argv)  # after the checks: a refused command says one line only
+        if note:
+            print(note, file=sys.stderr)
         hydra_argv = run_dir_in_out_dir(argv_run)  # out_dir=X: Hydra's .hydra/ record inside X too
         NEW_DIRS.update(Path(a.partition("=")[2]).resolve() for a in hydra_argv
                         if a.startswith("hydra.run.dir=") and not Path(a.partition("=")[2]).exists())

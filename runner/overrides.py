@@ -37,14 +37,7 @@ def chosen_options(override, valid: list[str]) -> list[str]:
 
 
 def check_group_choices(argv: list[str]) -> None:
-    parser = OverridesParser.create()
-    for arg in argv:
-        if arg.startswith("-"):  # -m, --multirun, --cfg job, ...
-            continue
-        try:
-            override = parser.parse_override(arg)
-        except HydraException:
-            continue  # not an override, or malformed: Hydra reports it
+    for arg, override in parsed_overrides(argv):  # (not an override, or malformed: Hydra reports it)
         if override.key_or_group not in CONFIG_GROUPS:
             continue
         valid = group_options(override.key_or_group)
@@ -91,17 +84,10 @@ def group_overrides(group: str, option: str) -> dict[str, str]:
 def check_group_keys(argv: list[str]) -> None:
     """`method.r=3` under method=nonprivate (a key the chosen option does not have) in one line naming the option's
     keys and the options that have it, before Hydra's multi-line "Key 'r' is not in struct". `+method.x=` (append)
-    is the user's explicit choice and passes; an experiment preset may change the groups: left to Hydra; model=auto
-    takes the dataset's model: left to Hydra."""
-    parser = OverridesParser.create()
-    overrides = []
-    for arg in argv:
-        if arg.startswith("-"):
-            continue
-        try:
-            overrides.append(parser.parse_override(arg))
-        except HydraException:
-            continue
+    is the user's explicit choice and passes; an experiment preset may change the groups: left to Hydra. model=auto
+    has no knobs of its own (it builds the dataset's paper model with the dataset's): `model.depth=3` there asks
+    for a named model."""
+    overrides = [o for _, o in parsed_overrides(argv)]
     chosen = {g: [c] for g, c in default_choices().items()}
     named = set()
     for o in overrides:
@@ -120,11 +106,76 @@ def check_group_keys(argv: list[str]) -> None:
             continue
         key = key.split(".")[0]
         for option in chosen.get(group, []):
-            if (group == "model" and option == "auto") or option not in group_options(group):
+            if option not in group_options(group):
                 continue
             keys = option_keys(group, option)
             if key not in keys:
                 having = [c for c in group_options(group) if key in option_keys(group, c)]
                 where = f"; {key} belongs to {group}={'|'.join(having)}" if having else ""
+                if group == "model" and option == "auto":  # its knobs are the dataset's, so name the model
+                    raise DprunError(f"model.{key} needs a named model: model=auto builds the dataset's paper model "
+                                     f"with the dataset's knobs{where} (e.g. model={(having or ['mlp'])[0]} "
+                                     f"{o.input_line})")
                 raise DprunError(f"{group}.{key} is not an option of {group}={option}; its options: "
                                  f"{', '.join(sorted(keys))}{where}")
+
+
+def parsed_overrides(argv: list[str]) -> list[tuple[str, object]]:
+    """(arg, Hydra's parsed override) for each key=value of the command line; flags and what the parser rejects
+    (Hydra reports it) are left out."""
+    parser, parsed = OverridesParser.create(), []
+    for arg in argv:
+        if arg.startswith("-"):
+            continue
+        try:
+            parsed.append((arg, parser.parse_override(arg)))
+        except HydraException:
+            continue
+    return parsed
+
+
+def check_sweeps(argv: list[str]) -> None:
+    """`r=1,4` without -m: one line saying how to sweep, not Hydra's multi-line "Ambiguous value"."""
+    if {"-m", "--multirun"} & set(argv):
+        return
+    for arg, o in parsed_overrides(argv):
+        if o.is_sweep_override():
+            raise DprunError(f"{arg} is a sweep (one run per value): add -m to run it (dprun -m ... {arg}); a list "
+                             f"value is written in brackets, {o.key_or_group}=[a,b]")
+
+
+def experiment_scales(experiment: str | None) -> list[str]:
+    """The scales conf/experiment/<experiment>.yaml defines (its `scales:` keys), or every preset's for None."""
+    import yaml
+
+    names = [experiment] if experiment else group_options("experiment")
+    scales: dict[str, None] = {}
+    for name in names:
+        scales.update(dict.fromkeys(yaml.safe_load((Path(CONF_DIR) / "experiment" / f"{name}.yaml").read_text())
+                                    .get("scales") or {}))
+    return list(scales)
+
+
+def check_scale(argv: list[str]) -> None:
+    """scale=huge: one line naming the preset's scales, before Hydra fails to resolve ${scales.huge.*} (a traceback
+    from its own error formatter)."""
+    parsed = parsed_overrides(argv)
+    scales = [v for _, o in parsed if o.key_or_group == "scale" for v in chosen_options(o, [])]
+    experiments = [e for _, o in parsed if o.key_or_group == "experiment"
+                   for e in chosen_options(o, group_options("experiment")) if e not in ("null", "None")]
+    for experiment in experiments or [None]:  # no preset: any preset's scale (scale is only read by presets)
+        valid = experiment_scales(experiment)
+        for scale in scales:
+            if valid and scale not in valid:
+                where = f" (experiment={experiment})" if experiment else ""
+                raise DprunError(unknown_name_message("scale", scale, valid) + where)
+
+
+def check_noise(argv: list[str]) -> None:
+    """sigma= with target_epsilon=: the calibration would replace the sigma asked for without a word."""
+    given = {o.key_or_group: (arg, o) for arg, o in parsed_overrides(argv) if not o.is_delete()}
+    if "sigma" in given and "target_epsilon" in given:
+        (sigma, _), (target, o) = given["sigma"], given["target_epsilon"]
+        if any(v not in ("null", "None") for v in chosen_options(o, [])):
+            raise DprunError(f"{sigma} and {target} both set the noise: target_epsilon calibrates sigma to reach it; "
+                             f"give one of them")

@@ -1,4 +1,5 @@
 """Every top-level knob checked before any data is loaded: one table of knob -> rule, one line per bad value.
+The model's knobs likewise (MODEL_RULES: one rule per knob name, whichever model has it).
 
     from runner.validate import validate_config
     validate_config(cfg)    # DprunError: lr=nan must be a finite number > 0
@@ -18,7 +19,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner import models
 from runner.data.sampler import SAMPLINGS
+from runner.models.mlp import ACTIVATIONS
+from runner.models.resnet import STEMS
+from runner.models.rnn import INITS
 from runner.randomness import RNGS
 from runner.errors import DprunError
 from runner.optimizers import IMPLS
@@ -96,6 +101,13 @@ def betas(value) -> str | None:
     return None if ok else "two numbers in [0, 1), e.g. [0.9,0.999]"
 
 
+def widths(value) -> str | None:
+    """Layer widths: a non-empty list of integers >= 1 (a width of 0 builds a layer with no units)."""
+    ok = not isinstance(value, (str, bool)) and hasattr(value, "__len__") and len(value) > 0 and all(
+        integer(1)(v) is None for v in value)
+    return None if ok else "a non-empty list of integers >= 1, e.g. [128,256]"
+
+
 def optional(rule: Rule) -> Rule:
     """null is allowed (the knob is off), else `rule`."""
     def check(value):
@@ -147,6 +159,36 @@ RULES: dict[str, Rule] = {
     "audit.confidence": number(0, low_open=True, high=1, high_open=True),
     "audit.direction": one_of("dirac", "random"),
     "audit.score": one_of("steps", "sum"),
+    # dataset=synthetic's sizes (null: the real dataset's); 0 examples or tokens is no dataset
+    "dataset.train_size": optional(integer(1)),
+    "dataset.test_size": optional(integer(1)),
+    "dataset.seq_len": optional(integer(1)),
+    "dataset.image_size": optional(integer(1)),
+}
+# model.<knob> -> rule, for every model that has the knob (a knob means the same in each family: runner/models/).
+# Checked where set (null: the builder's default); a 0 or negative size divided by zero or built an empty layer.
+MODEL_RULES: dict[str, Rule] = {
+    "depth": integer(0),  # hidden layers of the MLP; 0: a linear classifier
+    "widths": widths,
+    "hidden": integer(1),
+    "kernel": integer(1),
+    "last_width": integer(1),
+    "embed_dim": integer(1),
+    "d_model": integer(1),
+    "heads": integer(1),
+    "ff": integer(1),
+    "layers": integer(1),
+    "pool_size": integer(1),
+    "dense": integer(0),  # 0: no Dense layer before the output
+    "fc_width": integer(0),  # 0: a single Linear classifier
+    "dropout": number(0, low_open=False, high=1, high_open=True),
+    "activation": one_of(*ACTIVATIONS),
+    "init": one_of(*INITS),
+    "stem": one_of(*STEMS),
+    "bidirectional": boolean,
+    "double_bias": boolean,
+    "mask_padding": boolean,
+    "freeze_embedding": boolean,
 }
 OPTION_GROUPS = ("method", "optimizer", "dataset")  # group -> its options are the keys of conf/<group>/<name>.yaml
 _ABSENT = object()
@@ -172,6 +214,53 @@ def validate_config(cfg: DictConfig) -> None:
                 keys -= (group_options("dataset", "synthetic") or set()) | (
                     group_options("dataset", str(cfg.dataset.like)) or set())
             check_options(group, str(cfg[group].name), keys)
+    if not cfg.get("resume"):  # a resumed run keeps its recorded config (runs before method.r recorded r=1 for all)
+        check_r(cfg)
+    if isinstance(cfg.get("model"), DictConfig) and cfg.model.get("name"):
+        check_model(cfg)
+
+
+def check_r(cfg: DictConfig) -> None:
+    """The bare r= is a shorthand for method.r: refused where nothing reads it or method.r says otherwise."""
+    r, method = cfg.get("r"), cfg.get("method")
+    if r is None or not isinstance(method, DictConfig):
+        return
+    if "r" not in method:
+        raise DprunError(f"r={r} is not valid: r is method=jl's JL dimension (method.r) and "
+                         f"method={method.get('name')} has no r; drop r= or use method=jl")
+    if str(method.r) != str(r):
+        raise DprunError(f"r={r} and method.r={method.r} disagree: r= is a shorthand for method.r; give one of them")
+
+
+def check_model(cfg: DictConfig) -> None:
+    """The model: one its method can train, options its builder has, values MODEL_RULES accepts, heads | d_model."""
+    given = OmegaConf.to_container(cfg.model, resolve=True)
+    name = str(given.pop("name"))
+    given.update(given.pop("kwargs", None) or {})  # model=auto: the dataset's knobs for its paper model
+    method = str(OmegaConf.select(cfg, "method.name", default=""))
+    needs = method_model(method)
+    if needs and name != needs:  # before the options: its preset's model.depth etc. are not the other model's
+        raise DprunError(f"method={method} trains only a model built from model={needs} (conf/method/{method}.yaml "
+                         f"chooses it); got model={name}: add model={needs}")
+    values = models.knobs(name, **given)  # an option the builder lacks: one line naming its options
+    for knob, value in given.items():
+        accepted = MODEL_RULES[knob](value) if knob in MODEL_RULES and value is not None else None
+        if accepted is not None:
+            raise DprunError(f"model.{knob}={as_typed(value)} is not valid: model.{knob} must be {accepted}")
+    if "heads" in values and int(values["d_model"]) % int(values["heads"]):  # each head gets d_model/heads dims
+        d = int(values["d_model"])
+        divisors = ", ".join(str(h) for h in range(1, d + 1) if d % h == 0)
+        raise DprunError(f"model.heads={values['heads']} does not divide model.d_model={d} (each head attends over "
+                         f"d_model/heads of the width): heads must be one of: {divisors}")
+
+
+def method_model(method: str) -> str | None:
+    """The model a method trains only, as its config chooses it (conf/method/sbcd.yaml: `override /model: mlp`)."""
+    from runner.overrides import group_overrides  # (Hydra's parser: not for the library's `import dprun`)
+
+    if not (Path(CONF_DIR) / "method" / f"{method}.yaml").exists():
+        return None
+    return group_overrides("method", method).get("model")
 
 
 def group_options(group: str, name: str) -> set[str] | None:

@@ -38,6 +38,27 @@ BAD_KNOBS = [
 ]
 
 
+# (overrides, the error line's start, what it must also contain). Each crashed with a traceback after the data was
+# loaded (KeyError, ZeroDivisionError, ValueError, a torch RuntimeError), or trained something meaningless.
+BAD_MODEL_AND_DATA = [
+    (["model=mlp", "model.activation=foo"], "model.activation='foo'", "one of: sigmoid, relu, tanh"),
+    (["model=cnn", "model.kernel=0"], "model.kernel=0", "an integer >= 1"),
+    (["model=lstm", "model.hidden=0"], "model.hidden=0", "an integer >= 1"),
+    (["model=lstm", "model.init=foo"], "model.init='foo'", "one of: torch, keras"),
+    (["model=transformer", "model.heads=3"], "model.heads=3", "model.d_model=200"),
+    (["model=transformer", "model.d_model=7"], "model.heads=8", "heads must be one of: 1, 7"),
+    (["model=mlp", "model.widths=[0]"], "model.widths=[0]", "non-empty list of integers >= 1"),
+    (["model=mlp", "model.depth=-1"], "model.depth=-1", "an integer >= 0"),
+    (["dataset=synthetic", "dataset.like=imdb", "dataset.seq_len=0"], "dataset.seq_len=0", "null or an integer >= 1"),
+    (["dataset=synthetic", "dataset.train_size=0"], "dataset.train_size=0", "null or an integer >= 1"),
+    # the model sbcd trains, named before its preset's model.depth is "unknown option model.depth for model=cnn"
+    (["method=sbcd", "model=cnn"], "method=sbcd trains only a model built from model=mlp", "got model=cnn"),
+    # the bare r= is method.r: ignored by other methods, overruled by method.r
+    (["method=nxbp", "r=4"], "r=4 is not valid", "method=nxbp has no r"),
+    (["method=jl", "method.r=3", "r=5"], "r=5 and method.r=3 disagree", "give one of them"),
+]
+
+
 @pytest.fixture
 def no_data(monkeypatch):
     def refuse(*_, **__):
@@ -54,6 +75,73 @@ def test_bad_knob_is_refused_before_any_data_is_loaded(tmp_path, no_data, overri
     line = str(err.value)
     assert "\n" not in line and line.startswith(f"{knob}=") and value in line and accepted in line
     assert not (tmp_path / "run").exists()  # no run folder, no metrics.csv
+
+
+@pytest.mark.parametrize("overrides,start,accepted", BAD_MODEL_AND_DATA, ids=[" ".join(o) for o, _, _ in BAD_MODEL_AND_DATA])
+def test_bad_model_and_dataset_values_are_refused_before_any_data_is_loaded(tmp_path, no_data, overrides, start,
+                                                                              accepted):
+    with pytest.raises(DprunError) as err:
+        runner.train.train(compose_config(["epochs=1", "progress=false", *overrides]), tmp_path / "run")
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(start) and accepted in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_model_knob_has_a_rule_its_default_passes():
+    """MODEL_RULES is the one place a model knob's values are checked: a new knob gets its rule there."""
+    from runner import models
+    from runner.validate import MODEL_RULES
+
+    checked_elsewhere = {"norm_groups", "glove_path", "vocab_path"}  # models.base.group_count; files, when read
+    for name in models.MODELS.names():
+        for knob, default in models.knobs(name).items():
+            assert knob in MODEL_RULES or knob in checked_elsewhere, f"model={name}: no rule for model.{knob}"
+            assert knob not in MODEL_RULES or MODEL_RULES[knob](default) is None, f"model={name}: {knob}={default}"
+
+
+def test_a_bad_model_value_on_the_command_line_is_one_line_and_leaves_no_folder(tmp_path):
+    proc = dprun_in_process("model=mlp", "model.activation=foo", "epochs=1", cwd=tmp_path)
+    assert one_line_error(proc) == ("dprun: model.activation='foo' is not valid: model.activation must be one of: "
+                                    "sigmoid, relu, tanh")
+    # it used to leave a run folder with the traceback in its dprun.log (now: Hydra's empty date folder at most)
+    assert not [p for p in (tmp_path / "outputs").rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("args,line", [
+    (["experiment=jl_fig3", "scale=huge"], "dprun: unknown scale 'huge'; valid: smoke, paper (experiment=jl_fig3)"),
+    (["-m", "experiment=jl_fig3", "scale=huge"], "dprun: unknown scale 'huge'; valid: smoke, paper (experiment=jl_fig3)"),
+    (["method=jl", "r=1,4"], "dprun: r=1,4 is a sweep (one run per value): add -m to run it (dprun -m ... r=1,4); "
+                             "a list value is written in brackets, r=[a,b]"),
+    (["sigma=2", "target_epsilon=3"], "dprun: sigma=2 and target_epsilon=3 both set the noise: target_epsilon "
+                                      "calibrates sigma to reach it; give one of them"),
+])
+def test_command_line_conflicts_are_one_line_before_hydra(tmp_path, args, line):
+    """Each was a Hydra traceback or multi-line error (scale=huge: its error formatter itself failed), or, for
+    sigma with target_epsilon, a sigma silently replaced by the calibrated one."""
+    assert one_line_error(dprun_in_process(*args, "epochs=1", cwd=tmp_path)) == line
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_the_scales_named_are_the_presets_own():
+    import yaml
+    from runner.overrides import check_scale, experiment_scales
+    from runner.paths import CONF_DIR
+
+    scales = list(yaml.safe_load(open(f"{CONF_DIR}/experiment/jl_fig3.yaml").read())["scales"])
+    assert experiment_scales("jl_fig3") == scales
+    for scale in scales:
+        check_scale(["-m", "experiment=jl_fig3", f"scale={scale}"])
+    with pytest.raises(DprunError, match="unknown scale 'huge'"):
+        check_scale(["-m", "experiment=jl_fig3", "scale=smoke,huge"])  # each value of a sweep
+
+
+@pytest.mark.parametrize("argv", [["-m", "r=1,4", "method=jl"], ["target_epsilon=null", "sigma=2"],
+                                  ["model.widths=[64,32]", "model=mlp"]])
+def test_what_the_command_line_checks_let_pass(argv):
+    from runner.overrides import check_noise, check_sweeps
+
+    check_sweeps(argv)
+    check_noise(argv)
 
 
 @pytest.mark.parametrize("extra,accepted", [(["optimizer=adam", "optimizer.betas=abc"], "two numbers in [0, 1)"),
@@ -181,6 +269,8 @@ def test_bad_sweep_choices_are_one_line(arg, bad):
                                      r"to optimizer=adam$"),
     (["dataset=mnist", "dataset.seq_len=8"], r"^dataset\.seq_len is not an option of dataset=mnist"),
     (["-m", "method=reweight,jl", "method.mode=bk"], r"^method\.mode is not an option of method=jl"),
+    (["model.depth=3"], r"^model\.depth needs a named model: model=auto .*depth belongs to model=mlp \(e\.g\. "
+                        r"model=mlp model\.depth=3\)$"),  # was Hydra's 6-line "not in struct"
 ])
 def test_a_key_the_chosen_option_lacks_is_one_line(argv, message):
     from runner.overrides import check_group_keys
@@ -192,7 +282,7 @@ def test_a_key_the_chosen_option_lacks_is_one_line(argv, message):
 @pytest.mark.parametrize("argv", [
     ["method=jl", "method.r=3"], ["dataset=imdb", "optimizer.betas=[0.9,0.99]"],  # imdb's defaults choose adam
     ["method=sbcd", "model.widths=[3]"], ["+method.extra=1"], ["experiment=jl_fig3", "method.anything=1"],
-    ["dataset=synthetic", "dataset.train_size=64"], ["model.hidden=3"],  # model=auto: the dataset's, left to Hydra
+    ["dataset=synthetic", "dataset.train_size=64"], ["model=cnn", "model.hidden=3"],
 ])
 def test_keys_the_chosen_options_have_pass(argv):
     from runner.overrides import check_group_keys

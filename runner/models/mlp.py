@@ -12,11 +12,13 @@ from torch import nn
 
 from runner.models.base import MODELS, require_image
 
+ACTIVATIONS = {"sigmoid": nn.Sigmoid, "relu": nn.ReLU, "tanh": nn.Tanh}  # model.activation (runner/validate.py)
+
 
 class MLP(nn.Module):
     def __init__(self, in_features: int, num_classes: int, depth: int, widths: tuple[int, ...], activation: str):
         super().__init__()
-        act = {"sigmoid": nn.Sigmoid, "relu": nn.ReLU, "tanh": nn.Tanh}[activation]
+        act = ACTIVATIONS[activation]
         sizes = [in_features] + [widths[min(i, len(widths) - 1)] for i in range(depth)]
         layers: list[nn.Module] = [nn.Flatten()]
         for a, b in zip(sizes[:-1], sizes[1:]):
