@@ -162,12 +162,18 @@ class PrivateTraining:
     def _run(self, x, y, loss_fn: LossFn, optimizer) -> StepOutput:
         self._check_batch(y)
         indices = getattr(self, "_last_indices", None) if self._tensors is not None else None
-        out = self.method.step(self.model, loss_fn, x, y, optimizer, sample_rate=self.sample_rate,
-                               expected_batch_size=self.expected_batch_size, generator=self.generator, indices=indices)
-        if self.accountant is not None:
-            self.accountant.step(out.mechanism)
+        mechanism = self.method.step_mechanism(self.sample_rate, indices)
+        if self.accountant is not None:  # one the accountant cannot compute (a sigma set since) is refused before
+            self.accountant.step(mechanism, count=0)  # anything is released, not after the update
+        self._waiting = None  # taken, whatever happens below: a batch is released at most once
+        try:
+            out = self.method.step(self.model, loss_fn, x, y, optimizer, sample_rate=self.sample_rate,
+                                   expected_batch_size=self.expected_batch_size, generator=self.generator,
+                                   indices=indices)
+        finally:
+            if self.accountant is not None and self.method.released:  # counted once the update began, even if
+                self.accountant.step(mechanism)  # something after the noise raised
         self.steps += 1
-        self._waiting = None  # taken: the next step needs the next batch
         return out
 
     def _check_batch(self, y) -> None:

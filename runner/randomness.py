@@ -405,7 +405,9 @@ def guarantee_note(rng: str, seed: int | None) -> str:
                 "operating system's entropy and never written; the guarantee does not rest on keeping `seed` secret")
     which = f"seed={seed} (recorded in summary.json)" if seed is not None else "the seed of its generators"
     return (f"rng=seeded: the guarantee holds against an adversary who does not know {which}; whoever knows it can "
-            f"replay the sampling and the noise. Use rng=secure for a model you release")
+            f"replay the sampling and the noise. Runs with the same seed draw the same noise: two of them published "
+            f"together (a sweep over lr that keeps the seed) cancel it without knowing the seed, so publish at most "
+            f"one run per seed. Use rng=secure for a model you release")
 
 
 def end_line(summary: dict) -> str | None:

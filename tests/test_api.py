@@ -306,3 +306,35 @@ def test_a_tensor_trained_outside_the_model_is_refused_and_gets_no_raw_gradient(
             break
         assert temperature.grad is None, method
         assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_step_the_accountant_cannot_count_is_refused_before_anything_is_released():
+    """A sigma set after make_private that the accountant cannot compute (pld at 0.01) was refused only after the
+    noisy update had changed the model, and the step was not counted. Now it is refused first, the batch can be
+    taken again; and a step that raises after its noise was added is counted, its batch not taken again."""
+    x, y = blobs()
+    model = nn.Linear(5, 3)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=1.0), (x, y), method="nxbp",
+                                 batch_size=40, accountant="pld", seed=0)
+    batches = private.batches()
+    private.step(*next(batches), loss_fn)
+    private.method.sigma = 0.01
+    xb, yb = next(batches)
+    before = model.weight.detach().clone()
+    with pytest.raises(DprunError, match=r"^accountant=pld cannot account sigma=0.01"):
+        private.step(xb, yb, loss_fn)
+    assert torch.equal(model.weight, before) and private.accountant.steps == 1
+    private.method.sigma = 1.0
+    private.step(xb, yb, loss_fn)  # released once, counted once
+    assert private.accountant.steps == 2
+    xb, yb = next(batches)
+
+    def broken_step(*args, **kwargs):
+        raise RuntimeError("after the noise")
+
+    private.optimizer.step = broken_step
+    with pytest.raises(RuntimeError, match="after the noise"):
+        private.step(xb, yb, loss_fn)
+    assert private.accountant.steps == 3  # the noisy gradient was formed: counted
+    with pytest.raises(DprunError, match="none is waiting"):
+        private.step(xb, yb, loss_fn)

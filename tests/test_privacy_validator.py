@@ -133,6 +133,83 @@ def test_a_module_inserted_after_the_first_step_is_checked_again(case):
         assert "\n" not in str(e.value)
 
 
+class TiedOutput(nn.Module):
+    """The output projection is the embedding's weight, used outside the embedding's call."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(6, 4), nn.Linear(4, 4)
+
+    def forward(self, x):  # (B, 3) ids -> (B, 3)
+        return torch.tanh(self.mid(self.emb(x).mean(1))) @ self.emb.weight[:3].t()
+
+
+@pytest.mark.parametrize("case", HOOKED, ids=case_id)
+def test_a_parameter_unfrozen_after_the_first_step_is_checked_again(case):
+    """Frozen on the first step (so its use outside the embedding's call was not there to see), trained from the
+    second: reweight twopass and recompute released 1.24 C. A change of the trainable parameters checks again."""
+    name, cfg = case
+    x, y = torch.randint(0, 6, (5, 3), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 0, 1])
+    torch.manual_seed(0)
+    method = METHODS.build(name, cfg=dict(cfg), clip=0.05, sigma=0.0)
+    model = TiedOutput()
+    model.emb.weight.requires_grad_(False)
+    model = method.attach(model)
+    step = lambda: method.step(model, loss_fn, x, y, torch.optim.SGD(model.parameters(), lr=0.0), sample_rate=0.5,
+                               expected_batch_size=5.0)
+    step()
+    model.emb.weight.requires_grad_(True)
+    with pytest.raises(DprunError, match=r"^parameter emb.weight reaches the loss outside its module's call"):
+        step()
+    with pytest.raises(DprunError, match="outside its module's call"):  # refused again, not accepted once seen
+        step()
+
+
+class MaskedOutsideUse(nn.Module):
+    """fc.weight used outside fc's call, times a data mask that is 0 for ordinary rows (no Python branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, 4)
+        big = (x[:, 3:4] > 5).to(x.dtype)  # (B, 1): 0 on the first batch
+        return self.head(torch.tanh(self.fc(x)) + big * F.linear(x, self.fc.weight * 3))
+
+
+@pytest.mark.parametrize("case", HOOKED, ids=case_id)
+def test_a_parameter_used_outside_its_module_with_a_zero_gradient_is_refused(case):
+    """The path existed on the first batch but carried a gradient of exactly 0, so it was accepted; a crafted row
+    later (x[3] = 6) moved reweight twopass/recompute's release by 1.82 C."""
+    refused(case, MaskedOutsideUse, features(), r"^parameter fc.weight reaches the loss outside its module's call")
+
+
+def mixing_loss(mix):
+    def loss(out, y):  # (B,): mix > 0 adds the batch mean to every example's loss
+        each = F.cross_entropy(out, y, reduction="none")
+        return each + mix * each.mean()
+    return loss
+
+
+@pytest.mark.parametrize("case", BATCHED, ids=case_id)
+def test_the_same_loss_code_closing_over_another_value_is_checked_again(case):
+    """The check was keyed by the loss's code alone: make_loss(0.0) passed, make_loss(5.0) then ran unchecked
+    (reweight twopass 1.63 C, jl 4.3 C). A lambda re-made each step over the same values is not checked again."""
+    name, cfg = case
+    x, y = features()
+    torch.manual_seed(0)
+    method = METHODS.build(name, cfg=dict(cfg), clip=1.0, sigma=0.0)
+    model = method.attach(nn.Sequential(nn.Linear(4, 3)))
+    step = lambda loss: method.step(model, loss, x, y, torch.optim.SGD(model.parameters(), lr=0.0), sample_rate=0.5,
+                                    expected_batch_size=6.0)
+    step(mixing_loss(0.0))
+    checked = method._privacy_checked
+    step(mixing_loss(0.0))  # re-made, same values: the same key, not checked again
+    assert method._privacy_checked is checked
+    with pytest.raises(DprunError, match="depend on the other examples"):
+        step(mixing_loss(5.0))
+
+
 def test_a_contrastive_loss_is_refused():
     def contrastive(out, y):  # each example's loss against the whole batch (a batch-dim softmax)
         return -torch.log_softmax(out[:, 0], dim=0)

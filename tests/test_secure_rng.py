@@ -256,6 +256,8 @@ def test_seeded_notes_name_the_seed_and_the_end_of_run_line_says_which_holds(cap
 
     note = randomness.guarantee_note("seeded", 7)
     assert note.startswith("rng=seeded: the guarantee holds against an adversary who does not know seed=7")
+    # runs sharing a seed share their noise: an lr sweep's models, published together, cancel it (stop 55's review)
+    assert "Runs with the same seed draw the same noise" in note and "publish at most one run per seed" in note
     print_guarantee({"sigma": 1.0, "config": {"seed": 7}})  # the run's last line, after "dprun: ... -> <folder>"
     print_guarantee({"sigma": 1.0, "config": {"seed": 7, "rng": "secure"}})
     print_guarantee({"sigma": None, "config": {}})  # non-private: nothing to say

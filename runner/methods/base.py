@@ -131,6 +131,7 @@ class Method:
     audit: Any = None  # audit=one_run: its hook adds gradient canaries to the clipped sum (runner/audit/run.py)
     _walked: Any = None  # (model, trainable(model)) while step() runs: Method.trainable
     _structure: Any = None  # runner/methods/structure.py Structure of the attached model's modules
+    released: bool = False  # step(): the update (noise, optimizer) began, so the step is one to account for
 
     def __init__(self, cfg: Any = None, clip: float = 1.0, sigma: float = 1.0, **unknown: Any):
         if unknown:  # e.g. r=4: method options live in cfg (conf/method/<name>.yaml), never silently dropped
@@ -248,7 +249,7 @@ class Method:
         self.validate(model)
         prepared = self.prepare(model, data)
         self.model = model if prepared is None else prepared
-        self._structure = Structure(self.model)  # step() validates again if its modules change
+        self._structure = Structure(self.model, trainable(self.model))  # step() checks again if they change
         return self.model
 
     def validate(self, model: torch.nn.Module) -> None:
@@ -327,20 +328,25 @@ class Method:
         if self.model is None or model is not self.model:
             raise DprunError(f"method={self.name}: step a model returned by method.attach(model) (it validates and "
                              f"prepares it)")
-        if self.private and self._structure is not None and self._structure.changed(model):
-            # a module inserted or swapped after attach (a BatchNorm, a layer that mixes the batch): the checks
-            # attach and the first step made are checked again, the first step's on this step
-            self.validate(model)
-            self._privacy_checked = None
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         mechanism = self.step_mechanism(sample_rate, indices)
+        self.released = False  # True from the update on (noise, optimizer): the step is then one to account for
         self._walked = (model, trainable(model))  # this step's trainable parameters (Method.trainable)
+        if self.private and self._structure is not None and self._structure.changed(model, self._walked[1]):
+            # a module inserted or swapped, or a parameter unfrozen, after attach (a BatchNorm, a layer that mixes
+            # the batch, a tied weight now trained): attach's checks again, and the first step's on this step
+            self._walked = None
+            self.validate(model)
+            self._walked = (model, trainable(model))
+            self._structure.accept(model, self._walked[1])
+            self._privacy_checked = None  # clipped_sum's first-step check runs on this step
         if self.private and any(p.dtype not in WEIGHT_DTYPES for p in self._walked[1]):  # model.half() after attach
             self._walked = None
             self.validate(model)  # names the parameter
         try:
             out = self.clipped_sum(model, loss_fn, x, y, privatize)
+            self.released = True
             self.update(model, optimizer, mechanism, x=x, y=y, indices=indices,
                         expected_batch_size=expected_batch_size, generator=generator)
         finally:

@@ -1,8 +1,9 @@
-"""Whether a model's modules changed since the method validated it: a BatchNorm inserted, or a layer swapped for a
-batch-coupling one, after attach and the first step's check would otherwise train unchecked.
+"""Whether a model's modules or trainable parameters changed since the method validated it: a BatchNorm inserted, a
+layer swapped for a batch-coupling one, or a parameter unfrozen (a tied embedding frozen on the first step, then
+trained: reweight twopass released 1.24 C) after attach and the first step's check would otherwise train unchecked.
 
-    structure = Structure(model)          # at attach
-    if structure.changed(model): ...      # each step: validate again and check the next step again
+    structure = Structure(model, trainable(model))   # at attach
+    if structure.changed(model, params): ...         # each step: validate again and check the next step again
 
 torch calls a global hook whenever any module anywhere registers a submodule (Module.__setattr__, add_module,
 register_module). Counting those calls makes the per-step test one integer comparison; the model is walked only
@@ -31,17 +32,22 @@ def layout(model: nn.Module) -> tuple:
 
 
 class Structure:
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, params: list):
+        self.accept(model, params)
+
+    def changed(self, model: nn.Module, params: list) -> bool:
+        """True while the model's modules or its trainable parameters (`params`, this step's walk: requires_grad
+        toggled, a parameter replaced) differ from those accepted last (so a refused change stays refused)."""
+        if len(params) != len(self.params) or any(id(p) != i for p, i in zip(params, self.params)):
+            return True
+        if _registrations != self.seen:
+            if layout(model) != self.modules:
+                return True
+            self.seen = _registrations  # registrations elsewhere (another model built): nothing here moved
+        return False
+
+    def accept(self, model: nn.Module, params: list) -> None:
+        """The model as it is now was validated."""
         self.seen = _registrations
         self.modules = layout(model)
-
-    def changed(self, model: nn.Module) -> bool:
-        """True once after the model's modules changed (and then compares against the new ones)."""
-        if _registrations == self.seen:
-            return False
-        self.seen = _registrations
-        now = layout(model)
-        if now == self.modules:
-            return False
-        self.modules = now
-        return True
+        self.params = [id(p) for p in params]
