@@ -58,7 +58,8 @@ class PoissonBatchSampler(TorchSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         for idx in self.sampler.epoch():
-            yield (idx if self.world is None else self.world.share(idx)).tolist()
+            self.last = (idx if self.world is None else self.world.share(idx)).tolist()  # make_private's first batch
+            yield self.last
 
     def __len__(self) -> int:
         return self.sampler.steps_per_epoch
@@ -93,8 +94,10 @@ def poisson_loader(data: TorchDataset | DataLoader, batch_size: int | None = Non
     collate = loader_kwargs.pop("collate_fn", None) or default_collate
     empty = _empty_like_batch(data, collate)
     safe_collate = lambda batch: collate(batch) if len(batch) else empty
-    return DataLoader(data, batch_sampler=PoissonBatchSampler(len(data), int(batch_size), generator),
-                      collate_fn=safe_collate, **loader_kwargs)
+    loader = DataLoader(data, batch_sampler=PoissonBatchSampler(len(data), int(batch_size), generator),
+                        collate_fn=safe_collate, **loader_kwargs)
+    loader.per_example_collate = collate  # the caller's own (make_private checks it builds rows per example)
+    return loader
 
 
 class _NoStep:
@@ -135,6 +138,7 @@ class PrivateTraining:
         self.planned_epsilon: float | None = None  # target_epsilon: the certified epsilon after the planned epochs
         self.target_epsilon_met: bool | None = None
         self.privacy_notes: list[str] = []  # as summary.json's: what the guarantee does not cover
+        self._collate_checked = False  # the DataLoader path's first batch (_check_collate); True: done or skipped
 
     @property
     def noise_multiplier(self) -> float:
@@ -150,6 +154,7 @@ class PrivateTraining:
         if self._tensors is None:
             for batch in self._loader:
                 self._waiting = batch_size_of(batch)
+                self._check_collate(batch)
                 yield batch
             return
         x, y = self._tensors
@@ -159,20 +164,32 @@ class PrivateTraining:
             self._waiting = len(idx)
             yield x[idx], y[idx]
 
+    def _check_collate(self, batch) -> None:
+        """The first batch of two or more examples: each collated alone equals its row (runner/methods/privacy_check/
+        collate.py), where the loader collates in this process (its batch sampler's last indices are this batch's)."""
+        if self._collate_checked or not self.method.private or self._loader.num_workers:
+            return
+        indices = getattr(self._loader.batch_sampler, "last", None)
+        if indices is not None and len(indices) >= 2:
+            privacy_check.check_collate(self._loader.dataset, self._loader.per_example_collate, self.method.name,
+                                        indices, batch)
+            self._collate_checked = True
+
     def _run(self, x, y, loss_fn: LossFn, optimizer) -> StepOutput:
         self._check_batch(y)
         indices = getattr(self, "_last_indices", None) if self._tensors is not None else None
         mechanism = self.method.step_mechanism(self.sample_rate, indices)
         if self.accountant is not None:  # one the accountant cannot compute (a sigma set since) is refused before
             self.accountant.step(mechanism, count=0)  # anything is released, not after the update
-        self._waiting = None  # taken, whatever happens below: a batch is released at most once
         try:
             out = self.method.step(self.model, loss_fn, x, y, optimizer, sample_rate=self.sample_rate,
                                    expected_batch_size=self.expected_batch_size, generator=self.generator,
                                    indices=indices)
         finally:
-            if self.accountant is not None and self.method.released:  # counted once the update began, even if
-                self.accountant.step(mechanism)  # something after the noise raised
+            if self.method.released:  # the update began (noise, optimizer): the batch is taken and the step counted,
+                self._waiting = None  # even if something after the noise raised; a step refused before it (a bad
+                if self.accountant is not None:  # loss) leaves its batch waiting
+                    self.accountant.step(mechanism)
         self.steps += 1
         return out
 
@@ -291,6 +308,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     _check_optimizer_in_model(optimizer, params_before, model)
     private = assemble(request, model, source.dataset, world, source.sampler)  # runner/assembly.py, as the CLI's
     private.method.privacy_check = bool(validate)  # the first step's check (runner/methods/privacy_check/)
+    if source.loader is not None and validate and private.method.private:  # rows built from their example alone
+        privacy_check.check_collate(source.loader.dataset, source.loader.per_example_collate, private.method.name)
     privacy_check.check_ranks(world, *(source.tensors or (None, None)), private.sampler)  # same data, same batches
     return _training(private, optimizer, params_before, source, delta, generator, rng, validate)
 
@@ -362,6 +381,7 @@ def _training(private: PrivateRun, optimizer: torch.optim.Optimizer, params_befo
                                sampler if source.tensors is not None else None, source.loader, source.tensors,
                                sampler.n, int(sampler.batch_size), delta, noise_gen)
     training.sampling, training.rng = sampler.kind, rng
+    training._collate_checked = not validate  # validate=False skips the first batch's collate check too
     if m.private and not validate:
         training.privacy_notes.append(privacy_check.UNCHECKED.replace("privacy_check=false", "validate=False"))
         warnings.warn(training.privacy_notes[-1], stacklevel=3)

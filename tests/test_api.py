@@ -338,3 +338,57 @@ def test_a_step_the_accountant_cannot_count_is_refused_before_anything_is_releas
     assert private.accountant.steps == 3  # the noisy gradient was formed: counted
     with pytest.raises(DprunError, match="none is waiting"):
         private.step(xb, yb, loss_fn)
+
+
+def pad_to_longest(batch):  # the usual NLP collator: each batch padded to its longest sequence (pad id 0)
+    x = torch.zeros(len(batch), max(len(s) for s, _ in batch), dtype=torch.long)
+    for i, (s, _) in enumerate(batch):
+        x[i, :len(s)] = s
+    return x, torch.tensor([t for _, t in batch])
+
+
+def pad_to(T):
+    def collate(batch):  # a fixed length: each row is its example's alone
+        x = torch.zeros(len(batch), T, dtype=torch.long)
+        for i, (s, _) in enumerate(batch):
+            x[i, :len(s)] = s[:T]
+        return x, torch.tensor([t for _, t in batch])
+    return collate
+
+
+class Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 8, padding_idx=0), nn.Linear(8, 3)
+
+    def forward(self, x):  # (B, T) ids -> (B, 3): the mean over positions, pads included
+        return self.head(torch.tanh(self.emb(x).mean(1) * 4))
+
+
+def test_a_collate_fn_that_couples_the_batch_is_refused():
+    """Padding each batch to its longest sequence makes an example's input depend on the others: with a model that
+    averages over positions, one long record moved every method's release by 6.81 C. Refused where make_private
+    probes the dataset, and on the first batch (40 records of length 5 and one of 400, q = 1)."""
+    from torch.utils.data import DataLoader
+
+    g = torch.Generator().manual_seed(0)
+    varied = [(torch.randint(1, 20, (int(n),), generator=g), 0) for n in torch.randint(3, 9, (40,), generator=g)]
+    crafted = [(torch.randint(1, 20, (5,), generator=g), 0) for _ in range(40)] + [(torch.randint(1, 20, (400,)), 0)]
+    message = r"^collate_fn is not per-example: example \d+ of the dataset collated alone and in a batch of \d+ differs"
+    for method in ("nxbp", "reweight"):
+        model = Bag()
+        make = lambda data, collate, **kw: dprun.make_private(  # noqa: E731
+            model, torch.optim.SGD(model.parameters(), lr=1.0), DataLoader(data, batch_size=len(data),
+                                                                           collate_fn=collate),
+            method=method, max_grad_norm=0.1, seed=0, **kw)
+        with pytest.raises(DprunError, match=message):
+            make(varied, pad_to_longest)
+        private = make(crafted, pad_to_longest)  # the probe's examples all have length 5
+        with pytest.raises(DprunError, match=message + r" \(batch\[0\]: shape \(1, 5\) alone, \(1, 400\) in the batch"):
+            next(iter(private.batches()))
+        for xb, yb in make(crafted, pad_to(400)).batches():  # a fixed length: accepted
+            assert xb.shape == (len(crafted), 400)
+            break
+        with pytest.warns(UserWarning, match="validate=False"):
+            unchecked = make(varied, pad_to_longest, validate=False)  # the expert's switch skips it, and says so
+        assert next(iter(unchecked.batches()))[0].shape[0] == len(varied)
