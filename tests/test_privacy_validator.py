@@ -112,14 +112,29 @@ class MixesBatch(nn.Module):
         return x - x.mean(0, keepdim=True)
 
 
+def mean_hook(module, args, out):  # a forward hook that mixes the batch
+    return out - out.mean(0, keepdim=True)
+
+
+# how a model is changed after its first step: torch's module-registration hook sees only the first
+CHANGES = {
+    "setitem": lambda model, new: model.__setitem__(0, new),
+    "insert": lambda model, new: model.insert(1, new),  # writes model._modules directly
+    "_modules": lambda model, new: model._modules.__setitem__("0", new),
+}
+
+
+@pytest.mark.parametrize("how", list(CHANGES) + ["forward hook", "forward replaced"])
 @pytest.mark.parametrize("case", ALL, ids=case_id)
-def test_a_module_inserted_after_the_first_step_is_checked_again(case):
+def test_a_model_changed_after_the_first_step_is_checked_again(case, how):
     """The checks ran at attach and on the first step only: a BatchNorm put into the model afterwards, or a
-    parameter-free layer that mixes the batch, trained unchecked. A changed model is validated again."""
+    parameter-free layer, hook or forward that mixes the batch, trained unchecked (Sequential.insert of such a layer:
+    2.8 C with reweight bk). A changed model is validated and checked again."""
     name, cfg = case
     x, y = features(B=8)
-    for inserted, match in ((lambda: nn.BatchNorm1d(4), "BatchNorm1d"), (MixesBatch, "depend on the other examples")):
-        if inserted is MixesBatch and case in ALONE:
+    inserts = [(lambda: nn.BatchNorm1d(4), "BatchNorm1d"), (MixesBatch, "depend on the other examples")]
+    for inserted, match in inserts if how in CHANGES else [(None, "depend on the other examples")]:
+        if match.startswith("depend") and case in ALONE:
             continue  # each example runs alone: a batch mean of one example mixes nothing
         torch.manual_seed(0)
         method = METHODS.build(name, cfg=dict(cfg), clip=1.0, sigma=0.0)
@@ -127,10 +142,16 @@ def test_a_module_inserted_after_the_first_step_is_checked_again(case):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         step = lambda: method.step(model, loss_fn, x, y, optimizer, sample_rate=0.5, expected_batch_size=8.0)
         step()
-        model[0] = inserted()  # nn.Sequential.__setitem__: a module swapped in
-        with pytest.raises(DprunError, match=match) as e:
-            step()
-        assert "\n" not in str(e.value)
+        if how in CHANGES:
+            CHANGES[how](model, inserted())
+        elif how == "forward hook":
+            model[0].register_forward_hook(mean_hook)
+        else:
+            model[0].forward = lambda inp: inp - inp.mean(0, keepdim=True)
+        for _ in range(2):  # refused, and refused again (not accepted once seen)
+            with pytest.raises(DprunError, match=match) as e:
+                step()
+            assert "\n" not in str(e.value)
 
 
 class TiedOutput(nn.Module):
