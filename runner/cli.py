@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from runner import run_lock
 from runner.errors import DprunError, RunComplete
 from runner.interrupt import interrupted_exit, sigterm_as_interrupt
 from runner.overrides import (CONFIG_GROUPS, check_group_choices, check_group_keys, check_noise, check_scale,
@@ -37,21 +38,22 @@ def run(cfg: DictConfig, speaker: Speaker | None = None) -> dict:
     if not (speaker or Speaker.here()).main:  # another rank of a distributed run: rank 0 writes and prints
         with sigterm_as_interrupt():
             return train(cfg, out_dir)
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    log_file = logging.FileHandler(Path(out_dir) / "dprun.log")  # the run's log (Slurm jobs have no terminal)
-    log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    logging.getLogger().addHandler(log_file)
-    try:
-        with sigterm_as_interrupt():  # SIGTERM (timeout, Slurm) ends the run like Ctrl-C: status `interrupted`
-            summary = train(cfg, out_dir)
-    except (Exception, KeyboardInterrupt) as e:  # the log says why the run ended (on Slurm it is all one has);
-        # written to the file only: the terminal gets the one line main() prints
-        why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed: {type(e).__name__}: {e}"
-        log_file.emit(logging.makeLogRecord({"msg": f"run {why}", "levelname": "ERROR", "levelno": logging.ERROR}))
-        raise
-    finally:
-        logging.getLogger().removeHandler(log_file)
-        log_file.close()
+    with run_lock.holding(out_dir):  # before the log: a second writer (resume= of a running run) touches nothing
+        log_file = logging.FileHandler(Path(out_dir) / "dprun.log")  # the run's log (Slurm jobs have no terminal)
+        log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logging.getLogger().addHandler(log_file)
+        try:
+            with sigterm_as_interrupt():  # SIGTERM (timeout, Slurm) ends the run like Ctrl-C: status `interrupted`
+                summary = train(cfg, out_dir)
+        except (Exception, KeyboardInterrupt) as e:  # the log says why the run ended (on Slurm it is all one has);
+            # written to the file only: the terminal gets the one line main() prints
+            why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed: {type(e).__name__}: {e}"
+            log_file.emit(logging.makeLogRecord({"msg": f"run {why}", "levelname": "ERROR",
+                                                 "levelno": logging.ERROR}))
+            raise
+        finally:
+            logging.getLogger().removeHandler(log_file)
+            log_file.close()
     print_result(summary, out_dir, table=_interactive())
     return summary
 
@@ -125,7 +127,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         speaker.last_line("failed" if isinstance(e, Diverged) else "refused", str(e))
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # a sweep goes on with its other jobs; Hydra reports the failed one at the end
-        if speaker.main and not isinstance(e, Diverged):
+        if speaker.main and not isinstance(e, (Diverged, run_lock.InUse)):  # in use: the folder is another's
             discard_refused(cfg, out_dir if new_out_dir else None)
         sys.exit(EXIT_DIVERGED if isinstance(e, Diverged) else 2)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the complete epochs are on disk; one line, no traceback

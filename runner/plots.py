@@ -37,21 +37,87 @@ def read_table(path: Path) -> pd.DataFrame:
         return pd.DataFrame()
 
 
-def select_runs(runs: pd.DataFrame, experiment: str, scale: str, keep_failed: bool = False) -> pd.DataFrame:
+def select_runs(runs: pd.DataFrame, experiment: str, scale: str, keep_failed: bool = False,
+                notes: list[str] | None = None) -> pd.DataFrame:
     """The preset's runs at this scale: the newest finished run of each configuration, plus (keep_failed) the newest
-    unfinished one of each configuration that never finished (out of memory, killed)."""
+    unfinished one of each configuration that never finished (out of memory, killed); then only the runs that share
+    the figure's settings (same_settings). notes: gets one line naming the runs left out, if any."""
     if runs.empty or "experiment" not in runs:
         return runs
     mine = runs[(runs["experiment"] == experiment) & (runs["scale"] == scale)]
     done = latest(mine)
-    if not keep_failed or mine.empty:
-        return done
-    keys = [k for k in RUN_KEY if k in mine]
-    unfinished = mine[mine["status"] != "finished"].sort_values("finished_at")
-    unfinished = unfinished.groupby(keys, dropna=False, sort=False).tail(1)
-    finished_keys = set(map(tuple, done[keys].astype(str).values)) if len(done) else set()
-    unfinished = unfinished[[tuple(k) not in finished_keys for k in unfinished[keys].astype(str).values]]
-    return pd.concat([done, unfinished], ignore_index=True)
+    if keep_failed and not mine.empty:
+        keys = [k for k in RUN_KEY if k in mine]
+        unfinished = mine[mine["status"] != "finished"].sort_values("finished_at")
+        unfinished = unfinished.groupby(keys, dropna=False, sort=False).tail(1)
+        finished_keys = set(map(tuple, done[keys].astype(str).values)) if len(done) else set()
+        unfinished = unfinished[[tuple(k) not in finished_keys for k in unfinished[keys].astype(str).values]]
+        done = pd.concat([done, unfinished], ignore_index=True)
+    kept, note = same_settings(done, swept_columns(experiment, scale))
+    if note and notes is not None:
+        notes.append(note)
+    return kept
+
+
+# What a figure's arms must share unless its preset sweeps it. The figures pick the newest run per arm, so without
+# this a later one-off run of the preset (`dprun experiment=jl_fig3 method=opacus epochs=1`) would silently stand in
+# for an arm of the sweep. Not lr: presets give a method its own rate (scales.<scale>.lr_<method>).
+SHARED = ["dataset", "like", "image_size", "model", "depth", "batch_size", "sigma", "clip", "optimizer", "epochs",
+          "max_steps_per_epoch", "seed", "device"]
+PRESET_KEYS = {"data": "dataset"}  # a preset's own variable -> the config key it sets (conf/experiment/*.yaml)
+
+
+def swept_columns(experiment: str, scale: str) -> set[str]:
+    """The SHARED columns the preset's sweeps vary (its grid and its extra_sweeps), e.g. model and depth for
+    `model.depth: 2,4,6,8`; they may differ between a figure's arms. An unknown preset: all of them (no check)."""
+    from omegaconf import OmegaConf
+
+    from runner.paths import CONF_DIR
+    from runner.report import CONFIG_COLUMNS
+
+    path = Path(CONF_DIR) / "experiment" / f"{experiment}.yaml"
+    if not path.is_file():
+        return set(SHARED)
+    preset = OmegaConf.load(path)
+    preset.scale = scale  # extra_sweeps may be ${scales.${scale}.extra}
+    keys = set(OmegaConf.select(preset, "hydra.sweeper.params", default=None) or {})
+    for extra in OmegaConf.select(preset, "extra_sweeps", default=None) or []:
+        keys |= {arg.partition("=")[0] for arg in str(extra).split()}
+    keys = {PRESET_KEYS.get(k, k) for k in keys}
+    return {col for col, dotted in CONFIG_COLUMNS
+            if col in keys or any(dotted == k or dotted.startswith(k + ".") for k in keys)}
+
+
+def same_settings(runs: pd.DataFrame, swept: set[str]) -> tuple[pd.DataFrame, str]:
+    """The runs that share every SHARED setting not in swept with the largest such set (the newest on a tie: a
+    whole preset run again with other settings), and a line naming the runs left out and how they differ ('' if
+    none). A blank is no setting (a non-private run has no sigma) and fits any value."""
+    cols = [c for c in SHARED if c in runs and c not in swept]
+    if len(runs) < 2 or not cols:
+        return runs, ""
+    runs = runs.reset_index(drop=True)
+    newest = runs["finished_at"].rank(method="first") if "finished_at" in runs else pd.Series(runs.index)
+    sig = [tuple(None if pd.isna(v) else v for v in row) for row in runs[cols].itertuples(index=False)]
+
+    def fits(a: tuple, b: tuple) -> bool:
+        return all(x is None or y is None or x == y for x, y in zip(a, b))
+
+    counts = [sum(fits(a, b) for b in sig) for a in sig]
+    best = max(range(len(sig)), key=lambda i: (counts[i], newest[i]))
+    # the reference's own blanks take the value most of its runs have, so it never joins two values of a setting
+    ref = tuple(v if v is not None else pd.Series([s[j] for s in sig if fits(s, sig[best])]).mode().get(0)
+                for j, v in enumerate(sig[best]))
+    keep = [fits(s, ref) for s in sig]
+    if all(keep):
+        return runs, ""
+    left = runs[[not k for k in keep]]
+    names = list(left["folder"] if "folder" in left else left["run_dir"])
+    differ = sorted({f"{c}={s[j]} (figure: {ref[j]})" for s, k in zip(sig, keep) if not k
+                     for j, c in enumerate(cols) if s[j] is not None and ref[j] is not None and s[j] != ref[j]})
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    note = (f"left out {len(names)} run(s) with other settings than the figure's {sum(keep)}: "
+            f"{'; '.join(differ)}: {shown}")
+    return runs[keep], note
 
 
 def render(name: str, runs: pd.DataFrame, epochs: pd.DataFrame, scale: str, out_dir: Path, tables_dir: Path,
@@ -70,12 +136,15 @@ def render(name: str, runs: pd.DataFrame, epochs: pd.DataFrame, scale: str, out_
         return _save(name, fig, fig.table(runs, epochs.iloc[0:0], scale), caption, scale, out_dir, tables_dir,
                      formats)
     if fig.experiment:
-        runs = select_runs(runs, fig.experiment, scale, fig.keep_failed)
+        notes: list[str] = []
+        runs = select_runs(runs, fig.experiment, scale, fig.keep_failed, notes)
         if runs.empty:
             return (f"skip {name}: no finished runs of experiment={fig.experiment} at scale={scale} "
                     f"(make fig-{name} SCALE={scale})")
         epochs = epochs[epochs["run_dir"].isin(set(runs["run_dir"]))] if not epochs.empty else epochs
-        caption = f"{fig.paper}: " + caption_for(runs, scale)
+        caption = f"{fig.paper}: " + caption_for(runs, scale) + "".join(f" | {n}" for n in notes)
+        for note in notes:  # on the figure (its caption) and here: a missing arm is never silent
+            print(f"plots: {name}: {note}", file=sys.stderr, flush=True)
     else:
         caption = f"{fig.paper}: " + caption_for(runs, scale, COMPUTED_WITH.get(name, "runner.sbcd_curves"))
     return _save(name, fig, fig.table(runs, epochs, scale), caption, scale, out_dir, tables_dir, formats)

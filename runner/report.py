@@ -18,7 +18,9 @@ torch version, experiment, scale), then the final epoch's metrics and `epoch_tim
 comparable seconds per epoch; `capped` marks a run whose max_steps_per_epoch cut its epochs short (beside it
 `full_steps_per_epoch`). A folder holding only Hydra's .hydra/ is a run that stopped before its first summary.json
 (a sweep's refused job, a crash while loading): a row with status `failed-to-start`, the configuration Hydra
-recorded and, as `error`, the last error line of its dprun.log. A run whose files cannot be read is skipped with one
+recorded and, as `error`, the last error line of its dprun.log. A run still `running` in its summary.json whose
+process (its `pid` and `host` columns) is gone from this host is `stale` (killed: SIGKILL, the OOM killer); one on
+another host stays `running`, unchecked. A run whose files cannot be read is skipped with one
 line on stderr; the runs that did not finish are listed after the table, and runs whose calibrated sigma missed
 target_epsilon are named.
 """
@@ -37,6 +39,8 @@ from runner.audit.columns import audit_columns, audited_text
 from runner.entry import OneLineParser, run_entry
 from runner.errors import DprunError
 from runner.run_dir import out_dir_of, unstarted_runs
+from runner.run_lock import alive
+from runner.run_lock import host as this_host
 
 # (column, path into summary.json's resolved config)
 CONFIG_COLUMNS = [
@@ -69,6 +73,7 @@ SCALE_COLUMNS = ("physical_batch_size", "precision", "world_size")  # shown even
 SHORT_NAMES = {"physical_batch_size": "phys_B", "world_size": "ranks", "epoch_time_est_s": "epoch_s",
                "batch_size": "B", "method_options": "options"}
 FAILED_TO_START = "failed-to-start"  # status of a folder holding only Hydra's .hydra/ record
+STALE = "stale"  # status of a `running` run whose process is gone from this host (status_now)
 NO_SUMMARY = "no summary.json: stopped before training (bad input, missing data, out of memory), or still loading data"
 REFERENCE = "reference"  # <root>/reference/: the committed reference runs (outputs/reference/), not the user's
 # the columns that identify "the same run" when a preset was run twice (latest() keeps the newest): the whole
@@ -156,7 +161,9 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
             row["delta"] = None
     row.update({
         "epsilon_lower_bound": summary.get("epsilon_lower_bound"),
-        "status": summary.get("status"),
+        "status": status_now(summary),
+        "pid": summary.get("pid"),  # the process that wrote it last, and its host (runs since run_lock)
+        "host": summary.get("host"),
         "epochs_completed": summary.get("epochs_completed", 0),
         "data_source": summary.get("data_source"),
         "sampling": summary.get("sampling"),
@@ -196,6 +203,27 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
         full_steps = 1.0 / row["sample_rate"] if row.get("sample_rate") else row.get("steps_per_epoch") or math.nan
         row["epoch_time_est_s"] = step * full_steps
     return row, epochs
+
+
+def status_now(summary: dict[str, Any]) -> Any:
+    """summary.json's status, except a `running` run whose process is gone from this host: `stale` (killed without
+    a chance to record it: SIGKILL, the OOM killer). On another host, or in a summary without pid and host, it
+    stays `running`: nothing here can tell (unfinished_view says so)."""
+    status = summary.get("status")
+    if status == "running" and summary.get("pid") is not None and alive(summary["pid"], summary.get("host")) is False:
+        return STALE
+    return status
+
+
+def process_note(status: Any, pid: Any, host: Any) -> str:
+    """What dprun-report knows of a running or stale run's process, for the list of runs that did not finish."""
+    if pd.isna(pid) or status not in ("running", STALE):
+        return ""
+    if status == STALE:
+        return f"its process (pid {int(pid)} on this host) is gone: killed before it could record how it ended"
+    if alive(int(pid), None if pd.isna(host) else str(host)):
+        return f"pid {int(pid)} on this host"
+    return f"pid {int(pid)} on host {host}: not checked from this host ({this_host()})"
 
 
 def utc_iso(timestamp: float) -> str:
@@ -387,8 +415,11 @@ def unfinished_view(runs: pd.DataFrame) -> str:
     if bad.empty:
         return ""
     errors = bad["error"] if "error" in bad else pd.Series("", bad.index)
-    lines = [f"  {status}  {run_dir}  {'' if pd.isna(err) else err}".rstrip()
-             for status, run_dir, err in zip(bad["status"].fillna("unknown"), bad["run_dir"], errors)]
+    none = pd.Series(math.nan, bad.index)
+    notes = [process_note(s, pid, host)
+             for s, pid, host in zip(bad["status"], bad.get("pid", none), bad.get("host", none))]
+    lines = [f"  {status}  {run_dir}  {'; '.join(t for t in ('' if pd.isna(err) else err, note) if t)}".rstrip()
+             for status, run_dir, err, note in zip(bad["status"].fillna("unknown"), bad["run_dir"], errors, notes)]
     return "\n".join([f"runs that did not finish ({len(bad)}):", *lines])
 
 

@@ -13,6 +13,7 @@ metric is global.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from runner.norms import tensor_cores
-from runner import checkpoint, distributed, methods, models, randomness
+from runner import checkpoint, distributed, methods, models, randomness, run_lock
 from runner.methods import privacy_check
 from runner.audit import run as audit_run
 from runner.accountants.published import delta_note, epsilon_columns, privacy_notes
@@ -117,8 +118,15 @@ class EpochStats:
 def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     validate_config(cfg)  # every knob, before any data is loaded or any file written
     out_dir = Path(out_dir)
-    if not cfg.get("resume") and distributed.launched_rank() == 0:  # a resumed run continues in its own folder
-        ensure_fresh(out_dir)  # before any data is loaded: never replace another run's results
+    if distributed.launched_rank() != 0 or distributed.current().rank != 0:  # only rank 0 writes the folder (a
+        return _train(cfg, out_dir)  # launcher's ranks, or a process group the caller initialised)
+    with run_lock.holding(out_dir):  # one writer per folder (runner/run_lock.py; the CLI took it already)
+        if not cfg.get("resume"):  # a resumed run continues in its own folder
+            ensure_fresh(out_dir)  # before any data is loaded: never replace another run's results
+        return _train(cfg, out_dir)
+
+
+def _train(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     world = distributed.init(str(cfg.device), float(cfg.distributed.timeout_s), int(cfg.seed),
                              str(cfg.distributed.backend))
     completed = False  # every epoch done and recorded: the ranks leave the group together (distributed.leave)
@@ -274,6 +282,7 @@ def start_summary(run: Run, run_config: dict[str, Any], private: PrivateRun) -> 
     return {
         "status": "running",
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),  # UTC; dprun-report sorts by it
+        "pid": os.getpid(), "host": run_lock.host(),  # a SIGKILLed run stays `running`: dprun-report checks these
         "config": run_config,
         "method": method.name,
         "sigma": method.sigma if method.private else None,

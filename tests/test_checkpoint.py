@@ -240,3 +240,46 @@ def test_after_a_refused_resume_the_documented_one_works(tmp_path, two_epochs):
     proc = dprun(f"resume={run}", "epochs=3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert pd.read_csv(run / "metrics.csv").epoch.tolist() == [1, 2, 3]
+
+
+def start_endless(tmp_path):
+    """`dprun` training on and on in another process, once it has a checkpoint: -> (process, its run folder)."""
+    import time
+
+    folder = tmp_path / "run"
+    log = tmp_path / "endless.log"  # a file, not a pipe nobody reads: a full pipe would stall the run
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "runner.cli", *CLI_RUN, "epochs=100000", f"out_dir={folder}"],
+                                cwd=tmp_path, stdout=out, stderr=out)
+    deadline = time.monotonic() + 240
+    while not (folder / FILE).exists():
+        assert proc.poll() is None, log.read_text()[-2000:]
+        assert time.monotonic() < deadline, "no epoch finished in 240 s"
+        time.sleep(0.2)
+    return proc, folder
+
+
+def test_resume_of_a_running_run_is_refused_until_its_process_is_gone(tmp_path):
+    """Two processes must never write one folder: resume= of a run still training is one line naming its process,
+    exit 2, and the folder gets nothing from it (not even a log line). Once that process is gone (SIGKILL: its lock
+    file stays behind), the resume runs."""
+    import socket
+
+    proc, run = start_endless(tmp_path)
+    try:
+        # epochs=: bounded, so that where a second writer were let in the test would end (and fail), not train on
+        refused = dprun_in_process(f"resume={run}", f"epochs={load(run)['epoch'] + 100}", cwd=tmp_path)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert refused.stderr.strip().splitlines() == [
+            f"dprun: run {run.resolve()} is in use by pid {proc.pid} on host {socket.gethostname()}"]
+        assert "in use" not in (run / "dprun.log").read_text()
+        assert proc.poll() is None  # the running one goes on
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (run / "dprun.lock").exists()  # left by the killed process: it must not block the resume
+    done = load(run)["epoch"]
+    resumed = dprun_in_process(f"resume={run}", f"epochs={done + 1}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((run / "summary.json").read_text())["epochs_completed"] == done + 1
+    assert not (run / "dprun.lock").exists()  # released when the run ended

@@ -127,3 +127,32 @@ def test_a_rerun_with_other_settings_does_not_draw_a_point_twice():
                       epoch_time_est_s=jl["epoch_time_est_s"] * 7, mean_epoch_time_s=jl["mean_epoch_time_s"] * 7)
     t2 = FIGURES.get("jl_table2").table(pd.concat([older, jl], ignore_index=True), EPOCHS, "smoke")
     pd.testing.assert_frame_equal(t2, FIGURES.get("jl_table2").table(jl, EPOCHS, "smoke"))
+
+
+def test_a_one_off_run_does_not_replace_a_figure_arm(tmp_path):
+    """`dprun experiment=jl_fig3 method=opacus epochs=1` after the figure's sweep (2 epochs here): the newer one-off
+    must not stand in for the figure's opacus arm; it is left out, and the figure's caption names it and the
+    setting it differs in."""
+    one_off = RUNS[RUNS["run_dir"] == "fixture/jl_fig3/2"].assign(run_dir="fixture/one_off", epochs=1,
+                                                                   finished_at=1000.0, test_acc=0.99)
+    epochs = EPOCHS[EPOCHS["run_dir"] == "fixture/jl_fig3/2"].head(1).assign(run_dir="fixture/one_off", test_acc=0.99)
+    runs, epochs = pd.concat([RUNS, one_off], ignore_index=True), pd.concat([EPOCHS, epochs], ignore_index=True)
+    from runner.plots import select_runs
+
+    assert set(select_runs(runs, "jl_fig3", "smoke")["run_dir"]) == {f"fixture/jl_fig3/{i}" for i in range(6)}
+    assert isinstance(render("jl_fig3", runs, epochs, "smoke", tmp_path, tmp_path, formats=("png",)), Path)
+    assert "fixture/one_off" not in set(pd.read_csv(tmp_path / "jl_fig3.csv")["run_dir"])
+    caption = pd.read_csv(tmp_path / "captions.csv").set_index("name").loc["jl_fig3", "caption"]
+    assert "fixture/one_off" in caption and "epochs=1" in caption, caption
+
+
+def test_a_figure_rerun_with_other_settings_replaces_every_arm():
+    """The whole preset run again (SWEEP_ARGS=epochs=5): the newer complete set of arms is drawn, never a mix."""
+    old = fixture_runs("jl_fig3")
+    new = old.assign(run_dir=old["run_dir"] + "-new", epochs=5, finished_at=old["finished_at"] + 100)
+    part = new[new["method"] != "opacus"]  # a rerun still under way: the complete older set stays
+    from runner.plots import select_runs
+
+    both = pd.concat([old, new], ignore_index=True)
+    assert set(select_runs(both, "jl_fig3", "smoke")["run_dir"]) == set(new["run_dir"])
+    assert set(select_runs(pd.concat([old, part]), "jl_fig3", "smoke")["run_dir"]) == set(old["run_dir"])

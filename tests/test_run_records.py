@@ -307,3 +307,57 @@ def test_infinite_epsilon_is_standard_json_with_the_certified_lower_bound(tmp_pa
     # and the line the CLI prints says why, and which r would give a finite epsilon for the same steps
     r = acc.smallest_finite_r(summary["config"]["delta"])
     assert summary["epsilon_note"].startswith("epsilon is inf: accountant=jl") and f"r={r} is the smallest" in summary["epsilon_note"]
+
+
+# --- who is writing a run folder --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", [KeyboardInterrupt, RuntimeError])
+def test_the_run_lock_is_released_however_the_block_ends(tmp_path, how):
+    from runner import run_lock
+
+    with pytest.raises(how):
+        with run_lock.holding(tmp_path / "run"):
+            with run_lock.holding(tmp_path / "run"):  # re-entrant: the CLI's and train()'s
+                assert (tmp_path / "run" / "dprun.lock").exists()
+            assert (tmp_path / "run" / "dprun.lock").exists()
+            raise how()
+    assert not (tmp_path / "run" / "dprun.lock").exists()
+    with run_lock.holding(tmp_path / "run"):
+        pass
+
+
+def test_a_killed_run_is_stale_in_the_report_not_running(tmp_path, capsys):
+    """SIGKILL leaves summary.json at `running`: the report checks the pid and host the run recorded."""
+    from runner.report import collect, main
+
+    folder = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "runner.cli", *ENDLESS, f"out_dir={folder}"], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not (folder / "metrics.csv").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        assert collect(tmp_path)["status"].tolist() == ["running"]  # alive
+    finally:
+        proc.kill()
+        proc.wait()
+    assert json.loads((folder / "summary.json").read_text())["status"] == "running"
+    assert main(["--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert collect(tmp_path)["status"].tolist() == ["stale"]
+    listed = out[out.index("did not finish"):]
+    assert f"stale  {folder}" in listed and f"pid {proc.pid} on this host" in listed and "is gone" in listed
+
+
+def test_a_run_on_another_host_stays_running_unchecked(tmp_path, capsys):
+    from runner.report import main
+
+    make_run(tmp_path / "there", "jl", status="running")
+    summary = json.loads((tmp_path / "there" / "summary.json").read_text())
+    (tmp_path / "there" / "summary.json").write_text(json.dumps({**summary, "pid": 1, "host": "elsewhere-node"}))
+    assert main(["--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    runs = pd.read_csv(tmp_path / "tables" / "runs.csv")
+    assert runs["status"].tolist() == ["running"] and runs["host"].tolist() == ["elsewhere-node"]
+    assert "pid 1 on host elsewhere-node: not checked from this host" in out
