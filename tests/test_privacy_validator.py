@@ -231,6 +231,61 @@ def test_the_same_loss_code_closing_over_another_value_is_checked_again(case):
         step(mixing_loss(5.0))
 
 
+class MixingLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix = 0.0
+
+    def forward(self, out, y):
+        each = F.cross_entropy(out, y, reduction="none")
+        return each + self.mix * each.mean()
+
+    def method_loss(self, out, y):
+        return self.forward(out, y)
+
+
+def loss_with_state(form):
+    """(loss, make_it_mix): a loss whose state starts at mix = 0 and that make_it_mix() sets to 5."""
+    if form == "object":
+        loss = MixingLoss()
+        return loss, lambda: setattr(loss, "mix", 5.0)
+    if form == "bound method":
+        holder = MixingLoss()
+        return holder.method_loss, lambda: setattr(holder, "mix", 5.0)
+    state = {"mix": 0.0} if form == "captured dict" else torch.zeros(())
+
+    def loss(out, y):
+        each = F.cross_entropy(out, y, reduction="none")
+        return each + (state["mix"] if form == "captured dict" else state) * each.mean()
+    return loss, (lambda: state.__setitem__("mix", 5.0)) if form == "captured dict" else (lambda: state.fill_(5.0))
+
+
+@pytest.mark.parametrize("form", ["object", "bound method", "captured dict", "captured tensor"])
+@pytest.mark.parametrize("case", BATCHED, ids=case_id)
+def test_a_loss_whose_state_changed_is_checked_again(case, form):
+    """Keyed by its identity or code, a loss object, bound method, captured dict or tensor set to mix the batch
+    after the first step ran unchecked (reweight twopass 1.32 C, jl 2.84 C). A loss left as it was is not checked
+    again (an nn.CrossEntropyLoss, the docs' lambda)."""
+    name, cfg = case
+    x, y = features()
+    torch.manual_seed(0)
+    method = METHODS.build(name, cfg=dict(cfg), clip=1.0, sigma=0.0)
+    model = method.attach(nn.Sequential(nn.Linear(4, 3)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = lambda loss: method.step(model, loss, x, y, optimizer, sample_rate=0.5, expected_batch_size=6.0)
+    loss, make_it_mix = loss_with_state(form)
+    step(loss)
+    step(loss)
+    make_it_mix()
+    with pytest.raises(DprunError, match="depend on the other examples"):
+        step(loss)
+    plain = nn.CrossEntropyLoss(reduction="none")
+    step(plain)
+    checked = method._privacy_checked
+    step(plain)
+    assert method._privacy_checked is checked
+
+
 def test_a_contrastive_loss_is_refused():
     def contrastive(out, y):  # each example's loss against the whole batch (a batch-dim softmax)
         return -torch.log_softmax(out[:, 0], dim=0)

@@ -370,3 +370,22 @@ def test_a_draw_ahead_uses_fewer_keystream_lanes_than_a_draw_the_step_waits_for(
     for ahead in (True, False):
         rng = SecureRandom(ahead=ahead)
         assert len(rng._lanes_ready()) == keystream_lanes(ahead, os.cpu_count() or 2)
+
+
+def test_make_private_secure_reseeds_torchs_global_rng_so_jls_directions_are_not_the_programs():
+    """The API left torch's global RNG to the program: two runs of one seeded program drew the same JL directions,
+    and a record built orthogonal to them was released unclipped (122 C). Now rng='secure' reseeds it from the OS,
+    as the CLI does; rng='seeded' leaves the program's stream alone."""
+    import dprun
+
+    x, y = torch.randn(60, 5), torch.randint(0, 3, (60,))
+    draws = {}
+    for rng in ("seeded", "secure"):
+        for run in range(2):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(5, 3)
+            dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="jl", r=2,
+                               batch_size=20, rng=rng, **({"seed": 0} if rng == "seeded" else {}))
+            draws[rng, run] = torch.randn(4)  # what JL's next directions would draw from
+    assert torch.equal(draws["seeded", 0], draws["seeded", 1])
+    assert not torch.equal(draws["secure", 0], draws["secure", 1])

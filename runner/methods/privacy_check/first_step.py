@@ -19,6 +19,8 @@ run would have taken without the check (tests/test_privacy_validator.py).
 """
 from __future__ import annotations
 
+import types
+
 import contextlib
 
 import torch
@@ -115,19 +117,39 @@ def _contents(cell):
         return None
 
 
+PLAIN = (int, float, complex, str, bool, bytes, type(None))
+
+
+def state_key(value, depth: int = 2):
+    """What of `value` a loss could read: a number or string by value, a tensor by identity and version (written in
+    place: a new version), a container's items and an object's attributes down to `depth` levels, anything else by
+    identity."""
+    if isinstance(value, PLAIN):
+        return (type(value), value)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version)
+    if depth > 0 and isinstance(value, (list, tuple)):
+        return (type(value), *(state_key(v, depth - 1) for v in value[:32]))
+    if depth > 0 and isinstance(value, dict):
+        return (type(value), *((k, state_key(v, depth - 1)) for k, v in list(value.items())[:64]))
+    if depth > 0 and hasattr(value, "__dict__") and not isinstance(value, (type, types.FunctionType, types.ModuleType)):
+        return ("object", type(value), id(value), state_key(vars(value), depth - 1))
+    return ("id", type(value), id(value))
+
+
 def loss_key(loss_fn) -> tuple:
-    """What makes a loss function the same one: its code and what it closes over or defaults to, so a lambda re-made
-    each step is not checked again, but make_loss(5.0) after make_loss(0.0) is (`l + mix * l.mean()`: mix = 0
-    passed the check, mix = 5 then moved one example's release by 1.6 C in reweight twopass, 4.3 C in jl). A
-    value that is a number, string or None is compared by value, anything else (a tensor, a module) by identity;
-    a callable object (a module, a partial) is its own key. What the code reads from globals is not seen."""
+    """What makes a loss function the same one: its code and the state it closes over, defaults to or is bound to,
+    so a lambda re-made each step is not checked again, but make_loss(5.0) after make_loss(0.0) is (`l + mix *
+    l.mean()`: mix = 0 passed the check, mix = 5 then moved one example's release by 1.6 C in reweight twopass,
+    4.3 C in jl), and so is a loss object, bound method, captured dict or tensor whose state changed since (1.3 C
+    and 2.8 C). What the code reads from globals is not seen."""
+    if isinstance(loss_fn, types.MethodType):
+        return (getattr(loss_fn.__func__, "__code__", loss_fn.__func__), state_key(loss_fn.__self__))
     code = getattr(loss_fn, "__code__", None)
-    if code is None:
-        return (loss_fn,)
-    captured = [_contents(c) for c in (loss_fn.__closure__ or ())]
-    captured += list(loss_fn.__defaults__ or ())
-    plain = (int, float, complex, str, bool, bytes, type(None))
-    return (code, *((type(v), v) if isinstance(v, plain) else (type(v), id(v)) for v in captured))
+    if code is None:  # a callable object (an nn.Module loss, a functools.partial)
+        return (state_key(loss_fn),)
+    captured = [_contents(c) for c in (loss_fn.__closure__ or ())] + list(loss_fn.__defaults__ or ())
+    return (code, *(state_key(v) for v in captured))
 
 
 def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:
