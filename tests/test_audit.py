@@ -248,3 +248,23 @@ def test_report_shows_the_audited_column_and_flags_a_failed_audit():
     assert audited_text(9.1, 9.5, True).startswith("AUDIT FAILED")
     assert audited_text(*[audit_columns({})[k] for k in ("audited_epsilon", "audited_epsilon_fdp",
                                                           "audit_above_claimed")]) == ""
+
+
+def test_input_canaries_do_not_depend_on_the_training_records():
+    """They were drawn over the training set's own min and max: one record setting the max moved every canary (with
+    m canaries up to m C). A loader's fixed normalisation gives the public range instead."""
+    from runner.audit.canaries import input_canaries
+    from runner.data.base import Dataset, normalised_range
+
+    info = DataInfo("mnist", (1, 4, 4), 10, input_range=normalised_range(0.1307, 0.3081))
+    x = torch.rand(50, 1, 4, 4) * 0.5
+    outlier = x.clone()
+    outlier[0] = 5.0  # one record beyond the others
+    y = torch.randint(0, 10, (50,))
+    for kind in ("input", "adversarial"):
+        a, _ = input_canaries(kind, 16, Dataset(info, x, y, x[:0], y[:0]), seed=0)
+        b, _ = input_canaries(kind, 16, Dataset(info, outlier, y, x[:0], y[:0]), seed=0)
+        assert torch.equal(a, b)
+        lo, hi = info.input_range
+        assert lo == pytest.approx(-0.1307 / 0.3081) and hi == pytest.approx(0.8693 / 0.3081)
+        assert a.min() >= lo and a.max() <= hi

@@ -118,7 +118,9 @@ def input_canaries(kind: str, m: int, data, seed: int) -> tuple[torch.Tensor, to
     shape = (m, *x.shape[1:])
     y = torch.randint(0, classes, (m,), generator=gen)
     if x.is_floating_point():
-        lo, hi = float(x.min()), float(x.max())
+        # the loader's public range (its fixed normalisation of pixels in [0, 1]), not the training set's own min and
+        # max: one record setting those moved every canary (m canaries: up to m C); synthetic data is not private
+        lo, hi = data.info.input_range or (float(x.min()), float(x.max()))
         if kind == "input":
             xc = lo + (hi - lo) * torch.rand(shape, generator=gen)
         else:  # near-constant: one value per canary (and channel), 1e-3 noise across positions

@@ -32,6 +32,15 @@ class DataInfo:
     vocab_size: int | None = None  # text only
     train_size: int = 0
     test_size: int = 0
+    # images: the least and greatest value an input can take after the loader's fixed normalisation (pixels 0..1):
+    # public, unlike the training set's own min and max (audit canaries are drawn over it); None: not known
+    input_range: tuple[float, float] | None = None
+
+
+def normalised_range(mean, std) -> tuple[float, float]:
+    """(lo, hi) of (pixel - mean) / std over pixels in [0, 1] and every channel's (mean, std)."""
+    pairs = list(zip(mean, std)) if isinstance(mean, (tuple, list)) else [(mean, std)]
+    return min(-m / s for m, s in pairs), max((1 - m) / s for m, s in pairs)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from runner.data.base import DATASETS, DataInfo, Dataset
+from runner.data.base import DATASETS, DataInfo, Dataset, normalised_range
 from runner.data.download import fetch, missing_files
 from runner.data.integrity import GZIP_ERRORS, check_count, check_gzip_stream
 from runner.errors import DprunError
@@ -130,5 +130,6 @@ def load_cifar10(cfg, root) -> Dataset:
         return (x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1), y
 
     (xtr, ytr), (xte, yte) = split(TRAIN), split(TEST)
-    info = DataInfo("cifar10", (3, 32, 32), 10, train_size=len(ytr), test_size=len(yte))
+    info = DataInfo("cifar10", (3, 32, 32), 10, train_size=len(ytr), test_size=len(yte),
+                    input_range=normalised_range(MEAN, STD))
     return Dataset(info, xtr, ytr, xte, yte, source="real", extras={"folder": where})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runner.data.base import DATASETS, DataInfo, Dataset
+from runner.data.base import DATASETS, DataInfo, Dataset, normalised_range
 
 PIXEL_MAX = 16.0  # the digits' pixels are counts 0..16 (4x4 blocks of a 32x32 bitmap)
 MEAN, STD = 0.5, 0.5  # data-independent: [0, 1] -> [-1, 1]
@@ -32,5 +32,6 @@ def load_digits(cfg, root) -> Dataset:
     x = bunch.images  # (1797, 8, 8) float64 counts 0..16
     y = bunch.target.astype(np.int64)
     xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    info = DataInfo("digits", (1, 8, 8), 10, train_size=len(ytr), test_size=len(yte))
+    info = DataInfo("digits", (1, 8, 8), 10, train_size=len(ytr), test_size=len(yte),
+                    input_range=normalised_range(MEAN, STD))
     return Dataset(info, normalise(xtr), torch.from_numpy(ytr), normalise(xte), torch.from_numpy(yte), source="real")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runner.data.base import DATASETS, DataInfo, Dataset
+from runner.data.base import DATASETS, DataInfo, Dataset, normalised_range
 from runner.data.download import fetch, missing_files
 from runner.data.integrity import check_count, check_known, gunzip
 from runner.errors import DprunError
@@ -98,7 +98,8 @@ def load_idx_dataset(name: str, cfg, root: Path) -> Dataset:
     def images(a):  # (N, 28, 28) uint8 -> (N, 1, 28, 28) float32, standardised
         return ((torch.from_numpy(a.astype(np.float32)) / 255.0 - mean) / std).unsqueeze(1)
 
-    info = DataInfo(name, (1, 28, 28), 10, train_size=len(ytr), test_size=len(yte))
+    info = DataInfo(name, (1, 28, 28), 10, train_size=len(ytr), test_size=len(yte),
+                    input_range=normalised_range(mean, std))
     return Dataset(info, images(xtr), torch.from_numpy(ytr.astype(np.int64)), images(xte),
                    torch.from_numpy(yte.astype(np.int64)), source="real", extras={"folder": str(folder)})
 
