@@ -27,8 +27,8 @@ FLOORS = [
     # 3: one run's surroundings: where conf/ is and its resolvers, knob checks, run folders, overrides, checkpoints,
     #    starting a run's ranks (dprun distributed.nproc_per_node=N) and what each rank says, the one assembly of a
     #    private run (the CLI's and the API's), entry points' one-line errors, the one-run privacy audit (its canaries
-    #    meet a Method through one hook, by duck typing)
-    ["runner.paths", "runner.validate", "runner.run_dir", "runner.overrides", "runner.checkpoint", "runner.launch",
+    #    meet a Method through one hook, by duck typing), the one-writer lock on a run folder
+    ["runner.paths", "runner.validate", "runner.run_dir", "runner.run_lock", "runner.overrides", "runner.checkpoint", "runner.launch",
      "runner.speaker", "runner.assembly", "runner.entry", "runner.audit"],
     # 4: what drives a Method: the training loop and the library API
     ["runner.train", "runner.api"],
