@@ -179,6 +179,26 @@ def extra_sweeps_note(argv: list[str]) -> str | None:
     scale = next((a.partition("=")[2] for a in argv if a.startswith("scale=")), "smoke")
     return (f"dprun: note: this runs experiment={exp}'s grid only; its extra_sweeps (arms outside the grid) run with "
             f"`make fig-{exp} SCALE={scale}` (python -m runner.figures.sweep {exp} --scale {scale})")
+def shared_seed_note(argv: list[str]) -> str | None:
+    """One line when `dprun -m ...` runs several jobs with one seed under rng=seeded: they draw the same noise, so
+    two of them published together cancel it (docs/privacy.md, "One run"); None for one run, a seed sweep,
+    rng=secure, and the figure sweeps (their runs are figures, not models to publish)."""
+    import os
+
+    from runner.overrides import parsed_overrides
+
+    if not {"-m", "--multirun"} & set(argv) or os.environ.get("DPRUN_FIGURE_SWEEP"):
+        return None
+    parsed = {o.key_or_group: o for _, o in parsed_overrides(argv)}
+    if "seed" in parsed and parsed["seed"].is_sweep_override() or "rng=secure" in argv:
+        return None
+    if not any(o.is_sweep_override() for o in parsed.values()) and "experiment" not in parsed:
+        return None  # -m over one job
+    return ("dprun: note: these jobs share one seed under rng=seeded, so they draw the same noise: two of them "
+            "published together (e.g. models of an lr sweep) cancel it; publish at most one, or sweep seed too, or "
+            "use rng=secure")
+
+
 LAUNCHER_PLUGINS = {"joblib": "hydra_plugins.hydra_joblib_launcher", "submitit_local": "hydra_plugins.hydra_submitit_launcher",
                     "slurm": "hydra_plugins.hydra_submitit_launcher"}  # the `launchers` extra
 
@@ -253,9 +273,9 @@ def main() -> None:
         else:
             argv_run = argv
         check_sweeps(argv_run)  # r=1,4 without -m (a resume's own check names its sweeps first)
-        note = extra_sweeps_note(argv)  # after the checks: a refused command says one line only
-        if note:
-            print(note, file=sys.stderr)
+        for note in (extra_sweeps_note(argv), shared_seed_note(argv)):  # after the checks: a refused command says
+            if note:  # one line only
+                print(note, file=sys.stderr)
         hydra_argv = run_dir_in_out_dir(argv_run)  # out_dir=X: Hydra's .hydra/ record inside X too
         NEW_DIRS.update(Path(a.partition("=")[2]).resolve() for a in hydra_argv
                         if a.startswith("hydra.run.dir=") and not Path(a.partition("=")[2]).exists())

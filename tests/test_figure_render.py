@@ -317,3 +317,17 @@ def test_seconds_tables_and_lee_kifer_titles_come_from_their_csv():
     assert "B=32" not in suptitle(fig) and "B=64" in suptitle(fig) and "synthetic" in suptitle(fig)
     assert fig.axes[0].get_title() == "MNIST-shaped (synthetic)"
     plt.close(fig)
+
+
+def test_a_sweep_that_shares_one_seed_is_told_it_shares_the_noise(monkeypatch):
+    """rng=seeded jobs with one seed draw the same noise: an lr sweep's models published together cancel it."""
+    from runner.cli import shared_seed_note
+
+    monkeypatch.delenv("DPRUN_FIGURE_SWEEP", raising=False)
+    assert "draw the same noise" in shared_seed_note(["-m", "method=reweight", "lr=0.1,0.2"])
+    assert "draw the same noise" in shared_seed_note(["-m", "experiment=jl_fig3"])
+    assert shared_seed_note(["-m", "lr=0.1,0.2", "seed=0,1"]) is None  # the seed is swept too
+    assert shared_seed_note(["-m", "lr=0.1,0.2", "rng=secure"]) is None
+    assert shared_seed_note(["lr=0.1"]) is None  # one run
+    monkeypatch.setenv("DPRUN_FIGURE_SWEEP", "1")
+    assert shared_seed_note(["-m", "lr=0.1,0.2"]) is None  # a figure's sweep
