@@ -396,6 +396,9 @@ def summary_columns(runs: pd.DataFrame) -> pd.DataFrame:
 
 def render(view: pd.DataFrame, wide: bool) -> str:
     shown = view if wide else view.rename(columns=SHORT_NAMES)
+    if not wide and "folder" in shown:  # a sweep's folders share their start (multirun/<date>/<time>/): keep the
+        # end, the job's own name, which tells them apart (pandas would keep the start and cut the rest)
+        shown = shown.assign(folder=shown["folder"].map(lambda f: f if len(str(f)) <= 22 else "…" + str(f)[-21:]))
     return shown.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="",
                                       max_colwidth=None if wide else 22)
 

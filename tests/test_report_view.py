@@ -36,3 +36,11 @@ def test_wide_shows_every_column(tmp_path, capsys):
                 "device", "folder"):
         assert col in header, col
     assert "None" not in "\n".join(lines)
+
+
+def test_the_default_table_keeps_the_end_of_a_long_folder(tmp_path, capsys):
+    """Cut to 22 characters from the start, a sweep's folders (multirun/<date>/<time>/<job>) all read the same;
+    the end, the job's own name, tells them apart (the CSV and --wide have the whole path)."""
+    text = "\n".join(printed(tmp_path, capsys))
+    assert "…hysical_batch_size=64" in text
+    assert "…_for_a_nonprivate_run" in text
