@@ -263,10 +263,15 @@ def resume(run: Run, run_config: dict[str, Any]) -> None:
         raise DprunError(f"resume: {can_checkpoint}")
     checkpoint.check_config(cfg.resume, run_config)
     state = checkpoint.load(cfg.resume)
-    if checkpoint.nothing_to_train(cfg.resume, state["epoch"], int(cfg.epochs)):  # refuses fewer epochs
+    # the checkpoint is saved before metrics.csv (record_epoch): a signal between the two leaves the csv and
+    # summary.json one epoch behind it; that epoch is published here from the checkpoint's rows, never trained again
+    behind = int(checkpoint.saved_summary(cfg.resume).get("epochs_completed") or 0) < int(state["epoch"])
+    if checkpoint.nothing_to_train(cfg.resume, state["epoch"], int(cfg.epochs)) and not behind:  # refuses fewer
         raise checkpoint.RunComplete(f"resume={cfg.resume}: the run already has {state['epoch']} epochs")
     run.start_epoch, run.rows = checkpoint.restore(state, model=run.model, optimizer=run.optimizer,
                                                    sampler=run.sampler, method=run.method, accountant=run.accountant)
+    if behind and run.world.main:
+        write_csv(run.out_dir / "metrics.csv", run.rows)
     run.rows_on_disk = len(run.rows)
     run.world.steps = run.start_epoch * run.steps_per_epoch  # the ranks' forward streams continue where they were
     log.info("resumed %s after epoch %d%s", cfg.resume, run.start_epoch, "; rng=secure: the batches and noise from "
@@ -450,11 +455,15 @@ def record_epoch(run: Run, row: dict[str, Any], eps: dict[str, Any]) -> None:
     cfg, method = run.cfg, run.method
     run.rows.append(row)
     if run.world.main:
-        write_csv(run.out_dir / "metrics.csv", run.rows)
-        run.rows_on_disk = len(run.rows)  # a signal during the write above leaves the previous file, and this count
+        # the checkpoint first: a signal or a full disk during its save then leaves the epoch unpublished (metrics.csv
+        # and summary.json end at the epoch before), so a resume re-running it publishes it once. The other order
+        # published epoch k's row, then resumed from epoch k - 1 and, under rng=secure, trained epoch k again with
+        # fresh noise: two releases of the epoch, one accounted (stop 55's review)
         if cfg.get("checkpoint", True) and checkpoint.supported(method) is None:
             checkpoint.save(run.out_dir, epoch=row["epoch"], model=run.model, optimizer=run.optimizer,
                             sampler=run.sampler, method=method, accountant=run.accountant, rows=run.rows)
+        write_csv(run.out_dir / "metrics.csv", run.rows)
+        run.rows_on_disk = len(run.rows)  # a signal during the write above leaves the previous file, and this count
     else:
         run.rows_on_disk = len(run.rows)
     done = [r["epoch_time_s"] for r in run.rows if r["epoch"] > run.start_epoch]

@@ -84,3 +84,17 @@ def test_pld_with_cached_one_step_plds_equals_dp_accountings_own_accountant():
     again.step(SubsampledGaussian(256 / 60000, 1.1), count=10)
     again.epsilon(1e-5)
     assert one_step_pld.cache_info().hits == hits + 1
+
+
+def test_privacy_notes_name_the_neighbouring_relation_where_it_differs_and_a_diverged_status():
+    """hsa's epsilon (DP-SBCD) is for one record replaced, the others' for one added or removed: the same column, two
+    privacy units (stop 55's review); every run's notes say a `diverged` status depends on the data."""
+    from runner.accountants import ACCOUNTANTS
+    from runner.accountants.published import privacy_notes
+
+    hsa = privacy_notes(ACCOUNTANTS.build("hsa"), "fixed")
+    pld = privacy_notes(ACCOUNTANTS.build("pld"), "poisson")
+    assert any(n.startswith("neighbouring datasets: accountant=hsa's epsilon (DP-SBCD) is for one record replaced")
+               for n in hsa)
+    assert not any(n.startswith("neighbouring datasets") for n in pld)
+    assert any("`diverged` status" in n for n in pld)

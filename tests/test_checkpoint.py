@@ -283,3 +283,48 @@ def test_resume_of_a_running_run_is_refused_until_its_process_is_gone(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((run / "summary.json").read_text())["epochs_completed"] == done + 1
     assert not (run / "dprun.lock").exists()  # released when the run ended
+
+
+def test_an_epoch_is_published_only_once_its_checkpoint_is_saved(tmp_path, monkeypatch):
+    """metrics.csv was written before the checkpoint: a SIGTERM or a full disk in checkpoint.save published epoch 2's
+    row, the resume went on from epoch 1 and (rng=secure) trained epoch 2 again with fresh noise: two releases, one
+    accounted. Now the checkpoint comes first, and a run stopped between the two publishes that epoch on resume
+    from the checkpoint's rows, without training it again."""
+    import runner.checkpoint as checkpoint_module
+    import runner.train as train_module
+
+    save, write_csv = checkpoint_module.save, train_module.write_csv
+
+    def full_disk(out_dir, *, epoch, **kw):
+        if epoch == 2:
+            raise OSError(28, "No space left on device")
+        return save(out_dir, epoch=epoch, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint_module, "save", full_disk)
+        with pytest.raises(OSError):
+            train(compose_config(RUN + ["epochs=3"]), tmp_path / "disk")
+    assert pd.read_csv(tmp_path / "disk" / "metrics.csv").epoch.tolist() == [1]
+    assert json.loads((tmp_path / "disk" / "summary.json").read_text())["epochs_completed"] == 1
+
+    def stopped_after_the_checkpoint(path, rows):
+        if len(rows) == 2 and path.name == "metrics.csv":
+            raise KeyboardInterrupt
+        return write_csv(path, rows)
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "write_csv", stopped_after_the_checkpoint)
+        with pytest.raises(KeyboardInterrupt):
+            train(compose_config(RUN + ["epochs=2"]), tmp_path / "sig")
+    assert torch.load(tmp_path / "sig" / FILE, weights_only=True)["epoch"] == 2
+    assert pd.read_csv(tmp_path / "sig" / "metrics.csv").epoch.tolist() == [1]
+    def trained_again(*args, **kwargs):
+        raise AssertionError("epoch 2 trained again")
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "run_epoch", trained_again)
+        summary = train(compose_config(RUN + ["epochs=2", f"resume={tmp_path / 'sig'}"]), tmp_path / "sig")
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 2
+    assert pd.read_csv(tmp_path / "sig" / "metrics.csv").epoch.tolist() == [1, 2]
+    straight = train(compose_config(RUN + ["epochs=2"]), tmp_path / "straight")
+    assert summary["final"]["epsilon"] == pytest.approx(straight["final"]["epsilon"], rel=1e-9)
