@@ -115,3 +115,17 @@ def test_accountant_contract_and_refusals():
     acc.step(step)
     assert 0 < acc.epsilon(1e-5) < float("inf")
     assert not acc.certified and acc.certified_epsilon(1e-5) == acc.epsilon_composition(1e-5)
+
+
+def test_a_method_its_own_accountant_cannot_analyse_says_why_not_try_it():
+    """method=sbcd method.normalisation=radial said "accountant=hsa does not support ...; try accountant=hsa" (the
+    accountant already chosen); it now gives hsa's reason."""
+    from runner.accountants import check_for_method
+    from runner.errors import DprunError
+    from runner.methods import METHODS
+
+    method = METHODS.build("sbcd", cfg={"normalisation": "radial"})
+    method.mechanism = lambda q: replace(run_steps(SMALL, 1)[0], normalisation="radial")  # as prepare would make
+    with pytest.raises(DprunError, match=r"^method=sbcd: accountant 'hsa' needs method.normalisation=project") as e:
+        check_for_method(ACCOUNTANTS.build("hsa"), method, 0.1)
+    assert "try accountant" not in str(e.value)

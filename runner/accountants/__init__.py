@@ -49,6 +49,12 @@ def check_for_method(accountant: Accountant, method, sample_rate: float) -> None
     sigma)."""
     mechanism = method.mechanism(sample_rate)
     if not accountant.supports(mechanism):
+        if accountant.name == method.default_accountant:  # the method's own: not "try" it, say why it cannot
+            try:
+                accountant.step(mechanism, count=0)  # (records nothing) its own reason, e.g. hsa's normalisation
+            except DprunError as e:
+                raise DprunError(f"method={method.name}: {e}; no other accountant here analyses this mechanism") \
+                    from None
         raise DprunError(f"accountant={accountant.name} does not support method={method.name}'s mechanism "
                          f"{mechanism.kind}; try accountant={method.default_accountant}")
     accountant.check(mechanism)
