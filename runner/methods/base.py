@@ -70,6 +70,14 @@ class StepOutput(Privatized):
 WEIGHT_DTYPES = (torch.float32, torch.float64)  # what a private method trains (Method.validate says why)
 
 
+def _checked(value: float, name: str, low: float, strict: bool, why: str) -> float:
+    """float(value) if finite and > low (strict) or >= low, else one line naming it (Method.clip, Method.sigma)."""
+    value = float(value)
+    if not (math.isfinite(value) and (value > low if strict else value >= low)):
+        raise DprunError(f"{name}={value} must be a finite number {'>' if strict else '>='} {low:g}{why}")
+    return value
+
+
 def clip_factors(norms: torch.Tensor, clip: float, margin: float = 0.0) -> torch.Tensor:
     """min(1, C / (norm (1 + margin) + 1e-6)), shape (B,); 0 where the norm is not finite (inf or nan: the example
     must contribute nothing, runner/norms/certify.py). The 1e-6 keeps zero-gradient examples finite; the margin
@@ -147,29 +155,11 @@ class Method:
     # `private.method.sigma = ...`): noise.py draws no noise for sigma * C <= 0, so a clip <= 0 or a sigma < 0
     # would train without noise while the accountant certifies a finite epsilon (the CLI's validate.py refuses
     # them too, in its words)
-    @property
-    def clip(self) -> float:
-        return self._clip
-
-    @clip.setter
-    def clip(self, value: float) -> None:
-        value = float(value)
-        if not (math.isfinite(value) and value > 0):
-            raise DprunError(f"clip (max_grad_norm)={value} must be a finite number > 0: the bound on each "
-                             f"example's gradient norm, which the noise is scaled to")
-        self._clip = value
-
-    @property
-    def sigma(self) -> float:
-        return self._sigma
-
-    @sigma.setter
-    def sigma(self, value: float) -> None:
-        value = float(value)
-        if not (math.isfinite(value) and value >= 0):
-            raise DprunError(f"sigma (noise_multiplier)={value} must be a finite number >= 0 (0: no noise, "
-                             f"epsilon = inf)")
-        self._sigma = value
+    clip = property(lambda self: self._clip, lambda self, v: setattr(self, "_clip", _checked(
+        v, "clip (max_grad_norm)", 0.0, strict=True, why=": the bound on each example's gradient norm, which the "
+                                                          "noise is scaled to")))
+    sigma = property(lambda self: self._sigma, lambda self, v: setattr(self, "_sigma", _checked(
+        v, "sigma (noise_multiplier)", 0.0, strict=False, why=" (0: no noise, epsilon = inf)")))
 
     def option(self, key: str, default: Any) -> Any:
         """A method option from conf/method/<name>.yaml (`method.<key>=...`)."""
