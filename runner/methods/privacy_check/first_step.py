@@ -1,5 +1,6 @@
 """The one validation of a private run, on its first step (Method.clipped_sum calls it; CLI, API, compiled and
-chunked steps alike), on a few examples of the first batch (the first PROBE whose inputs and losses are finite: probe);
+chunked steps alike), on a few examples of the first batch (PROBE with finite inputs and losses, extreme keys first)
+and a few training records (probe_rows.py);
 nothing it does is released or kept.
 
     check_first_step(method, model, loss_fn, x, y)     # DprunError (one line) naming what clipping cannot bound
@@ -29,6 +30,7 @@ from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.privacy_check.independence import check_independence
 from runner.methods.privacy_check.measured import (check_against_oracle, check_inside_calls, check_jl_release,
                                                    check_own_rows, per_example_grads)
+from runner.methods.privacy_check.probe_rows import spread_first
 from runner.methods.privacy_check.shapes import check_batch_first, check_losses
 from runner.methods.privacy_check.state import check_unwritten, restore, snapshot
 
@@ -68,13 +70,21 @@ def untouched(method, model: torch.nn.Module, device: torch.device):
 
 
 def probe(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor):
-    """The first PROBE examples of the batch whose inputs and losses are finite, and their rows in the batch. A record
-    that is not finite adds nothing to the release (runner/methods/dropped.py, runner/norms/certify.py); compared
-    with one backward per example it would fail every check, so one such record among the first four made the
-    validator refuse any model. Looks at up to 4 x PROBE rows: one forward without gradients, random state restored
-    (the caller restores the modules' flags)."""
-    pool = min(len(y), 4 * PROBE)
-    xp, yp = x[:pool], y[:pool]
+    """PROBE examples of the batch whose inputs and losses are finite, those with extreme keys first (probe_rows.py:
+    a forward that sorts by a key the rows tie on shows nothing), then the training records with extreme keys that
+    assemble() left on the method (`probe_records`), and each row's name for the messages (its row in the batch, or
+    "training record i"). A record that is not finite adds nothing to the release (runner/methods/dropped.py,
+    runner/norms/certify.py); compared with one backward per example it would fail every check, so one such record
+    among the first four made the validator refuse any model. Looks at up to 4 x PROBE rows of the batch: one forward
+    without gradients, random state restored (the caller restores the modules' flags)."""
+    order = torch.tensor(spread_first(x, y)[:4 * PROBE], dtype=torch.long, device=x.device)  # (pool,)
+    xp, yp, names = x[order], y[order], order.tolist()
+    extra = getattr(method, "probe_records", None)
+    if extra is not None and extra[0].shape[1:] == x.shape[1:] and extra[0].is_floating_point() == x.is_floating_point():
+        xp = torch.cat([xp, extra[0].to(x.device, x.dtype)])
+        yp = torch.cat([yp, extra[1].to(y.device, y.dtype)])
+        names = names + list(extra[2])
+    pool = len(yp)
     ok = (torch.isfinite(xp.reshape(pool, -1)).all(1) if xp.is_floating_point()
           else torch.ones(pool, dtype=torch.bool, device=x.device))  # (pool,)
     state = rng_state(x.device)
@@ -84,8 +94,10 @@ def probe(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor):
     set_rng_state(state, x.device)
     if losses.shape == ok.shape:  # else check_losses refuses the loss's shape
         ok = ok & torch.isfinite(losses)
-    rows = ok.nonzero()[:PROBE, 0]  # (k,)
-    return xp[rows], yp[rows], rows.tolist()
+    batch_rows = ok[:len(order)].nonzero()[:PROBE, 0]  # (k,) of the batch
+    records = len(order) + ok[len(order):].nonzero()[:, 0]  # the training records, when finite
+    rows = torch.cat([batch_rows, records]) if len(batch_rows) else batch_rows  # no finite example: the next batch
+    return xp[rows], yp[rows], [names[r] for r in rows.tolist()]
 
 
 def orders(xs: torch.Tensor, ys: torch.Tensor, rows: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:

@@ -158,8 +158,8 @@ def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: s
         outputs = (base_calls[-1][3], other_calls[-1][3]) if base_calls else (None, None)
         if rows_differ(base[1:], other[1:], rtol) or (torch.is_tensor(outputs[0]) and outputs[0].shape[:1] == (k,)
                                                       and rows_differ(outputs[0][1:], outputs[1][1:], rtol)):
-            refuse(mixer(base_calls, other_calls, k, rtol), f"with example 0 of the first batch replaced "
+            refuse(mixer(base_calls, other_calls, k, rtol), f"with the first probed example replaced "
                    f"({'train' if train else 'eval'} mode)", method)
     fewer, _ = calls(model, loss_fn, x[1:], y[1:])  # eval mode
     if rows_differ(base[1:], fewer, rtol):
-        refuse("", "with example 0 of the first batch removed", method)
+        refuse("", "with the first probed example removed", method)

@@ -108,8 +108,8 @@ def check_against_oracle(method, model: nn.Module, loss_fn, x: torch.Tensor, y: 
     low = kept & (got < want - atol - rtol * want)  # an under-estimate: the released gradient could exceed C
     if bool(low.any()) or (rule == "equal" and not torch.allclose(got[kept], want[kept], rtol=rtol, atol=atol)):
         i = int(low.nonzero()[0]) if bool(low.any()) else int((got - want).abs().argmax())
-        raise DprunError(f"method={method.name}'s per-example gradient norm of example {batch_row(i, index)} of the "
-                         f"first batch is {float(got[i]):.6g}, but one backward for that example alone gives {float(want[i]):.6g}: "
+        raise DprunError(f"method={method.name}'s per-example gradient norm of {batch_row(i, index)} is"
+                         f" {float(got[i]):.6g}, but one backward for that example alone gives {float(want[i]):.6g}: "
                          f"its norms do not bound what it releases for this model; use {BLACK_BOX}")
     factors = method.clip_factors(out.norms.detach()).double()  # (k,); 0 for a dropped record
     # the tolerance's unit: what the clipped sum's norm is at most, with each example's own (certified) norm, which
@@ -124,9 +124,11 @@ def check_against_oracle(method, model: nn.Module, loss_fn, x: torch.Tensor, y: 
                              f"gradient is not covered by its norms; use {BLACK_BOX}")
 
 
-def batch_row(i: int, index: list[int] | None) -> int:
-    """Row i of a probe as the index of its example in the first batch (index: the probe's rows, e.g. reversed)."""
-    return index[i] if index else i
+def batch_row(i: int, index: list | None) -> str:
+    """Row i of a probe named for a message: "example 3 of the first batch" (index: the probe's rows, e.g. reversed;
+    an int is a row of the first batch, a str a record from elsewhere, e.g. "training record 512": probe_rows.py)."""
+    row = index[i] if index else i
+    return row if isinstance(row, str) else f"example {row} of the first batch"
 
 
 def check_own_rows(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
@@ -152,9 +154,9 @@ def check_own_rows(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.
         off = rest & ((moved - base).abs() > atol + rtol * base.abs())
         if bool(off.any()):
             i = int(off.nonzero()[0])
-            raise DprunError(f"method={method.name}'s per-example gradient norm of example {batch_row(i, index)} of "
-                             f"the first batch moves ({float(base[i]):.6g} -> {float(moved[i]):.6g}) when only "
-                             f"example {batch_row(j, index)} changes: a "
+            raise DprunError(f"method={method.name}'s per-example gradient norm of {batch_row(i, index)} "
+                             f"moves ({float(base[i]):.6g} -> {float(moved[i]):.6g}) when only "
+                             f"{batch_row(j, index)} changes: a "
                              f"module's rows are not their examples' (the batch in another order, or rows mixing "
                              f"examples), so its norms do not bound what each example releases; use {BLACK_BOX}")
     set_rng_state(state, x.device)
@@ -206,7 +208,7 @@ def check_jl_release(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torc
     off = (got - want).abs() > JL_RTOL * (want + scale)
     if bool(off.any()):
         i = int(off.nonzero()[0])
-        raise DprunError(f"method=jl's norm estimate for example {batch_row(i, index)} of the first batch is "
+        raise DprunError(f"method=jl's norm estimate for {batch_row(i, index)} is "
                          f"{float(got[i]):.6g}, but the same directions give {float(want[i]):.6g} for that "
                          f"example's gradient computed alone: its projections are not those of the gradient it "
                          f"releases (a custom autograd.Function whose jvp and backward disagree, or a backward that "

@@ -1,0 +1,72 @@
+"""Which examples the first-step check runs on: ones that differ in what a forward could sort or group the batch by.
+
+    order = spread_first(x, y)            # row indices: the rows with extreme keys first, then the rest in order
+    records = dataset_probe(data)         # at assemble: a few training records with extreme keys, or None
+
+A forward that reorders the batch by its data and restores the order afterwards (sorting by length before packing
+a sequence) is the identity on rows whose keys tie. The check compares each probed row with its example on the rows
+as drawn and reversed, so on tied rows it sees nothing wrong; the later batches whose keys differ then clipped each
+row of a per-layer method by another example's factor: up to 1.53 C (reweight bk) and 1.98 C (twopass) per example,
+accepted whenever the first batch's first four rows had the same length (review 6). So the probe takes the rows with
+the smallest and largest value of each key below (the count of zeros: a padded text's length; the label; the sum,
+largest and smallest entry), from the first batch and, where the run's training set is in memory, from the whole
+training set. A key no statistic here separates, or a reorder triggered by a value no probed record has, is still
+not seen (docs/privacy.md, "What the first-step check cannot see").
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+DATASET_RECORDS = 4  # training records added to the probe (its cost: one more forward and backward each, once)
+CHUNK = 8192  # rows per pass over a training set (a (CHUNK, d) comparison at a time, not (N, d))
+
+
+def keys(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """Per-row keys, each (n,) float64: count of zeros, label, sum, max, min. Rows that are not finite get nan."""
+    flat = x.reshape(len(x), -1)
+    finite = torch.isfinite(flat).all(1) if flat.is_floating_point() else torch.ones(len(x), dtype=torch.bool,
+                                                                                      device=x.device)
+    if flat.shape[1] == 0:
+        return []
+    label = y.reshape(len(y), -1).double().sum(1) if isinstance(y, torch.Tensor) and len(y) == len(x) else None
+    out = [(flat == 0).sum(1).double(), label, flat.sum(1).double(), flat.amax(1).double(), flat.amin(1).double()]
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
+    return [torch.where(finite & torch.isfinite(k), k, nan) for k in out if k is not None]
+
+
+def extremes(columns: list[torch.Tensor]) -> list[int]:
+    """For each key: the first row with its largest value, then the first with its smallest (nan rows never)."""
+    chosen: list[int] = []
+    for k in columns:
+        ok = ~torch.isnan(k)
+        if not bool(ok.any()):
+            continue
+        for v in (k[ok].max(), k[ok].min()):
+            row = int((ok & (k == v)).nonzero()[0, 0])
+            if row not in chosen:
+                chosen.append(row)
+    return chosen
+
+
+def spread_first(x: torch.Tensor, y: torch.Tensor) -> list[int]:
+    """All row indices of the batch, those with extreme keys first (extremes), then the others in batch order."""
+    first = extremes(keys(x, y))
+    return first + [i for i in range(len(x)) if i not in set(first)]
+
+
+def dataset_probe(data: Any) -> tuple[torch.Tensor, torch.Tensor, list[str]] | None:
+    """Up to DATASET_RECORDS training records with extreme keys (x (k, ...), y (k,), their names for messages), from
+    a run's in-memory training set (runner/data/base.py Dataset: train_x, train_y); None without one. One pass over
+    the set in chunks of CHUNK rows."""
+    x, y = getattr(data, "train_x", None), getattr(data, "train_y", None)
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or len(x) < 2 or len(y) != len(x):
+        return None
+    parts = [keys(x[s:s + CHUNK], y[s:s + CHUNK]) for s in range(0, len(x), CHUNK)]
+    columns = [torch.cat(c) for c in zip(*parts)] if parts and parts[0] else []
+    rows = extremes(columns)[:DATASET_RECORDS]
+    if len(rows) < 2:
+        return None
+    index = torch.tensor(rows, device=x.device)
+    return x[index].clone(), y[index].clone(), [f"training record {r}" for r in rows]
