@@ -12,6 +12,10 @@ the same batches, the same noise and the same epsilon as one that was never inte
 Under rng=secure no random state is saved (the key never leaves the process, runner/randomness.py): a resumed run
 continues with the same model, optimizer and epsilon, and fresh entropy for its batches and noise.
 The file is replaced atomically once per epoch; a run killed mid-epoch resumes from its last finished epoch.
+What the run published (metrics.csv's rows, summary.json's epochs_completed) decides, not the checkpoint: one epoch
+fewer (stopped between the save and metrics.csv) is published from the checkpoint's rows; more is refused
+(check_published: a resume would train published epochs again). A resume with checkpoint=false deletes the
+checkpoint before it publishes an epoch (runner/train.py, record_epoch), so it never falls behind.
 
 The run's config comes from its summary.json (the resolved config it ran with), not from Hydra's .hydra/ record:
 every folder dprun writes has one (out_dir= runs have no .hydra/; a sweep job's folder name holds `=` and `,`,
@@ -20,10 +24,13 @@ nothing to train, before anything is written into the run's folder (resume_argv 
 """
 from __future__ import annotations
 
+import csv
 import dataclasses
+import errno
 import json
 import pickle
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +94,30 @@ def save(out_dir: str | Path, *, epoch: int, model, optimizer, sampler, method, 
         "rows": [dict(r) for r in rows],
     }
     path = Path(out_dir) / FILE
-    atomic_replace(path, lambda tmp: torch.save(state, tmp))  # a signal mid-save leaves no temp file
+    atomic_replace(path, lambda tmp: _torch_save(state, tmp, path))  # a signal mid-save leaves no temp file
+
+
+def _torch_save(state: dict, tmp: Path, path: Path) -> None:
+    """torch.save, whose failed write (a full disk) is a RuntimeError from its zip writer ("enforce fail at
+    inline_container.cc", "basic_ios::clear") naming no file: an OSError naming the checkpoint instead."""
+    try:
+        torch.save(state, tmp)
+    except RuntimeError as e:
+        free = shutil.disk_usage(tmp.parent).free
+        full = free < max(_tensor_bytes(state), 1 << 20)
+        what = f"No space left on device ({free} bytes free)" if full else \
+            f"Write failed (torch.save: {first_sentence(str(e), 150)}; {free} bytes free)"
+        raise OSError(errno.ENOSPC if full else errno.EIO, what, str(path)) from e
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def first_sentence(text: str, limit: int = 100) -> str:
@@ -122,6 +152,38 @@ def saved_summary(run_dir: str | Path) -> dict[str, Any]:
     if not isinstance(summary, dict) or not isinstance(summary.get("config"), dict):
         raise DprunError(f"resume={run_dir}: its summary.json holds no run config")
     return summary
+
+
+def published_epochs(run_dir: str | Path) -> int:
+    """The epochs the run has published: metrics.csv's rows or summary.json's epochs_completed, whichever is more
+    (a SIGKILLed resume leaves a summary.json without epochs_completed; metrics.csv is replaced atomically)."""
+    run_dir = Path(run_dir)
+    try:
+        with open(run_dir / "metrics.csv", newline="") as f:
+            rows = max((int(float(r["epoch"])) for r in csv.DictReader(f)), default=0)
+    except FileNotFoundError:
+        rows = 0
+    except (OSError, ValueError, KeyError, TypeError, csv.Error) as e:
+        raise DprunError(f"resume={run_dir}: its metrics.csv cannot be read ({type(e).__name__}), so what the run "
+                         "published is unknown; it cannot be resumed") from e
+    try:
+        summary = int(saved_summary(run_dir).get("epochs_completed") or 0)
+    except (DprunError, ValueError, TypeError):
+        summary = 0
+    return max(rows, summary)
+
+
+def check_published(run_dir: str | Path, saved_epoch: int) -> int:
+    """published_epochs(run_dir), refused (DprunError) if more than the checkpoint's epoch: the resume would train
+    published epochs again (checkpoint=false on an earlier resume, or a checkpoint put back from a copy), and under
+    rng=secure with fresh noise: a second release of those epochs, accounted once. Fewer (by one: a stop between the
+    checkpoint's save and metrics.csv) is fine: the resume publishes them from the checkpoint's rows."""
+    published = published_epochs(run_dir)
+    if published > saved_epoch:
+        raise DprunError(f"resume={run_dir}: the run published {published} epochs (metrics.csv, summary.json) but "
+                         f"its {FILE} holds epoch {saved_epoch}; resuming would train published epochs again (a "
+                         f"second release of them), so it cannot be resumed: start a new run for more epochs")
+    return published
 
 
 def nothing_to_train(run_dir: str | Path, done: int, epochs: int) -> bool:
@@ -240,7 +302,8 @@ def resumed_config(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
     if method in METHODS and METHODS.get(method).not_resumable:
         raise DprunError(f"resume={run_dir}: {METHODS.get(method).not_resumable}")
     done = int(load(run_dir, mmap=True)["epoch"])  # a damaged file is refused here, before Hydra starts
-    if nothing_to_train(run_dir, done, int(cfg["epochs"])):
+    published = check_published(run_dir, done)  # what metrics.csv and summary.json say, not the checkpoint
+    if nothing_to_train(run_dir, done, int(cfg["epochs"])) and published == done:  # behind: publish, then finish
         raise RunComplete(f"resume={run_dir}: the run is already complete ({done} epochs, epochs={cfg['epochs']}); "
                           f"nothing to train (epochs=N with N > {done} trains on)")
     return cfg

@@ -8,6 +8,7 @@ Without the handler SIGTERM kills the process on the spot and summary.json says 
 """
 from __future__ import annotations
 
+import csv
 import json
 import signal
 import threading
@@ -40,10 +41,18 @@ def sigterm_as_interrupt():
 
 
 def epochs_kept(out_dir: str | Path) -> int:
+    """The complete epochs on disk: summary.json's epochs_completed, or metrics.csv's rows where that is more (a
+    summary.json whose final write failed, a full disk, still says what it said when the run started)."""
     try:
-        return int(json.loads((Path(out_dir) / "summary.json").read_text()).get("epochs_completed", 0))
+        summary = int(json.loads((Path(out_dir) / "summary.json").read_text()).get("epochs_completed", 0))
     except (OSError, ValueError, AttributeError, TypeError):  # interrupted before the first summary was written
-        return 0
+        summary = 0
+    try:
+        with open(Path(out_dir) / "metrics.csv", newline="") as f:
+            rows = sum(1 for _ in csv.DictReader(f))
+    except (OSError, ValueError, csv.Error):
+        rows = 0
+    return max(summary, rows)
 
 
 def interrupted_exit(exc: KeyboardInterrupt, out_dir: str | Path) -> tuple[str, int]:

@@ -7,7 +7,6 @@ an infinite or NaN float is written as null (see json_safe).
 from __future__ import annotations
 
 import csv
-import errno
 import functools
 import io
 import json
@@ -109,14 +108,21 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def atomic_replace(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
-    """write(tmp) into a temp file beside `path`, then os.replace: readers see the old file or the new one."""
+    """write(tmp) into a temp file beside `path`, then os.replace: readers see the old file or the new one. A write
+    that fails (a full disk) leaves the old file as it was, and its OSError names `path` (a failed write() names no
+    file, and the temp file's name would mislead)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:  # full disk, SIGTERM, Ctrl-C: never leave a half-written temp file behind
+    except OSError as e:  # full disk: never leave a half-written temp file behind
+        tmp.unlink(missing_ok=True)
+        if e.filename in (None, str(tmp), tmp):
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e  # "[Errno 28] No space ...: 'path'"
+        raise
+    except BaseException:  # SIGTERM, Ctrl-C: never leave a half-written temp file behind
         tmp.unlink(missing_ok=True)
         raise
 
@@ -162,19 +168,6 @@ def json_text(obj: Any) -> str:
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json_text(obj))
-
-
-def write_json_last_resort(path: str | os.PathLike, obj: Any) -> None:
-    """write_json, or, when the disk is full, overwrite the file in place: truncating it frees its blocks, so
-    the new version usually fits where a temporary copy beside it does not. Used for the final summary.json,
-    whose status must not stay `running` after the run has ended; a non-atomic write is the lesser evil there."""
-    try:
-        write_json(path, obj)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        with open(path, "w") as f:
-            f.write(json_text(obj))
 
 
 def package_versions() -> dict[str, str]:

@@ -12,6 +12,7 @@ metric is global.
 """
 from __future__ import annotations
 
+import copy as _copy
 import logging
 import os
 import statistics
@@ -35,7 +36,7 @@ from runner.data.sampler import Sampler
 from runner.errors import DprunError
 from runner.evaluation import eval_subset, evaluate
 from runner.metrics import (StepTimer, device_name, package_versions, peak_memory_bytes, reset_peak_memory,
-                            synchronize, write_csv, write_json, write_json_last_resort)
+                            synchronize, write_csv, write_json)
 from runner.optimizers import build_optimizer
 from runner.methods.compiled import buckets, build_step
 from runner.progress import format_eta, progress_bar
@@ -99,6 +100,7 @@ class Run:
     rows_on_disk: int = 0  # summary.json describes what metrics.csv holds, never an epoch that did not reach it
     start_epoch: int = 0
     noise_rng: Any = None  # rng=secure: the SecureRandom the noise comes from; None: torch's global RNG (seeded)
+    published_steps: list = field(default_factory=list)  # the accountant's steps when metrics.csv's last row was written
 
 
 @dataclass
@@ -211,6 +213,7 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     if cfg.get("resume"):
         resume(run, run_config)
     run.summary = start_summary(run, run_config, private)
+    publish_state(run)  # a resumed run: its published epochs and steps, kept if it is killed before the next one
     if world.main:
         write_json(out_dir / "summary.json", run.summary)
     return run
@@ -263,9 +266,10 @@ def resume(run: Run, run_config: dict[str, Any]) -> None:
         raise DprunError(f"resume: {can_checkpoint}")
     checkpoint.check_config(cfg.resume, run_config)
     state = checkpoint.load(cfg.resume)
-    # the checkpoint is saved before metrics.csv (record_epoch): a signal between the two leaves the csv and
+    # published ahead of the checkpoint (checkpoint=false on an earlier resume): refused, never trained again.
+    # The checkpoint is saved before metrics.csv (record_epoch): a signal between the two leaves the csv and
     # summary.json one epoch behind it; that epoch is published here from the checkpoint's rows, never trained again
-    behind = int(checkpoint.saved_summary(cfg.resume).get("epochs_completed") or 0) < int(state["epoch"])
+    behind = checkpoint.check_published(cfg.resume, int(state["epoch"])) < int(state["epoch"])
     if checkpoint.nothing_to_train(cfg.resume, state["epoch"], int(cfg.epochs)) and not behind:  # refuses fewer
         raise checkpoint.RunComplete(f"resume={cfg.resume}: the run already has {state['epoch']} epochs")
     run.start_epoch, run.rows = checkpoint.restore(state, model=run.model, optimizer=run.optimizer,
@@ -462,10 +466,12 @@ def record_epoch(run: Run, row: dict[str, Any], eps: dict[str, Any]) -> None:
         if cfg.get("checkpoint", True) and checkpoint.supported(method) is None:
             checkpoint.save(run.out_dir, epoch=row["epoch"], model=run.model, optimizer=run.optimizer,
                             sampler=run.sampler, method=method, accountant=run.accountant, rows=run.rows)
+        else:  # checkpoint=false on a resume: the run's checkpoint would stay at an epoch before the ones published
+            # now, and a later resume from it train them again (rng=secure: with fresh noise, a second release)
+            (run.out_dir / checkpoint.FILE).unlink(missing_ok=True)
         write_csv(run.out_dir / "metrics.csv", run.rows)
-        run.rows_on_disk = len(run.rows)  # a signal during the write above leaves the previous file, and this count
-    else:
-        run.rows_on_disk = len(run.rows)
+    run.rows_on_disk = len(run.rows)  # a signal during the write above leaves the previous file, and this count
+    publish_state(run)
     done = [r["epoch_time_s"] for r in run.rows if r["epoch"] > run.start_epoch]
     eta = format_eta(statistics.mean(done) * (int(cfg.epochs) - row["epoch"]))
     no_epsilon = "epsilon=none (accountant=none)" if method.private else "epsilon=none (non-private)"
@@ -477,19 +483,54 @@ def record_epoch(run: Run, row: dict[str, Any], eps: dict[str, Any]) -> None:
 
 
 # -- the summary -------------------------------------------------------------------------------------------------
-def finish(run: Run) -> None:
-    """summary.json's final state (rank 0): the mechanisms told to the accountant, the last complete epoch."""
-    summary, accountant = run.summary, run.accountant
-    audit_run.finish(run)  # audit=one_run: summary["audit"], claimed vs audited epsilon
+def publish_state(run: Run) -> None:
+    """What summary.json says of the published epochs (metrics.csv's rows), taken as an epoch is published: their
+    count, the last row, and the steps told to the accountant by then (a run stopped mid-epoch describes the epochs
+    it published, not the unfinished one's steps; that epoch's model is never written)."""
+    summary, accountant, rows = run.summary, run.accountant, run.rows[:run.rows_on_disk]
+    if run.cfg.get("resume") or rows:  # a fresh run's summary.json says nothing of epochs until its first one
+        summary["epochs_completed"] = len(rows)
+        summary["final"] = dict(rows[-1]) if rows else {}
+    run.published_steps = checkpoint.accountant_steps(accountant)
     if accountant is not None:
         summary["mechanisms"] = [{"kind": m.kind, **m.__dict__, "steps": n} for m, n in accountant.history.items()]
-    rows = run.rows[:run.rows_on_disk]
-    summary["final"] = rows[-1] if rows else {}
-    if rows and rows[-1]["epsilon"] == float("inf") and hasattr(accountant, "epsilon_lower_bound"):
-        summary["epsilon_lower_bound"] = accountant.epsilon_lower_bound(float(run.cfg.delta))  # docs/privacy.md
-    if rows and rows[-1]["epsilon"] == float("inf") and accountant is not None:
-        # the CLI prints it: why inf (sigma = 0; JL's tail, and which r would give a number)
-        summary["epsilon_note"] = accountant.why_infinite(float(run.cfg.delta))
-    summary["epochs_completed"] = len(rows)
-    if run.world.main:
-        write_json_last_resort(run.out_dir / "summary.json", summary)  # a full disk must not leave `running`
+
+
+def published_accountant(run: Run):
+    """The run's accountant as it stood when its last epoch was published: itself, or (a run stopped mid-epoch) a
+    copy told only the published steps (the accountants' caches are module-level, keyed by the steps)."""
+    accountant = run.accountant
+    if accountant is None or checkpoint.accountant_steps(accountant) == run.published_steps:
+        return accountant
+    copy = _copy.copy(accountant)
+    copy.history = type(accountant.history)()
+    if hasattr(copy, "sequence"):
+        copy.sequence = []
+    for m, n in run.published_steps:
+        copy.step(m, count=n)
+    return copy
+
+
+def finish(run: Run) -> None:
+    """summary.json's final state (rank 0): status, the last complete epoch and the mechanisms told to the accountant
+    by its end (publish_state). Replaced atomically: a full disk leaves the previous summary.json (status running,
+    whole) and the error propagates; a partial file would lose the run's config (no resume, no report)."""
+    audit_run.finish(run)  # audit=one_run: summary["audit"], claimed vs audited epsilon
+    summary, rows = run.summary, run.rows[:run.rows_on_disk]
+    summary["epochs_completed"], summary["final"] = len(rows), dict(rows[-1]) if rows else {}
+    if rows and rows[-1]["epsilon"] == float("inf") and run.accountant is not None:
+        accountant, delta = published_accountant(run), float(run.cfg.delta)
+        if hasattr(accountant, "epsilon_lower_bound"):
+            summary["epsilon_lower_bound"] = accountant.epsilon_lower_bound(delta)  # docs/privacy.md
+        summary["epsilon_note"] = accountant.why_infinite(delta)  # the CLI prints it: why inf (sigma = 0; JL's
+        # tail, and which r would give a number)
+    if not run.world.main:
+        return
+    path = run.out_dir / "summary.json"
+    try:
+        write_json(path, run.summary)
+    except OSError as e:  # the one line and dprun.log name both: this write, and why the run ended
+        ended = run.summary.get("status")
+        raise OSError(e.errno, f"{e.strerror or e}: {path} was not rewritten (its earlier version stays whole, "
+                               f"status running); the run ended {ended}" +
+                      (f": {run.summary['error']}" if run.summary.get("error") else "")) from e

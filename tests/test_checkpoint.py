@@ -328,3 +328,101 @@ def test_an_epoch_is_published_only_once_its_checkpoint_is_saved(tmp_path, monke
     assert pd.read_csv(tmp_path / "sig" / "metrics.csv").epoch.tolist() == [1, 2]
     straight = train(compose_config(RUN + ["epochs=2"]), tmp_path / "straight")
     assert summary["final"]["epsilon"] == pytest.approx(straight["final"]["epsilon"], rel=1e-9)
+
+
+# --- what was published decides, not the checkpoint ---------------------------------------------------------------
+
+SECURE = [*CLI_RUN, "rng=secure"]
+
+
+def checkpoint_put_back(run, tmp_path):
+    """checkpoint.pt at epoch 2 while metrics.csv and summary.json say 4 (a copy put back, an older release's)."""
+    shutil.copy(tmp_path / "ck2", run / FILE)
+
+
+def killed_in_a_resume(run, tmp_path):
+    """As a SIGKILL during a resume leaves it: summary.json as the resume started it (no epochs_completed), metrics.csv
+    with the epochs published since, the checkpoint older."""
+    checkpoint_put_back(run, tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    for key in ("epochs_completed", "final"):
+        summary.pop(key, None)
+    (run / "summary.json").write_text(json.dumps({**summary, "status": "running"}))
+
+
+@pytest.mark.parametrize("case", ["checkpoint=false", "checkpoint-put-back", "killed-in-a-resume"])
+def test_published_epochs_are_never_trained_again(tmp_path, case):
+    """`resume=R epochs=4 checkpoint=false` published epochs 3-4 and left checkpoint.pt at epoch 2; `resume=R epochs=5`
+    then trained epochs 3-5 again (rng=secure: fresh noise), overwriting rows 3-4: 21 noisy steps released, 15
+    accounted. A resume with checkpoint=false now removes the checkpoint before it publishes an epoch, and a resume
+    whose checkpoint is behind what metrics.csv or summary.json published is refused in one line, nothing changed."""
+    run = tmp_path / "run"
+    assert dprun_in_process(*SECURE, "epochs=2", f"out_dir={run}", cwd=tmp_path).returncode == 0
+    shutil.copy(run / FILE, tmp_path / "ck2")
+    more = ["checkpoint=false"] if case == "checkpoint=false" else []
+    proc = dprun_in_process(f"resume={run}", "epochs=4", *more, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert pd.read_csv(run / "metrics.csv").epoch.tolist() == [1, 2, 3, 4]
+    if case == "checkpoint=false":
+        assert not (run / FILE).exists()  # nothing left to resume from: `no checkpoint.pt there`
+        says = f"no {FILE} there"
+    else:
+        {"checkpoint-put-back": checkpoint_put_back, "killed-in-a-resume": killed_in_a_resume}[case](run, tmp_path)
+        says = f"the run published 4 epochs (metrics.csv, summary.json) but its {FILE} holds epoch 2"
+    before = files(run)
+    proc = dprun_in_process(f"resume={run}", "epochs=5", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dprun: ") and says in lines[0], proc.stderr
+    assert files(run) == before
+
+
+def test_a_run_stopped_after_its_last_checkpoint_publishes_it_on_resume(tmp_path, monkeypatch):
+    """SIGTERM right after the last epoch's checkpoint.save, before its metrics.csv row: `dprun resume=` said
+    "already complete (3 epochs)" (judged by the checkpoint) and epoch 3 was never published. Now the resume
+    publishes it from the checkpoint's rows, without training it again, and the run is finished."""
+    import runner.checkpoint as checkpoint_module
+    import runner.train as train_module
+    from runner.interrupt import Terminated
+
+    run, save = tmp_path / "run", checkpoint_module.save
+
+    def terminated_after(out_dir, *, epoch, **kw):
+        save(out_dir, epoch=epoch, **kw)
+        if epoch == 3:
+            raise Terminated()
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint_module, "save", terminated_after)
+        proc = dprun_in_process(*SECURE, "epochs=3", f"out_dir={run}", cwd=tmp_path)
+    assert proc.returncode == 143, proc.stderr
+    assert pd.read_csv(run / "metrics.csv").epoch.tolist() == [1, 2] and load(run)["epoch"] == 3
+    stopped = json.loads((run / "summary.json").read_text())
+    assert (stopped["status"], stopped["epochs_completed"]) == ("interrupted", 2)
+
+    def trained_again(*args, **kwargs):
+        raise AssertionError("epoch 3 trained again")
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "run_epoch", trained_again)
+        proc = dprun_in_process(f"resume={run}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = pd.read_csv(run / "metrics.csv")
+    assert rows.epoch.tolist() == [1, 2, 3]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["epochs_completed"]) == ("finished", 3)
+    assert summary["final"]["epsilon"] == pytest.approx(rows.epsilon.iloc[-1], rel=1e-12)
+    assert sum(m["steps"] for m in summary["mechanisms"]) == rows.steps.sum() == 9
+    proc = dprun_in_process(f"resume={run}", cwd=tmp_path)  # and now it is complete
+    assert proc.returncode == 0 and "already complete (3 epochs" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_an_interrupted_runs_summary_describes_the_published_epochs(tmp_path, monkeypatch):
+    """Ctrl-C in epoch 3 after its steps: summary.json's mechanisms listed 12 steps (epoch 3's too) while
+    metrics.csv, epochs_completed and final.epsilon stop at epoch 2 (8 steps); they now agree."""
+    stop_in_epoch_3(tmp_path, monkeypatch)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = pd.read_csv(tmp_path / "metrics.csv")
+    assert summary["status"] == "interrupted" and summary["epochs_completed"] == len(rows) == 2
+    assert sum(m["steps"] for m in summary["mechanisms"]) == rows.steps.sum() == 8
+    assert summary["final"]["epsilon"] == pytest.approx(rows.epsilon.iloc[-1], rel=1e-12)

@@ -192,8 +192,10 @@ def test_full_disk_leaves_no_temp_file_and_keeps_the_old_version(tmp_path, monke
     assert json.loads((tmp_path / "summary.json").read_text()) == {"status": "running"}
 
 
-def test_full_disk_during_training_marks_the_run_failed(tmp_path, monkeypatch):
-    """The disk fills after the first summary.json: the run stops with status failed, not running."""
+def test_full_disk_during_training_keeps_a_whole_summary_and_says_why(tmp_path, monkeypatch):
+    """The disk fills after the first summary.json: metrics.csv's write fails, and so does the final summary.json's.
+    The final one was written in place as a last resort, which on a real full disk cut it at 4096 bytes (invalid
+    JSON: no resume, no report); now the earlier summary.json stays whole, and the error names both writes."""
     import runner.metrics as m
     from runner.train import train
 
@@ -204,11 +206,101 @@ def test_full_disk_during_training_marks_the_run_failed(tmp_path, monkeypatch):
         return real_fsync(fd) if calls["n"] == 1 else enospc()
 
     monkeypatch.setattr(m.os, "fsync", fsync_until_full)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match="No space left") as e:
         train(compose_config(TINY), tmp_path)
+    assert f"{tmp_path / 'summary.json'} was not rewritten" in str(e.value)
+    assert f"the run ended failed: OSError: [Errno 28] No space left on device: '{tmp_path / 'metrics.csv'}'" \
+        in str(e.value)
     assert tmp_files(tmp_path) == []
     summary = strict_json((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "failed" and "No space left" in summary["error"]
+    assert summary["status"] == "running" and summary["config"]["epochs"] == 1  # dprun-report: stale once it is gone
+
+
+class FullDisk:
+    """A disk that fills once `fill()` is called: torch.save's zip writer fails as it does on one (a RuntimeError
+    from inline_container.cc, naming no file), and a text file written from then on keeps its first `fits` bytes
+    and raises ENOSPC (what a tmpfs did to the final summary.json when it was written in place)."""
+
+    def __init__(self, monkeypatch, fits=1000):
+        import builtins
+        import shutil
+
+        import torch
+
+        import runner.metrics as metrics
+
+        self.full, self.fits, real_open, real_save = False, fits, builtins.open, torch.save
+        disk = self
+
+        class Cut:
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def write(self, text):
+                self.f.write(text[:disk.fits])
+                self.f.flush()
+                if len(text) > disk.fits:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return len(text)
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+        def cut_open(file, mode="r", *args, **kwargs):
+            f = real_open(file, mode, *args, **kwargs)
+            return Cut(f) if disk.full and "w" in mode else f
+
+        def save(obj, f, *args, **kwargs):
+            if disk.full:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2304 vs 2198")
+            return real_save(obj, f, *args, **kwargs)
+
+        monkeypatch.setattr(metrics, "open", cut_open, raising=False)
+        monkeypatch.setattr(torch, "save", save)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: type("Usage", (), {"free": 0})())
+
+    def fill(self):
+        self.full = True
+
+
+def test_a_full_disk_never_damages_summary_json_and_the_run_resumes(tmp_path, monkeypatch):
+    """On a full disk epoch 2's checkpoint fails (torch.save's RuntimeError: now an OSError naming checkpoint.pt and
+    the full disk) and so does the final summary.json: the earlier one stays whole, so `dprun resume=` goes on
+    once there is space, and dprun-report lists the run."""
+    import runner.train as train_module
+    from runner.report import collect
+
+    run, disk, row = tmp_path / "run", FullDisk(monkeypatch), train_module.epoch_row
+
+    def epoch_row(run_, epoch, stats):
+        if epoch == 2:
+            disk.fill()
+        return row(run_, epoch, stats)
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "epoch_row", epoch_row)
+        proc = dprun_in_process(*TINY[:1], "epochs=3", *TINY[2:], f"out_dir={run}", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = strict_json((run / "summary.json").read_text())  # the earlier version, whole
+    assert summary["status"] == "running" and summary["config"]["epochs"] == 3
+    assert f"No space left on device (0 bytes free): '{run / 'checkpoint.pt'}'" in proc.stderr
+    assert f"{run / 'summary.json'} was not rewritten" in proc.stderr
+    assert "the run ended failed: OSError: [Errno 28] No space left on device (0 bytes free)" in \
+        (run / "dprun.log").read_text()
+    assert tmp_files(run) == [] and pd.read_csv(run / "metrics.csv").epoch.tolist() == [1]
+    assert collect(tmp_path)["status"].tolist() == ["running"]  # stale once its process is gone (here: the test's)
+    disk.full = False
+    proc = dprun_in_process(f"resume={run}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = strict_json((run / "summary.json").read_text())
+    assert (summary["status"], summary["epochs_completed"]) == ("finished", 3)
+    assert pd.read_csv(run / "metrics.csv").epoch.tolist() == [1, 2, 3]
 
 
 # --- dprun-report on damaged folders ----------------------------------------------------------------------------
@@ -307,6 +399,34 @@ def test_infinite_epsilon_is_standard_json_with_the_certified_lower_bound(tmp_pa
     # and the line the CLI prints says why, and which r would give a finite epsilon for the same steps
     r = acc.smallest_finite_r(summary["config"]["delta"])
     assert summary["epsilon_note"].startswith("epsilon is inf: accountant=jl") and f"r={r} is the smallest" in summary["epsilon_note"]
+
+
+def test_an_interrupted_runs_infinite_epsilon_is_explained_for_the_published_steps(tmp_path, monkeypatch):
+    """Ctrl-C in epoch 2 after its steps: summary.json's mechanisms and epsilon_lower_bound counted epoch 2's steps
+    too, while metrics.csv, epochs_completed and final stop at epoch 1; now they describe the published epoch."""
+    import runner.train as train_module
+    from runner import accountants
+    from runner.accountants import SubsampledJL
+
+    evaluate, calls = train_module.evaluate, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_module.train(compose_config(TINY[:1] + ["epochs=2"] + TINY[2:] + ["method=jl", "r=1"]), tmp_path)
+    summary = strict_json((tmp_path / "summary.json").read_text())
+    assert (summary["status"], summary["epochs_completed"]) == ("interrupted", 1)
+    assert [m["steps"] for m in summary["mechanisms"]] == [2]
+    acc = accountants.build("jl")
+    acc.step(SubsampledJL(sample_rate=summary["sample_rate"], noise_multiplier=summary["sigma"], r=1), count=2)
+    delta = summary["config"]["delta"]
+    assert summary["epsilon_lower_bound"] == pytest.approx(acc.epsilon_lower_bound(delta), rel=1e-9)
+    assert summary["final"]["epsilon_lower_bound"] == pytest.approx(summary["epsilon_lower_bound"], rel=1e-9)
 
 
 # --- who is writing a run folder --------------------------------------------------------------------------------
