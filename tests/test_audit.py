@@ -59,14 +59,19 @@ def test_gaussian_dp_conversion_is_the_analytic_gaussian_mechanism():
 
 
 def test_fdp_analysis_is_tighter_and_sound_on_a_gaussian_mechanism():
-    """Scores of an exact mu-GDP mechanism (in: shifted by mu = 1): both bounds stay below its epsilon, the f-DP
-    one is the tighter of the two (Mahloujifar et al.), and neither exceeds its ceiling."""
+    """Scores of an exact mu-GDP mechanism (in: shifted by mu = 1): every number stays below its epsilon, the
+    Gaussian-DP one (valid here: the curve is Gaussian) is the tightest (Mahloujifar et al.), and none exceeds its
+    ceiling; the two lower bounds of an (eps, delta) claim are close to each other."""
     rng = np.random.default_rng(0)
     inc = rng.random(1000) < 0.5
     result = audit_scores(rng.normal(size=1000) + 1.0 * inc, inc, beta=BETA, delta=DELTA)
-    assert 0 < result.epsilon_lower_bound < result.epsilon_lower_bound_fdp <= bounds.gdp_epsilon(1.0, DELTA)
+    lower = max(result.epsilon_lower_bound, result.epsilon_lower_bound_fdp)
+    assert 0 < lower < result.epsilon_gdp <= bounds.gdp_epsilon(1.0, DELTA)
+    assert result.epsilon_lower_bound_fdp == pytest.approx(result.epsilon_lower_bound, abs=0.1)
     assert result.mu_lower_bound <= 1.0
     assert result.epsilon_lower_bound <= result.ceiling and result.epsilon_lower_bound_fdp <= result.ceiling_fdp
+    assert result.epsilon_gdp <= result.ceiling_gdp
+    assert not result.rejects(bounds.gdp_epsilon(1.0, DELTA))  # its true epsilon is not refuted
 
 
 def test_guesses_are_chosen_on_one_half_and_bounded_on_the_other():
@@ -83,6 +88,68 @@ def test_guesses_are_chosen_on_one_half_and_bounded_on_the_other():
     assert result.scored == other.scored == 200
     assert other.guesses == result.guesses and other.correct == result.guesses - result.correct
     assert result.epsilon_lower_bound == bounds.epsilon_lower_bound(200, result.guesses, result.correct, BETA, DELTA)
+
+
+# -- the verdict: false alarms and power on mechanisms of known epsilon ------------------------------------------------
+def randomized_response(eps: float, seed: int, m: int = 1000):
+    """(scores, included) of m canaries released by eps-randomized response: each canary's bit, flipped with
+    probability 1 / (1 + e^eps). Exactly (eps, 0)-DP per canary, so (eps, delta)-DP for every delta; its tradeoff
+    curve is the (eps, 0) one, not a Gaussian's."""
+    rng = np.random.default_rng(seed)
+    included = rng.random(m) < 0.5
+    keep = rng.random(m) < 1 / (1 + math.exp(-eps))
+    return np.where(keep, included, ~included).astype(float), included
+
+
+def audit_verdict(scores, included, claimed: float, seed: int) -> dict:
+    """runner/audit/run.py's report on these scores, as a run that claims (claimed, DELTA)-DP: summary['audit']."""
+    from runner.audit.run import report
+    audit = SimpleNamespace(kind="gradient", canaries=len(scores), confidence=1 - BETA, seed=seed,
+                            included=torch.as_tensor(included), scores=lambda model: scores)
+    run = SimpleNamespace(cfg=SimpleNamespace(delta=DELTA), method=SimpleNamespace(private=True),
+                          rows=[{"epsilon": claimed}], summary={}, model=None)
+    report(run, audit)
+    return run.summary["audit"]
+
+
+RR_SEEDS = range(8)  # fixed: each was flagged by the old criterion (the Gaussian-DP number above the claim)
+
+
+def test_an_exactly_private_mechanism_is_not_flagged_more_often_than_two_beta():
+    """Randomized response at eps = 2, m = 1000, audited against its true claim (2, 1e-5): the audit's flag may fire
+    with probability <= 2 beta per run (Steinke et al.'s test and Mahloujifar et al.'s test of the claimed tradeoff,
+    each <= beta). 8 fixed seeds: more than binom.ppf(0.99, 8, 2 beta) = 3 flags would be a < 1% event. The old flag
+    (the Gaussian-DP epsilon above the claim: mu-GDP refuted, not (eps, delta)-DP) fired on all 8."""
+    from scipy import stats
+    flags = [audit_verdict(*randomized_response(2.0, seed), claimed=2.0, seed=seed)["above_claimed"]
+             for seed in RR_SEEDS]
+    assert sum(flags) <= stats.binom.ppf(0.99, len(flags), 2 * BETA), flags
+
+
+def test_a_mechanism_clearly_worse_than_its_claim_is_flagged(caplog):
+    """Randomized response at eps = 4 claiming eps = 2: the claim is false, and every seed refutes it."""
+    caplog.set_level("WARNING", logger="dprun")
+    for seed in range(4):
+        verdict = audit_verdict(*randomized_response(4.0, seed), claimed=2.0, seed=seed)
+        assert verdict["above_claimed"] is True
+        assert max(verdict["epsilon_lower_bound"], verdict["epsilon_lower_bound_fdp"]) > 2.0
+    assert sum("PRIVACY AUDIT FAILED" in r.message for r in caplog.records) == 4
+
+
+def test_the_tradeoff_test_is_a_test_of_the_claim():
+    """Mahloujifar et al.'s recursion on the (eps, delta)-DP tradeoff: a weaker claim is rejected less (monotone in
+    eps), its bound is the boundary, and on perfect guesses it sits with Steinke et al.'s (both near logit(beta^(1/r))
+    at delta ~ 0), far below the Gaussian-DP number of the same counts (which assumes a Gaussian-shaped curve)."""
+    m, r, v = 500, 100, 83
+    eps = bounds.epsilon_lower_bound_tradeoff(m, r, v, BETA, DELTA)
+    assert bounds.epsdp_rejects(eps - 1e-3, DELTA, m, r, v, BETA) and not bounds.epsdp_rejects(eps + 1e-3, DELTA, m, r,
+                                                                                             v, BETA)
+    assert [bounds.epsdp_rejects(e, DELTA, m, r, v, BETA) for e in (0.0, 0.5, 1.0, 1.5, 3.0)] == \
+        [True, True, True, False, False]
+    for r in (25, 100, 500):
+        assert bounds.epsilon_lower_bound_tradeoff(m, r, r, BETA, DELTA) == \
+            pytest.approx(bounds.epsilon_lower_bound(m, r, r, BETA, DELTA), abs=0.05)
+        assert bounds.epsilon_gdp(m, r, r, BETA, DELTA) > 1.4 * bounds.epsilon_lower_bound(m, r, r, BETA, DELTA)
 
 
 # -- audits of real steps --------------------------------------------------------------------------------------------
@@ -142,23 +209,31 @@ def test_private_runs_audit_below_their_claim_and_controls_far_above():
     found = lambda r: max(r.epsilon_lower_bound, r.epsilon_lower_bound_fdp)  # noqa: E731
     private, claimed, audit = audited(build("reweight", sigma=3.0))
     assert audit.gradient.drawn > 0  # the canaries did join the steps
-    assert found(private) <= claimed
+    assert found(private) <= claimed and not private.rejects(claimed)
     for control in (build("nonprivate"), build("reweight", sigma=0.0)):  # no privacy; clipping without noise
         result, _, _ = audited(control)
-        assert found(result) > found(private) + 2.0
+        # 200 canaries: the lower bounds' ceiling is 3.49 (Steinke et al., m' = 100); the controls reach ~1.7
+        assert found(result) > found(private) + 1.0
+        assert result.epsilon_gdp > private.epsilon_gdp + 2.0
 
 
 def test_a_method_that_adds_no_noise_is_caught():
+    """Clipped, never noised, while the accountant is told sigma = 8: the claim (< 1) is refuted by the sound tests
+    (Steinke et al.'s and the f-DP test of the claimed (eps, delta) curve), not only by the Gaussian-DP number."""
     result, claimed, _ = audited(build("reweight", sigma=8.0, cls=NoNoiseReweight))
     assert claimed < 1.0  # what the (wrong) method claims
-    assert result.epsilon_lower_bound_fdp > claimed  # the audit proves the claim false
+    assert result.rejects(claimed)  # the audit proves the claim false
+    assert min(result.epsilon_lower_bound, result.epsilon_lower_bound_fdp) > claimed
 
 
 def test_a_method_that_skips_clipping_is_caught_by_input_canaries():
-    """Mislabelled random inputs have gradients far above C: unclipped, they stand out of the noise."""
-    honest, claimed, _ = audited(build("reweight", sigma=4.0), kind="input", lr=0.05)
-    broken, _, _ = audited(build("reweight", sigma=4.0, cls=NoClipReweight), kind="input", lr=0.05)
-    assert honest.epsilon_lower_bound <= claimed
+    """Mislabelled random inputs have gradients far above C: unclipped, they stand out of the noise. The sound tests
+    need a small claim to refute (sigma = 8: 0.655) and a large step (lr 0.2); at sigma = 4 (claim 1.455, lr 0.05)
+    the broken run audits 0.95 and is not caught (only its Gaussian-DP number, 1.86, exceeds the claim)."""
+    honest, claimed, _ = audited(build("reweight", sigma=8.0), kind="input", lr=0.2)
+    broken, _, _ = audited(build("reweight", sigma=8.0, cls=NoClipReweight), kind="input", lr=0.2)
+    assert honest.epsilon_lower_bound <= claimed and not honest.rejects(claimed)
+    assert broken.rejects(claimed)
     assert max(broken.epsilon_lower_bound, broken.epsilon_lower_bound_fdp) > claimed
 
 

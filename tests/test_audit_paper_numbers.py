@@ -82,7 +82,7 @@ def test_both_analyses_match_jax_privacy(shift, fdp, thresholds, guesses, correc
     # the counts are those of a threshold on these scores: the top `guesses` of all 2n hold `correct` "in" scores
     top = np.argsort(-np.concatenate([scores_in, scores_out]), kind="stable")[:guesses]
     assert int(np.sum(top < n)) == correct
-    bound = bounds.epsilon_lower_bound_fdp if fdp else bounds.epsilon_lower_bound
+    bound = bounds.epsilon_gdp if fdp else bounds.epsilon_lower_bound
     # jax_privacy pins these at rtol 1e-5 (its brentq stops at xtol 1e-6); ours agree to < 4e-7
     assert bound(2 * n, guesses, correct, BETA / thresholds, 1e-6) == pytest.approx(expected, rel=1e-5)
 
@@ -132,4 +132,4 @@ def test_gaussian_dp_analysis_matches_privacy_guard(m, guesses, correct, delta, 
     to 0.07 here), so this pins our rejection decision at the two grid points around each boundary; and our unrounded
     bound must not fall below the grid's (the grid only rounds mu down; the bisection adds at most 0.00077)."""
     assert _privacy_guard_epsilon(m, guesses, correct, delta, target_noise) == pytest.approx(printed, abs=5e-5 + 1e-9)
-    assert bounds.epsilon_lower_bound_fdp(m, guesses, correct, BETA, delta) >= printed - 1e-3
+    assert bounds.epsilon_gdp(m, guesses, correct, BETA, delta) >= printed - 1e-3

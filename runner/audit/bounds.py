@@ -1,17 +1,24 @@
 """Lower bounds on epsilon from one run's canary guesses (docs/audit.md has the equations).
 
 m canaries, each included independently with probability 1/2; the auditor makes r guesses (the rest abstain), v of
-them correct. Two analyses of the same counts:
+them correct. Three analyses of the same kind of counts:
 
-    epsilon_lower_bound(m, r, v, beta, delta)      Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) Training
-                                                   Run" (NeurIPS 2023): the largest epsilon whose (epsilon, delta)-DP
-                                                   makes >= v correct guesses a p-value <= beta event (Theorem 3.1
-                                                   and its delta extension, the paper's Algorithm 2 p-value)
-    mu_lower_bound(m, r, v, beta)                  Mahloujifar, Melis & Chaudhuri, "Auditing f-Differential Privacy in
-    epsilon_lower_bound_fdp(m, r, v, beta, delta)  One Run" (ICML 2025), for the Gaussian-DP tradeoff f_mu: the
-                                                   largest mu rejected at confidence 1 - beta, then mu-GDP's epsilon
-                                                   at delta (Dong, Roth & Su, Corollary 2.13)
-    ceiling(m, beta, delta)                        what perfect guessing could certify with m canaries (the best r)
+    epsilon_lower_bound(m, r, v, beta, delta)       Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) Training
+                                                    Run" (NeurIPS 2023): the largest epsilon whose (epsilon, delta)-DP
+                                                    makes >= v correct guesses a p-value <= beta event (Theorem 3.1
+                                                    and its delta extension, the paper's Algorithm 2 p-value)
+    epsdp_rejects(eps, delta, m, r, v, beta)        Mahloujifar, Melis & Chaudhuri, "Auditing f-Differential Privacy in
+    epsilon_lower_bound_tradeoff(m, r, v, beta,     One Run" (ICML 2025), for the tradeoff curve of (eps, delta)-DP
+                                 delta)             itself, f(x) = max(0, 1 - delta - e^eps x, e^-eps (1 - delta - x)):
+                                                    every (eps, delta)-DP mechanism is f-DP for it, so a rejection
+                                                    refutes the claim whatever the shape of the run's privacy curve
+    mu_lower_bound(m, r, v, beta)                   the same recursion for the Gaussian-DP tradeoff f_mu: the largest
+    epsilon_gdp(m, r, v, beta, delta)               mu rejected, then mu-GDP's epsilon at delta (Dong, Roth & Su,
+                                                    Corollary 2.13). NOT a lower bound on epsilon: it refutes mu-GDP
+                                                    only, and a run that is (eps, delta)-DP without a Gaussian-shaped
+                                                    curve (randomized response, Laplace) often exceeds its eps here.
+                                                    An empirical number that assumes a Gaussian-shaped curve.
+    ceiling(m, beta, delta)                         what perfect guessing could show with m canaries (the best r)
 
     >>> round(epsilon_lower_bound(m=1000, r=100, v=100, beta=0.05, delta=0.0), 3)
     3.493
@@ -67,23 +74,44 @@ def epsilon_lower_bound(m: int, r: int, v: int, beta: float, delta: float) -> fl
     return largest_rejected(lambda eps: p_value(m, r, v, eps, delta) <= beta)
 
 
-# -- f-DP (Gaussian) -----------------------------------------------------------------------------------------------
-def gdp_rejects(mu: float, m: int, r: int, v: int, beta: float) -> bool:
-    """Does v correct of r guesses reject mu-GDP at confidence 1 - beta? The recursion of Mahloujifar et al.
-    (Algorithm 'audit with cap'), for f_mu, whose inverse blow-up is x -> Phi(Phi^-1(x) - mu): starting from the
-    observed rates r_ = beta v / m (correct) and h = beta (r - v) / m (incorrect), push the mass of each smaller
-    count of correct guesses through f_mu; the claim is rejected when the mass left exceeds r / m."""
+# -- f-DP (Mahloujifar et al.) ------------------------------------------------------------------------------------
+def tradeoff_rejects(blow_up, m: int, r: int, v: int, beta: float) -> bool:
+    """Does v correct of r guesses reject "the run is f-DP" at confidence 1 - beta? The recursion of Mahloujifar et
+    al. (Algorithm 'audit with cap') for a symmetric tradeoff function f, given by its inverse blow-up
+    g(x) = f(1 - x) (`blow_up`): starting from the observed rates c = beta v / m (correct) and w = beta (r - v) / m
+    (incorrect), push the mass of each smaller count of correct guesses through g; the claim is rejected when the
+    mass left exceeds r / m. A weaker f (pointwise lower) pushes less mass: it is rejected less often."""
     if v == 0:
         return False
     correct = beta * v / m
     wrong = beta * (r - v) / m
     for i in range(v - 1, -1, -1):
-        pushed = max(wrong, float(ndtr(ndtri(correct) - mu)))  # f_mu's inverse blow-up
+        pushed = max(wrong, blow_up(correct))
         if pushed == wrong:  # neither rate changes again
             break
         correct = min(correct + (i / (r - i)) * (pushed - wrong), 1.0)
         wrong = pushed
     return correct + wrong - r / m > 0
+
+
+def epsdp_rejects(eps: float, delta: float, m: int, r: int, v: int, beta: float) -> bool:
+    """Does v correct of r reject (eps, delta)-DP at confidence 1 - beta? tradeoff_rejects for the (eps, delta)-DP
+    tradeoff f(x) = max(0, 1 - delta - e^eps x, e^-eps (1 - delta - x)) (Dong, Roth & Su, Proposition 2.5; every
+    (eps, delta)-DP mechanism is f-DP for it, whatever its privacy curve's shape)."""
+    e, inv = math.exp(min(eps, 700.0)), math.exp(-eps)
+    return tradeoff_rejects(lambda x: max(0.0, 1.0 - delta - e * (1.0 - x), inv * (x - delta)), m, r, v, beta)
+
+
+def epsilon_lower_bound_tradeoff(m: int, r: int, v: int, beta: float, delta: float) -> float:
+    """The largest epsilon such that (epsilon, delta)-DP is rejected at confidence 1 - beta by Mahloujifar et al.'s
+    test: a lower bound on epsilon, like epsilon_lower_bound (Steinke et al.), from a different test."""
+    return largest_rejected(lambda eps: epsdp_rejects(eps, delta, m, r, v, beta))
+
+
+def gdp_rejects(mu: float, m: int, r: int, v: int, beta: float) -> bool:
+    """Does v correct of r guesses reject mu-GDP at confidence 1 - beta? tradeoff_rejects for f_mu, whose inverse
+    blow-up is x -> Phi(Phi^-1(x) - mu)."""
+    return tradeoff_rejects(lambda x: float(ndtr(ndtri(x) - mu)), m, r, v, beta)
 
 
 def mu_lower_bound(m: int, r: int, v: int, beta: float) -> float:
@@ -105,8 +133,10 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     return largest_rejected(lambda eps: gdp_delta(mu, eps) > delta)
 
 
-def epsilon_lower_bound_fdp(m: int, r: int, v: int, beta: float, delta: float) -> float:
-    """The Gaussian-DP analysis as an epsilon at delta: the epsilon of the largest rejected mu."""
+def epsilon_gdp(m: int, r: int, v: int, beta: float, delta: float) -> float:
+    """The Gaussian-DP analysis as an epsilon at delta: the epsilon of the largest rejected mu. It assumes the run's
+    privacy curve is Gaussian-shaped (mu-GDP); it is no lower bound on the epsilon of an (eps, delta)-DP claim
+    (jax_privacy's epsilon_one_run_fdp, PrivacyGuard's FDPAnalysisNode report this number)."""
     return gdp_epsilon(mu_lower_bound(m, r, v, beta), delta)
 
 
@@ -123,6 +153,12 @@ def ceiling(m: int, beta: float, delta: float) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def ceiling_fdp(m: int, beta: float, delta: float) -> float:
-    """ceiling for the Gaussian-DP analysis."""
-    return max((epsilon_lower_bound_fdp(m, r, r, beta, delta) for r in guess_counts(m)), default=0.0)
+def ceiling_tradeoff(m: int, beta: float, delta: float) -> float:
+    """ceiling for Mahloujifar et al.'s test of the (eps, delta)-DP tradeoff."""
+    return max((epsilon_lower_bound_tradeoff(m, r, r, beta, delta) for r in guess_counts(m)), default=0.0)
+
+
+@functools.lru_cache(maxsize=64)
+def ceiling_gdp(m: int, beta: float, delta: float) -> float:
+    """ceiling for the Gaussian-DP number (epsilon_gdp)."""
+    return max((epsilon_gdp(m, r, r, beta, delta) for r in guess_counts(m)), default=0.0)

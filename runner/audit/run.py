@@ -5,8 +5,10 @@
     finish(run)                                     before summary.json's last write: score, bound, report
 
 summary.json gains "audit": {kind, canaries, guesses, correct, epsilon_lower_bound, epsilon_lower_bound_fdp,
-ceiling, confidence, epsilon_claimed, above_claimed, ...}; the log states claimed vs audited, and an audited lower
-bound above the claimed epsilon is a WARNING: at confidence 1 - beta it means a privacy bug, never a result.
+epsilon_gdp, ceiling, confidence, epsilon_claimed, above_claimed, ...}; the log states claimed vs audited, and a
+refuted claim (Steinke et al.'s or Mahloujifar et al.'s test of the claimed (eps, delta) rejects it) is a WARNING:
+a run that has its claimed privacy is flagged with probability <= 2 beta, so it means a privacy bug, never a result.
+The Gaussian-DP number (epsilon_gdp) assumes a Gaussian-shaped privacy curve and never flags.
 """
 from __future__ import annotations
 
@@ -125,20 +127,23 @@ def report(run, audit: Audit) -> None:
     beta, delta = 1.0 - audit.confidence, float(run.cfg.delta)
     result = audit_scores(audit.scores(run.model), audit.included.numpy(), beta=beta, delta=delta, seed=audit.seed)
     claimed = claimed_epsilon(run)
-    found = max(result.epsilon_lower_bound, result.epsilon_lower_bound_fdp)
-    above = claimed is not None and found > claimed
+    above = result.rejects(claimed)
     run.summary["audit"] = {
         "kind": audit.kind, "canaries": audit.canaries, "scored": result.scored, "guesses": result.guesses,
         "correct": result.correct, "epsilon_lower_bound": result.epsilon_lower_bound,
-        "epsilon_lower_bound_fdp": result.epsilon_lower_bound_fdp, "mu_lower_bound": result.mu_lower_bound,
-        "ceiling": result.ceiling, "ceiling_fdp": result.ceiling_fdp, "confidence": audit.confidence,
-        "delta": delta, "epsilon_claimed": claimed, "above_claimed": above,
+        "epsilon_lower_bound_fdp": result.epsilon_lower_bound_fdp, "guesses_fdp": result.guesses_fdp,
+        "correct_fdp": result.correct_fdp, "epsilon_gdp": result.epsilon_gdp, "mu_lower_bound": result.mu_lower_bound,
+        "ceiling": result.ceiling, "ceiling_fdp": result.ceiling_fdp, "ceiling_gdp": result.ceiling_gdp,
+        "confidence": audit.confidence, "delta": delta, "epsilon_claimed": claimed, "above_claimed": above,
     }
     text = "none certified" if claimed is None else f"{claimed:.4g}"
-    log.info("audit (%s, m=%d): claimed epsilon=%s, audited epsilon >= %.3f (f-DP: %.3f; %d/%d guesses correct; "
-             "ceiling %.3f) at %.0f%% confidence", audit.kind, audit.canaries, text, result.epsilon_lower_bound,
-             result.epsilon_lower_bound_fdp, result.correct, result.guesses, result.ceiling, 100 * audit.confidence)
+    log.info("audit (%s, m=%d): claimed epsilon=%s, audited epsilon >= %.3f (f-DP: >= %.3f; %d/%d guesses correct; "
+             "ceiling %.3f) at %.0f%% confidence; Gaussian-shaped estimate %.3f (assumes a Gaussian-shaped privacy "
+             "curve: not a bound)", audit.kind, audit.canaries, text, result.epsilon_lower_bound,
+             result.epsilon_lower_bound_fdp, result.correct, result.guesses, result.ceiling, 100 * audit.confidence,
+             result.epsilon_gdp)
     if above:
+        found = max(result.epsilon_lower_bound, result.epsilon_lower_bound_fdp)
         log.warning("WARNING: PRIVACY AUDIT FAILED: the audited lower bound %.3f is above the claimed epsilon %s: "
-                    "at %.0f%% confidence the run does not have the privacy it claims (a bug in sampling, clipping, "
-                    "noise or accounting)", found, text, 100 * audit.confidence)
+                    "the run does not have the privacy it claims (a bug in sampling, clipping, noise or accounting; "
+                    "a run that has it is flagged with probability <= %.2g)", found, text, 2 * beta)

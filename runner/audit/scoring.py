@@ -11,9 +11,17 @@ canaries are split at random (a fixed, seeded permutation) into two halves:
 
     result = audit_scores(scores, included, beta=0.05, delta=1e-5, seed=0)   # scores: (m,), higher = more "in"
     result.epsilon_lower_bound, result.epsilon_lower_bound_fdp, result.ceiling, result.guesses, result.correct
+    result.rejects(claimed_epsilon)   # the audit's verdict: does either test refute (claimed, delta)-DP?
+
+Three analyses, each with its own fractions (chosen on the selection half): Steinke et al.'s test and Mahloujifar et
+al.'s test of the (eps, delta)-DP tradeoff curve are tests of an (eps, delta) claim, each a false rejection with
+probability <= beta; `rejects` uses both, so a run that has its claimed (eps, delta) is flagged with probability
+<= 2 beta (a union bound). The Gaussian-DP number (epsilon_gdp) is reported beside them and never flags: it refutes
+mu-GDP only, and a run that is (eps, delta)-DP but not mu-GDP-shaped (randomized response) often exceeds eps there.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,15 +37,31 @@ FRACTIONS_OUT = (0.0, 0.01, 0.05, 0.1, 0.2, 0.35, 0.5)
 class AuditResult:
     canaries: int  # m, all of them
     scored: int  # the bound half's size: the m in the bounds
-    guesses: int  # r on the bound half
+    guesses: int  # r on the bound half (Steinke et al.'s fractions)
     correct: int  # v on the bound half
-    epsilon_lower_bound: float  # Steinke et al.
-    epsilon_lower_bound_fdp: float  # Mahloujifar et al., Gaussian-DP
-    mu_lower_bound: float
+    epsilon_lower_bound: float  # Steinke et al.: a lower bound on epsilon at confidence 1 - beta
+    epsilon_lower_bound_fdp: float  # Mahloujifar et al. on the (eps, delta)-DP tradeoff: a lower bound too
+    epsilon_gdp: float  # Mahloujifar et al. for Gaussian DP, converted at delta: assumes a Gaussian-shaped curve
+    mu_lower_bound: float  # the largest mu whose mu-GDP is rejected
     ceiling: float  # Steinke et al. with every guess right (the best r), on the bound half
     ceiling_fdp: float
+    ceiling_gdp: float
     fraction_in: float
     fraction_out: float
+    guesses_fdp: int = 0  # r, v at the (eps, delta)-tradeoff test's fractions
+    correct_fdp: int = 0
+    beta: float = 0.05
+    delta: float = 0.0
+
+    def rejects(self, claimed: float | None) -> bool:
+        """Does the audit refute (claimed, delta)-DP: Steinke et al.'s p-value <= beta, or Mahloujifar et al.'s test of
+        the claimed (eps, delta) tradeoff curve rejecting it? Probability <= 2 beta for a run that has its claim."""
+        if claimed is None or math.isinf(claimed):  # nothing claimed, or nothing to refute
+            return False
+        steinke = self.guesses > 0 and bounds.p_value(self.scored, self.guesses, self.correct, claimed,
+                                                       self.delta) <= self.beta
+        return steinke or bounds.epsdp_rejects(claimed, self.delta, self.scored, self.guesses_fdp, self.correct_fdp,
+                                               self.beta)
 
 
 def guesses(scores: np.ndarray, k_in: int, k_out: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,14 +102,18 @@ def audit_scores(scores, included, *, beta: float, delta: float, seed: int = 0) 
     select, held = perm[: m // 2], perm[m // 2:]
     f_in, f_out = best_fractions(scores[select], included[select], beta, delta, bounds.epsilon_lower_bound)
     r, v = counts(scores[held], included[held], f_in, f_out)
-    f_in_fdp, f_out_fdp = best_fractions(scores[select], included[select], beta, delta,
-                                         bounds.epsilon_lower_bound_fdp)
-    r_fdp, v_fdp = counts(scores[held], included[held], f_in_fdp, f_out_fdp)
+    r_fdp, v_fdp = counts(scores[held], included[held],
+                          *best_fractions(scores[select], included[select], beta, delta,
+                                          bounds.epsilon_lower_bound_tradeoff))
+    r_gdp, v_gdp = counts(scores[held], included[held],
+                          *best_fractions(scores[select], included[select], beta, delta, bounds.epsilon_gdp))
     n = len(held)
-    mu = bounds.mu_lower_bound(n, r_fdp, v_fdp, beta) if r_fdp else 0.0
+    mu = bounds.mu_lower_bound(n, r_gdp, v_gdp, beta) if r_gdp else 0.0
     return AuditResult(
         canaries=m, scored=n, guesses=r, correct=v,
         epsilon_lower_bound=bounds.epsilon_lower_bound(n, r, v, beta, delta) if r else 0.0,
-        epsilon_lower_bound_fdp=bounds.gdp_epsilon(mu, delta), mu_lower_bound=mu,
-        ceiling=bounds.ceiling(n, beta, delta), ceiling_fdp=bounds.ceiling_fdp(n, beta, delta),
-        fraction_in=f_in, fraction_out=f_out)
+        epsilon_lower_bound_fdp=bounds.epsilon_lower_bound_tradeoff(n, r_fdp, v_fdp, beta, delta) if r_fdp else 0.0,
+        epsilon_gdp=bounds.gdp_epsilon(mu, delta), mu_lower_bound=mu,
+        ceiling=bounds.ceiling(n, beta, delta), ceiling_fdp=bounds.ceiling_tradeoff(n, beta, delta),
+        ceiling_gdp=bounds.ceiling_gdp(n, beta, delta), fraction_in=f_in, fraction_out=f_out,
+        guesses_fdp=r_fdp, correct_fdp=v_fdp, beta=beta, delta=delta)
