@@ -32,6 +32,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import nn
 from torch.func import functional_call, jvp, vmap
+from torch.utils.checkpoint import CheckpointError
 
 from runner.accountants.mechanisms import Mechanism, SubsampledJL
 from runner.errors import DprunError
@@ -73,6 +74,10 @@ def padding_rows(model: nn.Module) -> dict[str, int]:
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None and m.weight.requires_grad:
             rows[f"{path}.weight" if path else "weight"] = int(m.padding_idx) % m.num_embeddings
     return rows
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def _chunks(r: int, chunk: int) -> list[slice]:
@@ -137,8 +142,14 @@ def _backward_on(losses: torch.Tensor, named: dict[str, torch.Tensor]):
     """backward(nu) -> {name: sum_i nu_i grad loss_i}: one vjp on the graph that produced `losses`."""
 
     def backward(nu: torch.Tensor) -> dict[str, torch.Tensor]:
-        grads = torch.autograd.grad(losses, list(named.values()), grad_outputs=nu.to(losses.dtype),
-                                    allow_unused=True)
+        try:
+            grads = torch.autograd.grad(losses, list(named.values()), grad_outputs=nu.to(losses.dtype),
+                                        allow_unused=True)
+        except CheckpointError as e:  # not visible at attach: a call inside forward(), not a module
+            raise DprunError(f"method=jl cannot run this model's torch.utils.checkpoint(use_reentrant=False) "
+                             f"with forward-mode projections: its recomputation in the backward saves other "
+                             f"tensors than the forward under forward AD did ({first_line(e)}); use "
+                             f"method.jvp=double_vjp, or method=multiloss or nxbp") from None
         return {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(named.items(), grads)}
 
     return backward
@@ -207,6 +218,12 @@ class JL(Method):
     def prepare(self, model, data=None):
         if not trainable_params(model):
             raise DprunError("method=jl: the model has no trainable parameters")
+        for path, m in model.named_modules():
+            if isinstance(m, nn.EmbeddingBag) and m.weight.requires_grad:
+                raise DprunError(f"{path or '<model>'} (EmbeddingBag) cannot be trained with method=jl: torch has "
+                                 f"neither a forward-mode derivative nor a double backward for embedding_bag, and "
+                                 f"jl's projections need one; use method=multiloss or nxbp (exact on it: each "
+                                 f"example's gradient alone), or freeze its weight")
         return model
 
     def unsupported(self, feature: Feature) -> str | None:
@@ -259,12 +276,18 @@ class JL(Method):
             except torch.OutOfMemoryError:
                 raise
             except (NotImplementedError, RuntimeError) as e:
-                first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 log.warning("method=jl: forward-mode AD failed (%s); using method.jvp=double_vjp from now on",
-                            first_line[:200])
+                            first_line(e))
                 self.active = "double_vjp"
                 model.to(memory_format=torch.contiguous_format)  # vmap needs NCHW weights (channels_last above)
-        return PROJECTORS[self.active](model, loss_fn, x, y, directions, self.chunk)
+        try:
+            return PROJECTORS[self.active](model, loss_fn, x, y, directions, self.chunk)
+        except RuntimeError as e:  # NotImplementedError too: an operator without a forward-mode formula (forward)
+            if not isinstance(e, NotImplementedError) and "not implemented" not in str(e):  # or a double backward
+                raise
+            other = "method.jvp=double_vjp, " if self.active == "forward" else ""
+            raise DprunError(f"method=jl with method.jvp={self.active} cannot differentiate this model "
+                             f"({first_line(e)}); use {other}method=multiloss or nxbp") from None
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:
         params = trainable_params(model)
