@@ -26,6 +26,7 @@ import contextlib
 
 import torch
 
+from runner.methods.base import trainable
 from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.privacy_check.independence import check_independence
 from runner.methods.privacy_check.measured import (check_against_oracle, check_inside_calls, check_jl_release,
@@ -93,11 +94,32 @@ def probe(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor):
         losses = loss_fn(model(zeroed), yp)
     set_rng_state(state, x.device)
     if losses.shape == ok.shape:  # else check_losses refuses the loss's shape
-        ok = ok & torch.isfinite(losses)
+        ok = finite_gradients(method, model, loss_fn, xp, yp, ok & torch.isfinite(losses))
+    set_rng_state(state, x.device)
     batch_rows = ok[:len(order)].nonzero()[:PROBE, 0]  # (k,) of the batch
     records = len(order) + ok[len(order):].nonzero()[:, 0]  # the training records, when finite
     rows = torch.cat([batch_rows, records]) if len(batch_rows) else batch_rows  # no finite example: the next batch
     return xp[rows], yp[rows], [names[r] for r in rows.tolist()]
+
+
+def finite_gradients(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """ok ((n,) bool) less the rows whose gradient, computed alone, is not finite although their loss is (a
+    `torch.where` whose unselected branch is nan: 0 * inf in its backward). The step leaves such a record out
+    (runner/methods/dropped.py); probed, it failed every comparison, so one such training record refused the run.
+    One backward of the rows together; each row alone only when that is not finite."""
+    params = trainable(model)
+
+    def finite(rows: list[int]) -> bool:
+        index = torch.tensor(rows, dtype=torch.long, device=x.device)
+        with method.autocast(x):
+            loss = loss_fn(model(x[index]), y[index]).sum()
+        grads = torch.autograd.grad(loss, params, allow_unused=True) if loss.requires_grad else ()
+        return all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+
+    rows = ok.nonzero()[:, 0].tolist()
+    if not params or not rows or finite(rows):
+        return ok
+    return ok & torch.tensor([finite([r]) if bool(ok[r]) else False for r in range(len(ok))], device=ok.device)
 
 
 def orders(xs: torch.Tensor, ys: torch.Tensor, rows: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
