@@ -231,3 +231,11 @@ def test_jl_step_errors_are_one_line(jvp, check):
         with pytest.raises(DprunError, match=r"^method=jl .*(checkpoint|cannot differentiate this model)") as e:
             step()
         assert "\n" not in str(e.value)
+
+
+def test_reweight_refusing_embedding_bag_names_methods_that_take_it():
+    """reweight has no norm rule for EmbeddingBag; its message named jl, which refuses it too (above)."""
+    with pytest.raises(DprunError, match=r"^bag \(EmbeddingBag\) has trainable parameters .*multiloss or "
+                                         r"method=nxbp") as e:
+        METHODS.build("reweight", cfg={}, clip=1.0, sigma=0.0).attach(Bag())
+    assert "method=jl or" not in str(e.value)

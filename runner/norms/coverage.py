@@ -62,8 +62,10 @@ def plan_model(model: nn.Module) -> Plan:
             continue
         rule = rule_for(module)
         if rule is None:
+            instead = ("use method=multiloss or method=nxbp (each example alone; jl refuses it: torch has no "
+                       "forward-mode derivative for it)" if isinstance(module, nn.EmbeddingBag) else BLACK_BOX)
             raise DprunError(f"{path} ({type(module).__name__}) has trainable parameters "
-                             f"({', '.join(own)}) but no per-layer norm rule; {BLACK_BOX}, or freeze them")
+                             f"({', '.join(own)}) but no per-layer norm rule; {instead}, or freeze them")
         uncovered = sorted(set(own) - set(rule.params))
         if uncovered:
             raise DprunError(f"{path} ({type(module).__name__}): the norm rule does not cover parameter(s) "
