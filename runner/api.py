@@ -21,6 +21,7 @@ is runner/data/sampler.py's. docs/api.md has a runnable example.
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -306,6 +307,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       target_epsilon=target_epsilon, delta=delta, names=API_NAMES)
     params_before = [p for g in optimizer.param_groups for p in g["params"]]
     _check_optimizer_in_model(optimizer, params_before, model)
+    _check_optimizer_step(optimizer)
     private = assemble(request, model, source.dataset, world, source.sampler)  # runner/assembly.py, as the CLI's
     private.method.privacy_check = bool(validate)  # the first step's check (runner/methods/privacy_check/)
     if source.loader is not None and validate and private.method.private:  # rows built from their example alone
@@ -326,6 +328,21 @@ def _check_optimizer_in_model(optimizer, params: list, model: torch.nn.Module) -
                          f"{shapes}): their gradients would be neither clipped nor noised; register them on the model "
                          f"(an nn.Parameter attribute of a module it calls) or give {type(optimizer).__name__} only "
                          f"model.parameters()")
+
+
+def _check_optimizer_step(optimizer) -> None:
+    """An optimizer whose step() requires a closure (torch.optim.LBFGS: it re-evaluates the loss for its line search)
+    failed at every private.step (TypeError: missing closure) after the step's mechanism was counted, and a closure
+    would compute raw gradients, neither clipped nor noised: refused here, in one line."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError, AttributeError):  # no introspectable step: Method.step's call says what is wrong
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty and closure.kind is not closure.VAR_KEYWORD:
+        raise DprunError(f"{type(optimizer).__name__} cannot be used with make_private: its step(closure) requires a "
+                         f"closure that re-evaluates the loss and its gradients on the batch, which would be neither "
+                         f"clipped nor noised (and private.step calls optimizer.step() without one); accepted: an "
+                         f"optimizer whose step needs no closure (SGD, Adam, AdamW, RMSprop, ...)")
 
 
 class _Source:

@@ -26,6 +26,7 @@ from runner.models.resnet import STEMS
 from runner.models.rnn import INITS
 from runner.randomness import RNGS
 from runner.errors import DprunError
+from runner.methods.base import SCALE_RANGE, SCALE_TEXT
 from runner.optimizers import IMPLS
 from runner.paths import CONF_DIR
 
@@ -203,6 +204,7 @@ def validate_config(cfg: DictConfig) -> None:
         accepted = rule(value)
         if accepted is not None:
             raise DprunError(f"{knob}={as_typed(value)} is not valid: {knob} must be {accepted}")
+    check_noise_scale(cfg)
     if str(cfg.get("precision", "fp32")) == "bf16" and str(cfg.get("dtype", "float32")) != "float32":
         raise DprunError(f"precision=bf16 needs dtype=float32 (autocast runs bfloat16 copies of float32 weights), "
                          f"got dtype={cfg.dtype}")
@@ -218,6 +220,24 @@ def validate_config(cfg: DictConfig) -> None:
         check_r(cfg)
     if isinstance(cfg.get("model"), DictConfig) and cfg.model.get("name"):
         check_model(cfg)
+
+
+def check_noise_scale(cfg: DictConfig) -> None:
+    """clip, and sigma * clip where sigma > 0, inside the range a method accepts (runner/methods/base.py
+    SCALE_RANGE: near float32's limits the clipped gradients and the noise are rounded; a subnormal clip released no
+    noise at all). With target_epsilon the calibration chooses sigma: the method checks the one it sets."""
+    clip, sigma = _as_float(cfg.get("clip", 1.0)), _as_float(cfg.get("sigma", 0.0))
+    if clip is None or sigma is None:  # (RULES said what is wrong with them)
+        return
+    low, high = SCALE_RANGE
+    if not low <= clip <= high:
+        raise DprunError(f"clip={as_typed(cfg.clip)} is not valid: clip must be a number in {SCALE_TEXT} (near "
+                         f"float32's limits the clipped gradients and the noise scaled to it are rounded; a subnormal "
+                         f"clip released no noise at all)")
+    if sigma > 0 and cfg.get("target_epsilon") is None and not low <= sigma * clip <= high:
+        raise DprunError(f"sigma={as_typed(cfg.sigma)} with clip={as_typed(cfg.clip)} is not valid: the noise std "
+                         f"sigma * clip = {sigma * clip:g} must be in {SCALE_TEXT} (near float32's limits it is "
+                         f"rounded to 0 or overflows to inf), or sigma=0 (no noise, epsilon = inf)")
 
 
 def check_r(cfg: DictConfig) -> None:

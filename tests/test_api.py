@@ -392,3 +392,65 @@ def test_a_collate_fn_that_couples_the_batch_is_refused():
         with pytest.warns(UserWarning, match="validate=False"):
             unchecked = make(varied, pad_to_longest, validate=False)  # the expert's switch skips it, and says so
         assert next(iter(unchecked.batches()))[0].shape[0] == len(varied)
+
+
+def test_a_clip_or_noise_std_near_float32s_limits_is_refused_in_one_line():
+    """C = 1e-44 (subnormal in float32) with sigma 0.05: the noise std was exactly 0 while the accountant certified
+    an epsilon; C = 1e-43: contributions of 1.04 C and a noise std of 1.11 sigma C; sigma = C = 1e20: a raw
+    RuntimeError after the step was counted. C, and sigma * C for sigma > 0, must lie in [1e-30, 1e30], wherever
+    they are set; inside it (C = 1e-30, float32 and float64) a single example still contributes exactly C."""
+    x, y = blobs()
+
+    def make(model=None, **kw):
+        model = model or nn.Linear(5, 3)
+        return dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=40,
+                                  method=kw.pop("method", "nxbp"), **kw)
+
+    for method in ("nxbp", "reweight", "multiloss"):
+        for clip, sigma in ((1e-44, 0.05), (1e-43, 0.1), (1e-31, 0.0), (1e31, 1.0)):
+            with pytest.raises(DprunError, match=rf"^clip \(max_grad_norm\)={re.escape(f'{clip:g}')} is outside the "
+                                                 rf"accepted range "
+                                                 rf"\[1e-30, 1e30\]: [^\n]*accepted: C in \[1e-30, 1e30\]"):
+                make(max_grad_norm=clip, noise_multiplier=sigma, method=method)
+        for clip, sigma, std in ((1e20, 1e20, "1e\\+40"), (1.0, 1e-31, "1e-31"), (1e-30, 0.5, "5e-31")):
+            with pytest.raises(DprunError, match=rf"^sigma \(noise_multiplier\)={re.escape(f'{sigma:g}')} with clip "
+                                                 rf"\(max_grad_norm\)={re.escape(f'{clip:g}')} puts the noise std "
+                                                 rf"sigma \* C = {std} outside the "
+                                                 rf"accepted range \[1e-30, 1e30\]: [^\n]*or sigma=0"):
+                make(max_grad_norm=clip, noise_multiplier=sigma, method=method)
+    private = make(max_grad_norm=1e-30)
+    with pytest.raises(DprunError, match=r"^sigma \(noise_multiplier\)=0.5 with clip"):
+        private.method.sigma = 0.5  # set afterwards: refused too, and left as it was
+    with pytest.raises(DprunError, match=r"^clip \(max_grad_norm\)=1e-31 is outside"):
+        private.method.clip = 1e-31
+    assert (private.method.clip, private.noise_multiplier) == (1e-30, 1.0)
+    private.method.sigma = 0.0  # no noise: only C must be in the range
+    from runner.methods import METHODS
+
+    for method in ("nxbp", "reweight", "multiloss"):  # the accepted edges, float32 and float64: one example
+        for dtype in (torch.float32, torch.float64):  # contributes at most C (exactly C where clipped), and the
+            for clip in (1e-30, 1e30):  # noise alone (a zero loss) has std sigma C
+                released = {}
+                for sigma, loss in ((0.0, loss_fn), (1.0, lambda out, t: 0.0 * out.sum(1))):
+                    torch.manual_seed(0)
+                    m = METHODS.build(method, clip=clip, sigma=sigma)
+                    model = m.attach(nn.Sequential(nn.Linear(5, 64), nn.Tanh(), nn.Linear(64, 3)).to(dtype))
+                    m.step(model, loss, x[:1].to(dtype), y[:1], torch.optim.SGD(model.parameters(), lr=0.0),
+                           sample_rate=0.1, expected_batch_size=1.0)
+                    released[sigma] = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+                contribution, noise = float(released[0.0].norm()) / clip, float(released[1.0].std()) / clip
+                assert (abs(contribution - 1) < 1e-5 if clip < 1 else 0 < contribution <= 1), (method, dtype, clip)
+                assert abs(noise - 1) < 0.15 and bool((released[1.0] != 0).all()), (method, dtype, clip, noise)
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_in_one_line():
+    """torch.optim.LBFGS: every private.step raised TypeError (missing closure) while the accountant counted the
+    step; a closure would re-evaluate raw, unclipped gradients. Refused by make_private; SGD and Adam pass."""
+    x, y = blobs()
+    model = nn.Linear(5, 3)
+    with pytest.raises(DprunError, match=r"^LBFGS cannot be used with make_private: its step\(closure\) requires a "
+                                         r"closure [^\n]*accepted: an optimizer whose step needs no closure") as e:
+        dprun.make_private(model, torch.optim.LBFGS(model.parameters(), lr=0.1), (x, y), batch_size=40)
+    assert "\n" not in str(e.value)
+    for optimizer in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters())):
+        dprun.make_private(model, optimizer, (x, y), batch_size=40)

@@ -1,5 +1,6 @@
 """Every example's contribution to what is released is <= C (issue 19, privacy), for every private method in METHODS
-and every mode it offers, on convolutions with each padding_mode and on an Embedding with padding_idx.
+and every mode it offers, on convolutions with each padding_mode and on an Embedding with padding_idx or
+scale_grad_by_freq.
 
 ONE example per step, sigma = 0 and expected_batch_size = 1: the gradient Method.step leaves (its clipped sum,
 no noise, divided by 1) IS that example's contribution. C = 0.05 is below every example's norm (checked), so every
@@ -92,22 +93,26 @@ def conv(dim: int, padding_mode: str) -> Net:
 
 MODELS = {f"conv{d}d_{pm}": (lambda d=d, pm=pm: conv(d, pm)) for d in (1, 2) for pm in PADDING_MODES}
 MODELS["embedding_padding_idx"] = lambda: Net(nn.Embedding(5, 4, padding_idx=0), (6,), True)
+MODELS["embedding_scale_grad_by_freq"] = lambda: Net(nn.Embedding(5, 4, scale_grad_by_freq=True), (6,), True)
 
 
 def expected(name: str, cfg: dict, model: Net) -> str:
     """exact | refuse | bounded (module docstring). Opacus 1.6's own samplers ignore padding_mode and padding_idx
     (runner/methods/opacus_peer.py, not_exact); torch.func (functorch) and dprun's own rules are exact."""
+    layer = model.layer
+    if name == "reweight" and isinstance(layer, nn.Embedding) and layer.scale_grad_by_freq:
+        return "refuse"  # its norm rule (runner/norms/embedding.py)
     if name != "opacus" or cfg["grad_sample_mode"] == "functorch":
         return "exact"
-    layer = model.layer
     if cfg["grad_sample_mode"] == "ghost":
         return "refuse"  # Opacus's ghost clipping is not certified (issue 26: tests/test_certified_clipping.py)
     if isinstance(layer, nn.modules.conv._ConvNd) and layer.padding_mode != "zeros":
         # ghost: Opacus's norm assumes zero padding, but the second backward releases the true gradient -> refuse.
         # hooks: Opacus's (wrong) per-example gradients are the ones clipped and summed -> bounded
         return "refuse" if cfg["grad_sample_mode"] == "ghost" else "bounded"
-    if isinstance(layer, nn.Embedding) and layer.padding_idx is not None:
-        return "bounded"  # hooks: a gradient for the padding row, clipped; ghost: it over-estimates the norm
+    if isinstance(layer, nn.Embedding) and (layer.padding_idx is not None or layer.scale_grad_by_freq):
+        # hooks: a gradient for the padding row, or rows not divided by the token counts, clipped
+        return "bounded"
     return "exact"
 
 
@@ -158,6 +163,11 @@ def test_each_example_contributes_at_most_C(name, cfg, model_name, caplog):
         if message.startswith(f"method=opacus grad_sample_mode=ghost cannot train {layer}): "):
             assert "not certified" in message and "hooks and functorch" in message, message
             return  # issue 26: Opacus's float32 ghost norm of a conv or embedding
+        if isinstance(model.layer, nn.Embedding) and model.layer.scale_grad_by_freq:
+            # reweight's norm rule; ghost: its second backward divides the rows by the whole batch's token counts
+            assert message.startswith("layer (Embedding) has scale_grad_by_freq=True: ") or message.startswith(
+                f"method=opacus grad_sample_mode=ghost cannot clip {layer}, scale_grad_by_freq=True): "), message
+            return
         assert message.startswith(f"method=opacus grad_sample_mode={cfg['grad_sample_mode']} cannot clip {layer}, "
                                   f"padding_mode={model.layer.padding_mode!r}): "), message
         assert "accepted: padding_mode='zeros'" in message and "grad_sample_mode=functorch" in message

@@ -139,3 +139,27 @@ def test_step_with_noise_and_optimizer():
     assert out.mechanism == SubsampledGaussian(sample_rate=0.1, noise_multiplier=0.0) and out.norms.shape == (5,)
     for p0, g, p in zip(before, want_g, model.parameters()):
         torch.testing.assert_close(p.detach(), p0 - g / 10.0)
+
+
+def test_bf16_with_a_layer_norm_after_a_linear_equals_nxbp():
+    """CPU autocast runs layer_norm on the bf16 output of a Linear (float32 weights), whose backward under vmap failed
+    ("vmap cannot trace Sequential: expected scalar type BFloat16 but found Float"): the LayerNorm now gets a
+    float32 copy (as CUDA's autocast gives it), the norms match nxbp's bf16 ones and each contribution is <= C."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3))
+    x, y = 3 * torch.randn(5, 8), torch.tensor([0, 1, 2, 0, 1])
+    got, want = [], []
+    for name, into in (("multiloss", got), ("nxbp", want)):
+        for p in model.parameters():
+            p.grad = None
+        method = METHODS.build(name, clip=1e-3, sigma=0.0).configure(precision="bf16")
+        into.append(method.privatize(method.attach(model), loss_fn, x, y))
+        into.append([p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(got[0].norms, want[0].norms, rtol=2e-2, atol=1e-6)
+    assert bool((got[0].norms > 1e-2).all())  # every example clipped
+    for i in range(len(y)):  # one example alone: its release is its contribution
+        for p in model.parameters():
+            p.grad = None
+        method = METHODS.build("multiloss", clip=1e-3, sigma=0.0).configure(precision="bf16")
+        method.privatize(method.attach(model), loss_fn, x[i:i + 1], y[i:i + 1])
+        assert float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))) <= 1e-3

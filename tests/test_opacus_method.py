@@ -146,3 +146,60 @@ def test_without_opacus_the_error_names_the_extra(monkeypatch):
     with pytest.raises(DprunError) as e:
         METHODS.build("opacus").attach(nn.Linear(3, 2))
     assert str(e.value) == "method=opacus needs Opacus: pip install 'dprun[peers]' (or -e '.[peers]' in a checkout)"
+
+
+class _Head(nn.Module):
+    """layer -> (first output if a tuple) -> tanh -> flatten -> Linear(width, 3)."""
+
+    def __init__(self, layer: nn.Module, width: int, two_inputs: bool = False):
+        super().__init__()
+        self.layer, self.head, self.two_inputs = layer, nn.Linear(width, 3), two_inputs
+
+    def forward(self, x):
+        out = self.layer(x[..., :3], x[..., 3:]) if self.two_inputs else self.layer(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return self.head(torch.tanh(out).flatten(1))
+
+
+def _old_weight_norm_linear():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of the old weight_norm
+        return torch.nn.utils.weight_norm(nn.Linear(6, 5))
+
+
+REFUSED_LAYERS = {  # each crashed with a raw torch error at attach or at the first step (TypeError, RuntimeError)
+    "bilinear": (lambda: _Head(nn.Bilinear(3, 3, 3), 3, two_inputs=True), "layer (Bilinear, a forward of 2 inputs)",
+                 "method=nxbp or multiloss"),
+    "lstm_proj": (lambda: _Head(nn.LSTM(6, 4, batch_first=True, proj_size=2), 8), "layer (LSTM, a fused recurrent "
+                  "layer)", "model=rnn/lstm/gru/bilstm"),
+    "gru_2_layers_bidirectional_dropout": (
+        lambda: _Head(nn.GRU(6, 4, num_layers=2, bidirectional=True, dropout=0.3, batch_first=True), 32),
+        "layer (GRU, a fused recurrent layer)", "method=nxbp or jl"),
+    "lstm": (lambda: _Head(nn.LSTM(6, 4, batch_first=True), 16), "layer (LSTM, a fused recurrent layer)",
+             "method=nxbp or jl"),
+    "old_weight_norm": (lambda: _Head(_old_weight_norm_linear(), 5), "layer (Linear, torch.nn.utils.weight_norm)",
+                        "torch.nn.utils.parametrizations.weight_norm"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(REFUSED_LAYERS))
+def test_layers_opacus_cannot_sample_are_refused_at_attach_in_one_line(case, mode):
+    """Before: nn.Bilinear (two inputs: Opacus keeps the first) raised TypeError at the step, torch's fused
+    LSTM/GRU RuntimeError at the step, the old weight_norm a deepcopy RuntimeError at attach (functorch)."""
+    pytest.importorskip("opacus")
+    build, where, accepted = REFUSED_LAYERS[case]
+    torch.manual_seed(0)
+    model = build()
+    method = METHODS.build("opacus", cfg={"grad_sample_mode": mode, "uncertified_ok": True}, clip=1.0, sigma=0.0)
+    with pytest.raises(DprunError) as e:
+        model = method.attach(model)
+        x = torch.randn(2, 4, 6) if isinstance(model.layer, nn.RNNBase) else torch.randn(2, 6)
+        method.step(model, loss_fn, x, torch.tensor([0, 1]), torch.optim.SGD(model.parameters(), lr=0.1),
+                    sample_rate=0.5, expected_batch_size=2.0)
+    message = str(e.value)
+    assert message.startswith(f"method=opacus grad_sample_mode={mode} cannot train {where}: "), message
+    assert accepted in message and "\n" not in message
+    assert method.hooks is None  # refused before any hook was attached

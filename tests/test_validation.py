@@ -77,6 +77,33 @@ def test_bad_knob_is_refused_before_any_data_is_loaded(tmp_path, no_data, overri
     assert not (tmp_path / "run").exists()  # no run folder, no metrics.csv
 
 
+@pytest.mark.parametrize("overrides,line", [
+    (["clip=1e-40"], "clip=1e-40 is not valid: clip must be a number in [1e-30, 1e30] (near float32's limits"),
+    (["clip=1e31"], "clip=1e+31 is not valid: clip must be a number in [1e-30, 1e30]"),
+    (["clip=1e20", "sigma=1e20"], "sigma=1e+20 with clip=1e+20 is not valid: the noise std sigma * clip = 1e+40 must "
+                                  "be in [1e-30, 1e30]"),
+    (["sigma=1e-31"], "sigma=1e-31 with clip=1.0 is not valid: the noise std sigma * clip = 1e-31 must be in "
+                      "[1e-30, 1e30]"),
+])
+def test_a_clip_or_noise_std_near_float32s_limits_is_refused_before_any_data_is_loaded(tmp_path, no_data, overrides,
+                                                                                          line):
+    """The range make_private's method refuses (runner/methods/base.py SCALE_RANGE): C = 1e-44 trained with a noise
+    std of exactly 0 while the accountant certified an epsilon; sigma * C = 1e40 overflowed after the step."""
+    with pytest.raises(DprunError) as err:
+        runner.train.train(compose_config(TINY + overrides), tmp_path / "run")
+    assert str(err.value).startswith(line) and "\n" not in str(err.value), str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides", [["clip=1e-30"], ["clip=1e30"], ["clip=1e-30", "sigma=0"],
+                                       ["clip=1e20", "sigma=1e20", "target_epsilon=3"]])
+def test_the_edges_of_the_clip_range_pass_the_validator(overrides):
+    """sigma=0 (no noise) needs only C in range; with target_epsilon the calibration sets sigma (the method checks)."""
+    from runner.validate import validate_config
+
+    validate_config(compose_config(overrides))
+
+
 @pytest.mark.parametrize("overrides,start,accepted", BAD_MODEL_AND_DATA, ids=[" ".join(o) for o, _, _ in BAD_MODEL_AND_DATA])
 def test_bad_model_and_dataset_values_are_refused_before_any_data_is_loaded(tmp_path, no_data, overrides, start,
                                                                               accepted):

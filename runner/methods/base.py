@@ -70,12 +70,47 @@ class StepOutput(Privatized):
 WEIGHT_DTYPES = (torch.float32, torch.float64)  # what a private method trains (Method.validate says why)
 
 
+# The range of the clip C and of the noise std sigma * C (sigma > 0) that a method accepts. Far outside it float32
+# rounds what is released: C = 1e-44 (subnormal) made the noise std exactly 0 while the accountant certified an
+# epsilon, C = 1e-43 gave contributions of 1.04 C and a noise std of 1.11 sigma C, sigma * C = 1e40 overflowed the
+# noise to inf after the step was counted. 1e-30 and 1e30 keep every clipped gradient, noise draw and division by the
+# expected batch size normal in float32 (and float64). The CLI's validate.py refuses the same values.
+SCALE_RANGE = (1e-30, 1e30)
+SCALE_TEXT = "[1e-30, 1e30]"
+
+
+def scale_problem(clip: float, sigma: float) -> str | None:
+    """Why this finite clip (> 0) and sigma (>= 0) are refused (one line), or None: C, or sigma * C when sigma > 0,
+    outside SCALE_RANGE."""
+    low, high = SCALE_RANGE
+    if not low <= clip <= high:
+        return (f"clip (max_grad_norm)={clip:g} is outside the accepted range {SCALE_TEXT}: near float32's limits "
+                f"the clipped gradients and the noise scaled to C are rounded (a subnormal C released no noise at "
+                f"all); accepted: C in {SCALE_TEXT} (rescale the loss to reach it)")
+    if sigma > 0 and not low <= sigma * clip <= high:
+        return (f"sigma (noise_multiplier)={sigma:g} with clip (max_grad_norm)={clip:g} puts the noise std sigma * C "
+                f"= {sigma * clip:g} outside the accepted range {SCALE_TEXT}: near float32's limits the noise is "
+                f"rounded (to 0) or overflows (to inf); accepted: sigma * C in {SCALE_TEXT}, or sigma=0 (no noise, "
+                f"epsilon = inf)")
+    return None
+
+
 def _checked(value: float, name: str, low: float, strict: bool, why: str) -> float:
     """float(value) if finite and > low (strict) or >= low, else one line naming it (Method.clip, Method.sigma)."""
     value = float(value)
     if not (math.isfinite(value) and (value > low if strict else value >= low)):
         raise DprunError(f"{name}={value} must be a finite number {'>' if strict else '>='} {low:g}{why}")
     return value
+
+
+def _scaled(method: "Method", clip: float | None = None, sigma: float | None = None) -> float:
+    """The checked clip or sigma being set on `method`, refused (one line) with the other value already set where
+    C or sigma * C leaves SCALE_RANGE (scale_problem). The constructor sets clip first: sigma is then unset."""
+    problem = scale_problem(method._clip if clip is None else clip,
+                            getattr(method, "_sigma", 0.0) if sigma is None else sigma)
+    if problem:
+        raise DprunError(problem)
+    return sigma if clip is None else clip
 
 
 def clip_factors(norms: torch.Tensor, clip: float, margin: float = 0.0) -> torch.Tensor:
@@ -154,12 +189,12 @@ class Method:
     # clip and sigma are checked wherever they are set (the constructor, calibration, a resume, a user's own
     # `private.method.sigma = ...`): noise.py draws no noise for sigma * C <= 0, so a clip <= 0 or a sigma < 0
     # would train without noise while the accountant certifies a finite epsilon (the CLI's validate.py refuses
-    # them too, in its words)
-    clip = property(lambda self: self._clip, lambda self, v: setattr(self, "_clip", _checked(
+    # them too, in its words); and C, or sigma * C for sigma > 0, must lie in SCALE_RANGE (float32 rounds them)
+    clip = property(lambda self: self._clip, lambda self, v: setattr(self, "_clip", _scaled(self, clip=_checked(
         v, "clip (max_grad_norm)", 0.0, strict=True, why=": the bound on each example's gradient norm, which the "
-                                                          "noise is scaled to")))
-    sigma = property(lambda self: self._sigma, lambda self, v: setattr(self, "_sigma", _checked(
-        v, "sigma (noise_multiplier)", 0.0, strict=False, why=" (0: no noise, epsilon = inf)")))
+                                                          "noise is scaled to"))))
+    sigma = property(lambda self: self._sigma, lambda self, v: setattr(self, "_sigma", _scaled(self, sigma=_checked(
+        v, "sigma (noise_multiplier)", 0.0, strict=False, why=" (0: no noise, epsilon = inf)"))))
 
     def option(self, key: str, default: Any) -> Any:
         """A method option from conf/method/<name>.yaml (`method.<key>=...`)."""
@@ -244,12 +279,21 @@ class Method:
 
     def validate(self, model: torch.nn.Module) -> None:
         """Checks every private method shares: BatchNorm is rejected, since with batch statistics an example's
-        gradient depends on the other examples and clipping bounds nothing."""
+        gradient depends on the other examples and clipping bounds nothing; an uninitialised lazy module
+        (nn.LazyLinear before its first forward) too, which raised torch's ValueError at attach (opacus) or at the
+        step (multiloss, jl) and has no shapes for the norm rules (method=nonprivate takes it: its first forward
+        sets them)."""
         if not self.private:
             return
         from runner.norms.coverage import REASONS
         from runner.methods.privacy_check import check_modules
 
+        for path, module in model.named_modules():
+            if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+                raise DprunError(f"{path or '<model>'} ({type(module).__name__}) cannot be trained with "
+                                 f"method={self.name}: its parameters are not initialised yet (a lazy module); run "
+                                 f"one forward first (e.g. model(x[:1])) so they get their shapes; accepted: "
+                                 f"initialised modules")
         check_modules(model, self.name)  # Embedding(max_norm), tracked InstanceNorm: they write data into the model
 
         for path, p in model.named_parameters():

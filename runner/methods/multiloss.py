@@ -16,13 +16,36 @@ mode or with dropout 0).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
+from torch.overrides import TorchFunctionMode
 
 from runner.errors import DprunError
 from runner.norms.certify import certified_norms, finite_rows, upper_sqnorm
 from runner.methods.base import METHODS, Method, Privatized
 from runner.models.attention import composite_attention
+
+
+class _Float32LayerNorm(TorchFunctionMode):
+    """F.layer_norm on a float32 copy of a bf16 or fp16 input, as CUDA's autocast does by itself. CPU autocast
+    leaves layer_norm to run on the bfloat16 output of a Linear with float32 weights, whose backward under vmap
+    fails in torch 2.13 ("expected scalar type BFloat16 but found Float": multiloss with precision=bf16 on any model
+    with a LayerNorm after a Linear). The norms and the clipped sum are formed from the gradients vmap returns, so
+    the bound holds whatever the forward's precision."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.layer_norm and args and args[0].dtype in (torch.bfloat16, torch.float16):
+            args = (args[0].float(), *args[1:])
+        return func(*args, **kwargs)
+
+
+def float32_layer_norm(on: bool):
+    """_Float32LayerNorm where `on` (precision=bf16), else nothing."""
+    return _Float32LayerNorm() if on else contextlib.nullcontext()
 
 
 @METHODS.register("multiloss")
@@ -39,7 +62,7 @@ class MultiLoss(Method):
         fixed.update(dict(model.named_buffers()))
 
         def loss_one(theta, xi, yi):  # one example: xi (*input_shape), yi ()
-            with self.autocast(xi):
+            with self.autocast(xi), float32_layer_norm(self.precision == "bf16"):
                 out = functional_call(model, (theta, fixed), (xi.unsqueeze(0),))  # (1, classes)
                 loss = loss_fn(out, yi.unsqueeze(0)).sum()
             return loss, (loss.detach(), out.detach().squeeze(0))

@@ -23,6 +23,7 @@ Needs the optional extra: pip install -e '.[peers]'.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 
@@ -55,14 +56,56 @@ def not_exact(model: torch.nn.Module):
     """(path, module, issue) for each layer whose per-example gradient Opacus 1.6's own samplers get wrong (checked
     against nxbp in all three modes, tests/test_clip_contribution.py): a convolution that pads its input with
     padding_mode reflect/replicate/circular (its unfold pads with zeros), an Embedding with padding_idx (its grad
-    and ghost-norm samplers give that row a gradient). Strides, dilation, groups, 'same'/'valid', Conv3d,
-    ConvTranspose (torch.func), the norm layers and Linear are exact."""
+    and ghost-norm samplers give that row a gradient) or scale_grad_by_freq=True (they ignore it: the rows are not
+    divided by the example's token counts; 0.07-0.18 C off nxbp's). One issue per layer (an Embedding with both:
+    "padding_idx+scale_grad_by_freq"). Strides, dilation, groups, 'same'/'valid', Conv3d, ConvTranspose
+    (torch.func), the norm layers and Linear are exact."""
     for path, m in model.named_modules():
         if isinstance(m, torch.nn.modules.conv._ConvNd) and m.padding_mode != "zeros" \
                 and any(m._reversed_padding_repeated_twice):
             yield path, m, "padding_mode"
-        elif isinstance(m, torch.nn.Embedding) and m.padding_idx is not None:
-            yield path, m, "padding_idx"
+        elif isinstance(m, torch.nn.Embedding) and (m.padding_idx is not None or m.scale_grad_by_freq):
+            yield path, m, "+".join(k for k, on in (("padding_idx", m.padding_idx is not None),
+                                                    ("scale_grad_by_freq", m.scale_grad_by_freq)) if on)
+
+
+def required_inputs(m: torch.nn.Module) -> int:
+    """How many positional arguments m.forward requires (no default); 1 where its signature cannot be read."""
+    try:
+        params = inspect.signature(m.forward).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
+
+
+def cannot_sample(model: torch.nn.Module):
+    """(path, module, what, why) for each layer Opacus 1.6 cannot give per-example gradients, whatever the mode: it
+    crashed at attach or at the step with a raw torch error (refused at attach instead, prepare):
+      torch's fused nn.RNN/LSTM/GRU: no grad sampler, and its torch.func fallback fails on them ("output with
+        shape [1, 16] doesn't match the broadcast shape"), proj_size, bidirectional and dropout included;
+      a trainable layer whose forward takes two or more inputs (nn.Bilinear, nn.MultiheadAttention): Opacus keeps
+        only the first input (its torch.func fallback calls layer(activations[0]));
+      the old torch.nn.utils.weight_norm (a forward pre-hook that writes layer.weight from weight_g and weight_v):
+        grad_sample_mode=functorch cannot deepcopy the layer (its weight is no leaf), hooks's samplers see the
+        written weight, not weight_g and weight_v."""
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for path, m in model.named_modules():
+        path = path or "<model>"
+        if isinstance(m, torch.nn.RNNBase):
+            yield path, m, "a fused recurrent layer", (
+                "Opacus 1.6 has no per-example gradient for torch's fused RNN/LSTM/GRU (its torch.func fallback "
+                "fails on them); accepted: the project's unfused model=rnn/lstm/gru/bilstm "
+                "(runner/models/recurrent.py), or method=nxbp or jl")
+        elif any(isinstance(h, WeightNorm) for h in m._forward_pre_hooks.values()):
+            yield path, m, "torch.nn.utils.weight_norm", (
+                "the old weight_norm writes the weight from weight_g and weight_v in a forward pre-hook, which "
+                "Opacus's per-layer gradients do not see (functorch cannot even copy the layer); accepted: "
+                "torch.nn.utils.parametrizations.weight_norm (method=opacus, multiloss or nxbp)")
+        elif any(p.requires_grad for p in m.parameters(recurse=False)) and required_inputs(m) > 1:
+            yield path, m, f"a forward of {required_inputs(m)} inputs", (
+                "Opacus 1.6 keeps only a layer's first input, so it cannot form this layer's per-example "
+                "gradients; accepted: trainable layers called on one input, or method=nxbp or multiloss")
 
 
 @METHODS.register("opacus")
@@ -84,6 +127,9 @@ class OpacusPeer(Method):
 
     def prepare(self, model: torch.nn.Module, data=None) -> torch.nn.Module:
         prepare_module = import_opacus()
+        for path, m, what, why in cannot_sample(model):  # raw torch errors at attach or at the step otherwise
+            raise DprunError(f"method=opacus grad_sample_mode={self.mode} cannot train {path} ({type(m).__name__}, "
+                             f"{what}): {why}")
         for path, m, issue in not_exact(model):  # before any hook moves: a refused model leaves the method as it was
             self.check_layer(path or "<model>", m, issue)
         if self.mode == "ghost" and not self.uncertified_ok:
@@ -129,10 +175,19 @@ class OpacusPeer(Method):
         are wrong but each is clipped before the sum, so every contribution is <= C. ghost: the norm is Opacus's
         but the released gradient is the TRUE one (the second backward), so only a norm that never under-estimates
         keeps the bound: the padding_idx row (Opacus counts a gradient the true one lacks: an over-estimate) does,
-        a zero-padded unfold of a reflect/replicate/circular-padded input does not (measured: 1.13 C)."""
+        a zero-padded unfold of a reflect/replicate/circular-padded input does not (measured: 1.13 C), and
+        scale_grad_by_freq does not either: the second backward is the whole batch's, which divides each token's
+        row by its count in the batch, so an example's contribution moves with the others' tokens (as method=jl's,
+        runner/methods/privacy_check/modules.py)."""
         if self.mode == "functorch":
             return
         kind = type(m).__name__
+        if "scale_grad_by_freq" in issue and self.mode == "ghost":
+            raise DprunError(f"method=opacus grad_sample_mode=ghost cannot clip {path} ({kind}, scale_grad_by_freq="
+                             f"True): its second backward is the whole batch's, which divides each token's row by its "
+                             f"count in the batch, so an example's contribution moves with the other examples' "
+                             f"tokens; accepted: scale_grad_by_freq=False, or method.grad_sample_mode=functorch "
+                             f"(exact) or hooks, or method=nxbp or multiloss")
         if issue == "padding_mode" and self.mode == "ghost":
             raise DprunError(f"method=opacus grad_sample_mode=ghost cannot clip {path} ({kind}, padding_mode="
                              f"{m.padding_mode!r}): Opacus 1.6's ghost norm assumes zero padding but the released "
@@ -142,8 +197,14 @@ class OpacusPeer(Method):
         if issue == "padding_mode":
             what, wrong = f"padding_mode={m.padding_mode!r}", "grad sampler pads with zeros"
         else:
-            what = f"padding_idx={m.padding_idx}"
-            wrong = f"{'ghost norm' if self.mode == 'ghost' else 'grad sampler'} gives the padding row a gradient"
+            sampler = "ghost norm" if self.mode == "ghost" else "grad sampler"
+            settings = {"padding_idx": (f"padding_idx={m.padding_idx}", "gives the padding row a gradient"),
+                        "scale_grad_by_freq": ("scale_grad_by_freq=True", "ignores scale_grad_by_freq (the rows are "
+                                                                          "not divided by the example's token "
+                                                                          "counts)")}
+            parts = [settings[k] for k in issue.split("+")]
+            what = ", ".join(w for w, _ in parts)
+            wrong = f"{sampler} " + " and ".join(x for _, x in parts)
         effect = ("its norms over-estimate the released (true) gradient's and examples are clipped harder than "
                   "nxbp's" if self.mode == "ghost" else "its per-example gradients differ from nxbp's, each clipped "
                   "before the sum")
