@@ -313,7 +313,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if source.loader is not None and validate and private.method.private:  # rows built from their example alone
         privacy_check.check_collate(source.loader.dataset, source.loader.per_example_collate, private.method.name)
     privacy_check.check_ranks(world, *(source.tensors or (None, None)), private.sampler)  # same data, same batches
-    return _training(private, optimizer, params_before, source, delta, generator, rng, validate)
+    return _training(private, optimizer, params_before, source, delta, generator, rng, validate, world)
 
 
 def _check_optimizer_in_model(optimizer, params: list, model: torch.nn.Module) -> None:
@@ -383,7 +383,7 @@ class _Source:
 
 
 def _training(private: PrivateRun, optimizer: torch.optim.Optimizer, params_before: list, source: _Source,
-              delta: float | None, generator, rng: str, validate: bool) -> PrivateTraining:
+              delta: float | None, generator, rng: str, validate: bool, world) -> PrivateTraining:
     """The PrivateTraining over the assembled run; the optimizer rebuilt if the method trains other tensors."""
     m, model, sampler = private.method, private.model, private.sampler
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -394,6 +394,11 @@ def _training(private: PrivateRun, optimizer: torch.optim.Optimizer, params_befo
         warnings.warn("poisson=False: no accountant here analyses shuffled batches; get_epsilon() raises and "
                       "epsilon_assuming_poisson() gives what Poisson sampling would (not a guarantee)", stacklevel=3)
     noise_gen = randomness.noise_generator(generator, model)
+    if noise_gen is None and world.size > 1:
+        # torch's global RNG differs between ranks seeded apart (common for augmentation): each rank would add its
+        # own draw to the same clipped sum and the models would train on 2 releases of it, 1 accounted (review 7:
+        # a CUDA model's noise, with the sampling generator on the CPU). One seed, rank 0's, on every rank.
+        noise_gen = randomness.device_generator(model, privacy_check.shared_seed(None, None, world))
     training = PrivateTraining(model, optimizer, m, private.accountant, private.accountant_name,
                                sampler if source.tensors is not None else None, source.loader, source.tensors,
                                sampler.n, int(sampler.batch_size), delta, noise_gen)

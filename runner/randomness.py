@@ -390,6 +390,11 @@ def noise_generator(generator, model: torch.nn.Module):
     return generator if generator is not None and generator.device == device else None
 
 
+def device_generator(model: torch.nn.Module, seed: int) -> torch.Generator:
+    """A torch.Generator on the model's device seeded with `seed`: the noise of ranks that must draw alike."""
+    return torch.Generator(device=next(model.parameters()).device).manual_seed(int(seed))
+
+
 def is_secure(generator) -> bool:
     return isinstance(generator, SecureRandom)
 

@@ -108,6 +108,30 @@ def crafted_release(rank: int) -> float:
     return float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))) / C
 
 
+def noise_off_the_sampling_device(rank):
+    """The noise make_private adds when its sampling generator is not on the model's device (a CUDA model, simulated
+    here on the CPU: noise_generator then gives None, torch's global RNG), with ranks that seed torch per rank. Each
+    rank added its own draw to the same clipped sum (correlation -0.05 between the ranks: 2 releases, 1 accounted,
+    review 7); now one draw, seeded alike on every rank. (B,) flat gradient after backward, zero loss gradient."""
+    import dprun
+    from runner import randomness
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    torch.manual_seed(1000 + rank)
+    original, randomness.noise_generator = randomness.noise_generator, lambda generator, model: None
+    try:
+        private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), noise_multiplier=1.0,
+                                     max_grad_norm=1.0, batch_size=8, seed=5)
+    finally:
+        randomness.noise_generator = original
+    xb, yb = next(iter(private.batches()))
+    private.backward(xb, yb, lambda o, t: (o * 0).sum(1))
+    return torch.cat([p.grad.flatten() for p in private.model.parameters()])
+
+
 def _library_worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=__import__("datetime").timedelta(seconds=60))
@@ -118,6 +142,7 @@ def _library_worker(rank, world, init_file, out_dir):
     results["bf16"] = composed_run(precision="bf16")
     results["compiled"] = composed_run(compiled=True)
     results["crafted"] = crafted_release(rank)
+    results["device_noise"] = noise_off_the_sampling_device(rank)
     model = torch.nn.Linear(2, 2)  # replicas that differ are caught, on every rank
     with torch.no_grad():
         model.weight.fill_(float(rank))
@@ -217,6 +242,8 @@ def test_two_ranks_give_the_one_process_weights_and_epsilon_for_every_method(tmp
     for r in range(2):
         assert ranks[r]["check"].startswith("replicas diverged after epoch 1: rank 1's parameter checksum")
         assert ranks[r]["crafted"] <= 2 * (1 + 1e-6), f"two crafted examples released {ranks[r]['crafted']} C"
+    noise = [ranks[r]["device_noise"] for r in range(2)]
+    assert float(noise[0].abs().max()) > 0 and torch.equal(noise[0], noise[1]), "each rank added its own noise draw"
 
 
 def _train_worker(rank, world, init_file, out_dir, overrides, folder):
