@@ -185,7 +185,7 @@ class PrivateTraining:
         try:
             out = self.method.step(self.model, loss_fn, x, y, optimizer, sample_rate=self.sample_rate,
                                    expected_batch_size=self.expected_batch_size, generator=self.generator,
-                                   indices=indices)
+                                   indices=indices, mechanism=mechanism)
         finally:
             if self.method.released:  # the update began (noise, optimizer): the batch is taken and the step counted,
                 self._waiting = None  # even if something after the noise raised; a step refused before it (a bad

@@ -158,6 +158,29 @@ def test_a_method_that_updates_the_model_itself_has_no_backward():
         private.backward(xb, yb, loss_fn)
 
 
+def test_sbcd_accounts_the_noise_each_api_step_used():
+    """Review 7: the API asked the method for the step's mechanism (to account it before the release) and
+    Method.step asked again; sbcd's batch position moved twice, so its epoch ran ahead (14 after 3 epochs of 4
+    batches) and, with an adaptive schedule, each step used another epoch's noise than the one accounted."""
+    from runner.data.base import DataInfo
+    from runner.models import MODELS
+
+    x, y = blobs(n=60)
+    x = x.view(60, 1, 1, 5)
+    model = MODELS.build("mlp", DataInfo("blobs", (1, 1, 5), 3), depth=1, widths=(4,))
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="sbcd",
+                                 batch_size=20, seed=0, noise_multiplier=2.0,
+                                 method_options={"noise_schedule": "adaptive", "epochs": 3, "noise_decay": 0.5,
+                                                 "noise_floor": 0.1})
+    used = []
+    for _ in range(3):
+        for xb, yb in private.batches():
+            used.append(private.step(xb, yb, loss_fn).mechanism)
+    assert private.method.epoch == 2 and len(used) == 9
+    assert [m.epoch for m in used] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert list(private.accountant.sequence) == used
+
+
 def test_get_epsilon_is_only_ever_a_certified_epsilon():
     """As the CLI's `epsilon` column: gdp's CLT value is never returned, and shuffled batches get no epsilon."""
     import warnings

@@ -356,15 +356,17 @@ class Method:
     # -- the shared step ---------------------------------------------------------------------------------
     def step(self, model, loss_fn: LossFn, x, y, optimizer, *, sample_rate: float, expected_batch_size: float,
              generator: torch.Generator | None = None, indices: torch.Tensor | None = None,
-             privatize=None) -> StepOutput:
+             privatize=None, mechanism=None) -> StepOutput:
         """One logical step on this rank's share (x, y) of the Poisson batch: clipped sum, noise, update.
-        `privatize`: what runs each chunk (default self.privatize; compile= passes a compiled, padded one)."""
+        `privatize`: what runs each chunk (default self.privatize; compile= passes a compiled, padded one).
+        `mechanism`: the step's, when the caller already asked step_mechanism (the API, to account before the
+        release): asked again, sbcd's advanced its batch position twice (its epoch, hence its noise, ran ahead)."""
         if self.model is None or model is not self.model:
             raise DprunError(f"method={self.name}: step a model returned by method.attach(model) (it validates and "
                              f"prepares it)")
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
-        mechanism = self.step_mechanism(sample_rate, indices)
+        mechanism = self.step_mechanism(sample_rate, indices) if mechanism is None else mechanism
         self.released = False  # True from the update on (noise, optimizer): the step is then one to account for
         self._walked = (model, trainable(model))  # this step's trainable parameters (Method.trainable)
         if self.private and self._structure is not None and self._structure.changed(model, self._walked[1]):
