@@ -44,7 +44,8 @@ def privacy_notes(accountant: Accountant | None, sampling: str, log_norms: bool 
              "accounting; publish test metrics only",
              "epsilon covers this run alone: publishing or choosing among several runs trained on the same data (a "
              "sweep over hyperparameters) composes their privacy losses; the timings (epoch_time_s, step_time_s) "
-             "and peak_mem_bytes depend on the sampled batches' sizes and are outside the accounting too; so does a "
+             "and peak_mem_bytes depend on the sampled batches (their sizes; for jl and twopass the records whose gradient "
+             "is not finite, left out by bisection) and are outside the accounting too; so does a "
              "`diverged` status (a step in which no example was finite ends the run, docs/privacy.md)"]
     if accountant.name == "hsa":  # DP-SBCD's analysis (docs/sbcd.md): S_g = 2G, one record replaced
         notes.append("neighbouring datasets: accountant=hsa's epsilon (DP-SBCD) is for one record replaced, the other "
