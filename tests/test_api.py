@@ -477,3 +477,19 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_in_one_line():
     assert "\n" not in str(e.value)
     for optimizer in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters())):
         dprun.make_private(model, optimizer, (x, y), batch_size=40)
+
+
+@pytest.mark.parametrize("options", [{"eta": 1e-40}, {"x_radius": 1e-25, "u_radius": 1e-25},
+                                     {"x_radius": 1e20, "u_radius": 1e20}], ids=["eta", "small_radii", "large_radii"])
+def test_sbcd_noise_outside_float32s_range_is_refused(options):
+    """Review 7: sbcd's noise std sigma_k eta S / b comes from its own options, which no range check covered: radii
+    of 1e-25 drew noise 0 in float32, 1e20 turned the weights inf, each with an epsilon of 6.6 published."""
+    from runner.data.base import DataInfo
+    from runner.models import MODELS
+
+    x, y = blobs(n=60)
+    x = x.view(60, 1, 1, 5)
+    model = MODELS.build("mlp", DataInfo("blobs", (1, 1, 5), 3), depth=1, widths=(4,))
+    with pytest.raises(DprunError, match=r"^method=sbcd: its noise std and shift per layer .* must lie in \[1e-30, 1e30\]"):
+        dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="sbcd",
+                           batch_size=20, seed=0, method_options=options)

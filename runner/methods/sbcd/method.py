@@ -26,7 +26,7 @@ from torch import nn
 
 from runner.accountants.mechanisms import HiddenStateStep
 from runner.errors import DprunError
-from runner.methods.base import METHODS, Method, Privatized
+from runner.methods.base import METHODS, SCALE_RANGE, SCALE_TEXT, Method, Privatized
 from runner.methods.noise import add_gaussian
 from runner.methods.sbcd import updates as up
 from runner.methods.sbcd.bounds import hidden_state_step, network_constants
@@ -134,8 +134,16 @@ class SBCD(Method):
         b = max(1, round(sample_rate * self.n))
         sigma_k = noise_multiplier(self.schedule, sigma=self.sigma, epoch=self.epoch, epochs=self.epochs,
                                    **self._decay())
-        return hidden_state_step(self.consts, eta=self.eta, sigma_k=sigma_k, b=b, n=self.n, epoch=self.epoch,
+        step = hidden_state_step(self.consts, eta=self.eta, sigma_k=sigma_k, b=b, n=self.n, epoch=self.epoch,
                                  batch=batch, batch_size=batch_size or b, normalisation=self.normalisation)
+        low, high = SCALE_RANGE  # as for C and sigma * C (runner/methods/base.py): float32 rounds the noise and the
+        scales = [*step.shift, *(step.noise_std if sigma_k > 0 else ())]  # shift to 0 or inf outside it (review 7:
+        if any(not low <= float(v) <= high for v in scales):  # x_radius=u_radius=1e-25 drew noise 0; 1e20, inf)
+            raise DprunError(f"method=sbcd: its noise std and shift per layer ({min(map(float, scales)):.3g} .. "
+                             f"{max(map(float, scales)):.3g}, from eta={self.eta:g}, sigma={self.sigma:g} and the "
+                             f"radii) must lie in {SCALE_TEXT}; accepted: eta, x_radius and u_radius that keep them "
+                             f"there (float32 rounds the noise to 0 or inf outside)")
+        return step
 
     def step_mechanism(self, sample_rate: float, indices: torch.Tensor | None) -> HiddenStateStep:
         if indices is None:
