@@ -193,6 +193,13 @@ def check_jl_release(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torc
     params = trainable(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     G = alone_grads(model, loss_fn, x, y)  # (k, d)
+    finite = torch.isfinite(G).all(1)  # (k,): a row whose gradient alone is not finite (a nan where-branch) is one the
+    if not bool(finite.all()):  # step leaves out (runner/methods/dropped.py): compared, it raised torch's own error
+        keep = finite.nonzero()[:, 0]
+        x, y, G = x[keep], y[keep], G[keep]
+        index = [index[i] for i in keep.tolist()] if index else keep.tolist()
+        if len(y) == 0:
+            return
     V = draw_directions(dict(zip(names, params)), JL_DIRECTIONS, padding_rows(model))  # name -> (r, *p.shape)
     Vf = torch.cat([V[n].double().reshape(JL_DIRECTIONS, -1) for n in names], 1)  # (r, d)
     for p in params:

@@ -1,6 +1,6 @@
 """Which examples the first-step check runs on: ones that differ in what a forward could sort or group the batch by.
 
-    order = spread_first(x, y)            # row indices: the rows with extreme keys first, then the rest in order
+    order, k = spread_first(x, y)         # row indices: the k rows with extreme keys first, then the rest in order
     records = dataset_probe(data)         # at assemble: a few training records with extreme keys, or None
 
 A forward that reorders the batch by its data and restores the order afterwards (sorting by length before packing
@@ -57,17 +57,22 @@ def extremes(columns: list[torch.Tensor]) -> list[int]:
     return chosen
 
 
-def spread_first(x: torch.Tensor, y: torch.Tensor) -> list[int]:
-    """All row indices of the batch, those with extreme keys first (extremes), then the others in batch order."""
+def spread_first(x: torch.Tensor, y: torch.Tensor) -> tuple[list[int], int]:
+    """All row indices of the batch, those with extreme keys first (extremes), then the others in batch order; and
+    how many came first."""
     first = extremes(keys(x, y))
-    return first + [i for i in range(len(x)) if i not in set(first)]
+    return first + [i for i in range(len(x)) if i not in set(first)], len(first)
 
 
 def dataset_probe(data: Any) -> tuple[torch.Tensor, torch.Tensor, list[str]] | None:
     """Up to DATASET_RECORDS training records with extreme keys (x (k, ...), y (k,), their names for messages), from
-    a run's in-memory training set (runner/data/base.py Dataset: train_x, train_y); None without one. One pass over
+    a run's in-memory training set (runner/data/base.py Dataset: train_x, train_y; a torch TensorDataset of (x, y));
+    None without one (another Dataset: its records are not read here). One pass over
     the set in chunks of CHUNK rows."""
     x, y = getattr(data, "train_x", None), getattr(data, "train_y", None)
+    tensors = getattr(data, "tensors", None)  # a torch TensorDataset (make_private's Dataset or DataLoader source)
+    if x is None and isinstance(tensors, tuple) and len(tensors) == 2:
+        x, y = tensors
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or len(x) < 2 or len(y) != len(x):
         return None
     parts = [keys(x[s:s + CHUNK], y[s:s + CHUNK]) for s in range(0, len(x), CHUNK)]
