@@ -1011,20 +1011,7 @@ def test_jl_refuses_a_backward_that_mixes_the_examples(jvp):
         first_step(case, MixedBackward(), *features(B=6))
 
 
-class NanBranch(nn.Module):
-    """torch.where with a nan unselected branch: the output and loss stay finite for any input, the backward of a row
-    with h >= 100 is nan (0 * inf), the usual guard idiom."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 1), nn.Linear(4, 3)
-        with torch.no_grad():
-            self.a.weight.fill_(0.1)
-            self.a.bias.zero_()
-
-    def forward(self, x):
-        h = self.a(x)
-        return self.b(x) + torch.where(h >= 100, torch.zeros_like(h), torch.sqrt(100 - h))
+from test_nonfinite_backward import WhereNet as NanBranch  # noqa: E402  (a nan unselected where-branch)
 
 
 @pytest.mark.parametrize("case", [c for c in ALL if c[1].get("grad_sample_mode") != "ghost"], ids=case_id)
@@ -1086,6 +1073,14 @@ class SortedByFlag(nn.Module):
         return self.b(torch.tanh(self.a(x[order])))[torch.argsort(order)]
 
 
+def flagged_records(seed):
+    """2000 records of 8 features, feature 0 a float flag: 0.3 in 99% of them, 0.4 in 1%; labels 0/1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2000, 8, generator=g)
+    x[:, 0] = 0.3 + 0.1 * (torch.rand(2000, generator=g) < 0.01).float()
+    return x, torch.randint(0, 2, (2000,), generator=g)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_sort_by_a_rare_float_flag_is_refused(seed):
     """Review 7: feature 0 is 0.3 in 99% of the records and 0.4 in 1%: no general key (zeros, label, sum, max, min)
@@ -1093,10 +1088,7 @@ def test_a_sort_by_a_rare_float_flag_is_refused(seed):
     probed at each feature's extremes."""
     import dprun
 
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2000, 8, generator=g)
-    x[:, 0] = 0.3 + 0.1 * (torch.rand(2000, generator=g) < 0.01).float()
-    y = torch.randint(0, 2, (2000,), generator=g)
+    x, y = flagged_records(seed)
     torch.manual_seed(seed)
     model = SortedByFlag()
     private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), method="reweight",
@@ -1128,12 +1120,10 @@ class CentredNanAlone(nn.Module):
 @pytest.mark.parametrize("mode", ["bk", "twopass"])
 def test_a_coupled_model_whose_rows_are_nan_alone_is_still_checked(mode):
     """Review 8: the probe skipped rows whose gradient alone was not finite; on this model that is every row, so no
-    batch was ever checked and steps released 1.15-1.21 C. Batch rows are probed whatever their gradient alone."""
+    batch was ever checked and steps released 1.15-1.21 C. Batch rows are skipped so only while 2 are left."""
     import dprun
 
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(2000, 8, generator=g), torch.randint(0, 2, (2000,), generator=g)
-    x[:, 0] = 0.3 + 0.1 * (torch.rand(2000, generator=g) < 0.01).float()
+    x, y = flagged_records(0)
     torch.manual_seed(0)
     model = CentredNanAlone()
     private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), method="reweight",
@@ -1187,10 +1177,7 @@ def test_a_reorder_shown_only_by_rows_that_are_nan_alone_is_refused(mode, seed):
     compared with their gradients alone in a batch beside the skipped rows (check_beside_skipped)."""
     import dprun
 
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2000, 8, generator=g)
-    x[:, 0] = 0.3 + 0.1 * (torch.rand(2000, generator=g) < 0.01).float()
-    y = torch.randint(0, 2, (2000,), generator=g)
+    x, y = flagged_records(seed)
     torch.manual_seed(seed)
     model = SortedByFlagNanAlone()
     private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), method="reweight",
