@@ -11,7 +11,7 @@ accepted whenever the first batch's first four rows had the same length (review 
 the smallest and largest value of each key below (the count of zeros: a padded text's length; the label; the sum,
 largest and smallest entry; for rows of at most COLUMNS features, each feature), from the first batch and, where the run's training set is in memory, from the whole
 training set. A key no statistic here separates, or a reorder triggered by a value no probed record has, is still
-not seen (docs/privacy.md, "What the first-step check cannot see").
+not seen (docs/privacy.md, the first-step check's "What it cannot see").
 """
 from __future__ import annotations
 
