@@ -3,7 +3,7 @@ Python branching on a tensor): on a GPU each is a sync that stalls the queue and
 the step. Proof on the CPU: the whole step -- forward, per-example norms, clipping, backward, noise, optimizer --
 runs on the meta device, where tensors have shapes but no values, so any op that needs a value raises. One read is
 by design since stop 28 (reweight's clipped sums ask once a step whether every record is finite, in an eager step
-only; jl and twopass once a chunk, runner/methods/dropped.py): it is answered here "no", which also runs their
+only; jl, twopass and recompute once a chunk, runner/methods/dropped.py): it is answered here "no", which also runs their
 second pass, and counted separately."""
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ and `torch.where(h >= 100, 0, sqrt(100 - h))` takes the selected branch's tangen
 nan in the other; an entropy bonus `where(p > 0, p log p, 0)` does the same where a softmax underflows to 0. Before,
 one such record made the whole release nan (its presence revealed with certainty, the run ended as diverged). Its
 own backward is found by bisection over the chunk's records, it is counted as non-finite, every other record adds
-exactly what it adds without it; a model whose backward is not finite at a zeroed input row is refused in one line.
+exactly what it adds without it. A record left out is replaced by a copy of a kept record's row, not a row of zeros,
+so a model whose backward is not finite at a zero row (log 0, h / ||h||) is not refused, and its zero records are
+left out too; reweight's recompute (a second forward over such filler rows) is checked likewise.
 Also: jl refuses EmbeddingBag at attach and turns torch.utils.checkpoint's and a missing derivative's errors into
 one-line DprunErrors."""
 from __future__ import annotations
@@ -76,7 +78,7 @@ def data(n=8, bad=(5,)):
 
 IDIOMS = {"where_sqrt": (WhereNet, ce), "entropy": (Mlp, entropy_bonus)}
 JL = [{"r": r, "jvp": jvp} for jvp in ("forward", "double_vjp") for r in (1, 4)]
-CASES = [("jl", cfg) for cfg in JL] + [("reweight", {"mode": "twopass"})]
+CASES = [("jl", cfg) for cfg in JL] + [("reweight", {"mode": "twopass"}), ("reweight", {"mode": "recompute"})]
 
 
 def case_id(case):
@@ -159,15 +161,36 @@ def test_a_record_whose_backward_is_nan_adds_nothing_compiled(case):
     adds_nothing(*case, WhereNet(), ce, x, y, bad=[5], compiled=True)
 
 
-@pytest.mark.parametrize("jvp", ["forward", "double_vjp"])
-def test_a_model_not_finite_at_a_zeroed_row_is_refused_in_one_line(jvp):
+@pytest.mark.parametrize("physical", [None, 3], ids=["one_chunk", "chunks_of_3"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_a_model_not_finite_at_a_zero_row_leaves_its_zero_records_out(case, physical):
+    """ZeroNan's backward is nan at a row of zeros (0 * log 0). When a record left out was replaced by a row of zeros,
+    jl and twopass refused the step and recompute released nan; the filler is now a copy of a kept record's row:
+    the zero records add nothing, every other record what it adds without them."""
     torch.manual_seed(0)
     x, y = data(bad=())
-    x[2] = 0.0  # its own backward is nan (0 * log 0), its loss and estimate finite
-    with pytest.raises(DprunError, match=r"^method=jl's clipped sum is not finite even without .* at an input row of "
-                                         r"zeros") as e:
-        release("jl", {"r": 2, "jvp": jvp}, ZeroNan(), ce, x, y)
-    assert "\n" not in str(e.value)
+    x[[2, 6]] = 0.0  # their own backward is nan, their losses and estimates finite
+    adds_nothing(*case, ZeroNan(), ce, x, y, bad=[2, 6], physical=physical)
+
+
+def test_a_filler_row_is_a_copy_of_the_first_kept_record():
+    x = torch.arange(12.0).view(4, 3)
+    keep = torch.tensor([False, True, False, True])
+    assert dropped.filled_rows(x, keep).tolist() == [x[1].tolist(), x[1].tolist(), x[1].tolist(), x[3].tolist()]
+    tokens = torch.tensor([[0, 5], [7, 0]])
+    assert dropped.filled_rows(tokens, torch.tensor([False, True])).tolist() == [[7, 0], [7, 0]]
+
+
+def test_a_chunk_with_no_record_kept_adds_exactly_zero():
+    """Every record left out: the sum is zero without a pass (ZeroNan at all-zero rows: every filler would be nan)."""
+    torch.manual_seed(0)
+    x, y = data(bad=())
+    x.zero_()
+    for case in [("jl", {"r": 2, "jvp": "forward"}), ("reweight", {"mode": "twopass"}),
+                 ("reweight", {"mode": "recompute"})]:
+        released, out = release(*case, ZeroNan(), ce, x, y)
+        assert torch.equal(released, torch.zeros_like(released)), case
+        assert not bool(torch.isfinite(out.norms).any()), case
 
 
 class Bag(nn.Module):

@@ -2,8 +2,9 @@
 holds the record's values (issue 26: no single record may turn the release into nan).
 
 A clip factor of 0 (runner/methods/base.py clip_factors: a norm that is not finite) keeps a record out of a sum
-formed from recorded rows: book-keeping masks its rows (runner/norms/certify.py), recompute feeds it to the second
-forward as zeros. A method whose clipped sum is the backward of sum_i nu_i loss_i through the forward's own graph
+formed from recorded rows: book-keeping masks its rows (runner/norms/certify.py). Recompute feeds the second forward
+a copy of a kept record's row in its place (`filled_rows`, below), and its sum is checked as the next methods' are.
+A method whose clipped sum is the backward of sum_i nu_i loss_i through the forward's own graph
 (method=jl; reweight's twopass) cannot mask it there: the record's inf/nan activations are in that graph, and
 0 * inf = nan reaches every parameter's sum. Nor does a finite norm and loss prove a finite backward where the norm is
 not reverse-mode (jl: forward-mode tangents or double-vjp projections): `torch.where(h > 100, 0, sqrt(100 - h))`
@@ -16,15 +17,21 @@ Such a method says so (Method.backward_holds_records). After each chunk, Method.
 record's norm and loss, and every parameter's summed gradient, were finite (the chunk's one read: free on the CPU, a
 sync on a GPU; the sum's check is an aminmax per parameter, NaN-propagating and free of overflow). Where not, the
 chunk's sum is formed again from the same random state (the same dropout masks and, for jl, the same directions:
-drawn once per logical step) with only some records kept, every other record's input row zeroed and its loss masked
-(`formed_with`): first the records whose norm and loss were finite; if that sum is not finite either, the records
+drawn once per logical step) with only some records kept, every other record's input row replaced by a copy of a
+kept record's row and its loss masked (`formed_with`, `filled_rows`): first the records whose norm and loss were finite; if that sum is not finite either, the records
 whose own backward is not finite are found by bisection (a kept set whose sum is not finite is halved, each half
 formed again, down to single records: about 2 log2(n) passes per such record) and left out too. Rows are
 independent (the first step's check refuses models that mix them), so this is a per-record decision: every other
 record adds exactly what it added before. A record left out gets norm nan in the chunk's output, so the epoch counts
 it among `nonfinite_records`; the losses and outputs are the first pass's. A sum that stays non-finite without those
-records (a backward that is not finite at a zeroed input row, or finite contributions that overflow their sum) is
-refused in one line (DprunError)."""
+records (finite contributions that overflow their sum) is refused in one line (DprunError).
+
+Why a copy of a kept row and not a row of zeros (as before stop 57): the filler's backward, its loss masked, runs
+with a zero output-gradient, and is finite wherever the copied record's own backward was (each local derivative
+that record met was finite, or its own gradient would not have been; 0 times a finite value is 0). A row of zeros
+has no such guarantee: `log(x)` of positive features, a mean over non-padding tokens without clamp(min=1), h / ||h||
+without an epsilon are nan there, so jl, twopass and recompute refused such sound models at the first step. A chunk
+with no record kept adds exactly zero, with no pass."""
 from __future__ import annotations
 
 import dataclasses
@@ -63,13 +70,28 @@ def read(flag: torch.Tensor) -> bool:
     return flag.device.type == "meta" or bool(flag)
 
 
+def filled_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x (n, ...) with the row of every record not kept (keep (n,) bool) replaced by a copy of the first kept
+    record's row (see the module docstring: its masked backward is finite where that record's own was). Where none is
+    kept, the copied row is x[0], itself not kept: its sum is checked like any other (Method.backward_holds_records)
+    and formed again as zero where not finite. No read of the device (argmax of the mask: the first True), so it
+    also runs inside a compiled graph."""
+    first = keep.to(torch.uint8).argmax().view(1)  # (1,): the first kept record, or 0 where none is kept
+    return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, x.index_select(0, first))  # index_select: no read
+
+
 def formed_with(method, model, loss_fn, x, y, keep: torch.Tensor, state, params) -> bool:
     """The chunk's clipped sum in p.grad formed again from `state` with only the records in `keep` ((n,) bool): the
-    others' input rows zeroed and losses masked. True if that sum is finite."""
-    set_rng_state(state, x.device)  # the same dropout masks for every record kept
+    others' input rows filled (`filled_rows`) and losses masked. True if that sum is finite. No record kept: the sum
+    is zero, formed without a pass."""
     for p in params:
         p.grad = None  # the earlier pass's sum is replaced, not added to
-    method.privatize(model, losses_kept(loss_fn, keep), certify.finite_rows(x, keep), y)
+    if not read(keep.any()):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        return True
+    set_rng_state(state, x.device)  # the same dropout masks for every record kept
+    method.privatize(model, losses_kept(loss_fn, keep), filled_rows(x, keep), y)
     return read(sum_finite(params))
 
 
@@ -97,18 +119,16 @@ def without_dropped(method, model, loss_fn, x, y, part, state, params):
         chosen[rows] = True
         return formed_with(method, model, loss_fn, x, y, chosen, state, params)
 
-    if not finite([]):
-        raise refused(method, "at an input row of zeros (where a record left out is put)")
     bad = not_finite(keep.nonzero()[:, 0].tolist(), finite)
     keep[bad] = False
     if not formed_with(method, model, loss_fn, x, y, keep, state, params):  # the final sum
-        raise refused(method, "for records that are each finite alone (their sum overflows)")
+        raise refused(method)
     norms = part.norms.clone()
     norms[bad] = float("nan")  # counted among the non-finite records
     return dataclasses.replace(part, norms=norms)
 
 
-def refused(method, where: str) -> DprunError:
+def refused(method) -> DprunError:
     return DprunError(f"method={method.name}'s clipped sum is not finite even without the records whose gradient is "
-                      f"not finite: the model's backward is not finite {where}, so no record can be left out "
-                      f"exactly; use method=nxbp or multiloss (each example's gradient alone)")
+                      f"not finite: records that are each finite alone overflow their sum, so no record can be left "
+                      f"out exactly; use method=nxbp or multiloss (each example's gradient alone)")

@@ -27,6 +27,7 @@ import torch
 
 from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized
+from runner.methods.dropped import filled_rows
 from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.features import Feature
 from runner.norms import Recorder, plan_model
@@ -37,7 +38,7 @@ from runner.norms.outer import KEEP, Stash
 from runner.norms.streaming import StreamingNorms, summed_terms
 from runner.norms.base import HOW
 from runner.norms import certify
-from runner.norms.certify import certified_norms, clipped_sums_of, exact_float32, finite_rows
+from runner.norms.certify import certified_norms, clipped_sums_of, exact_float32
 
 MODES = ("bk", "twopass", "recompute")
 # bk: lean = each layer's norm inside the backward, only what the clipped sums need kept (runner/norms/lean.py, issue
@@ -103,8 +104,10 @@ class ReweightGP(Method):
         return model
 
     def backward_holds_records(self) -> bool:
-        """twopass: its second backward runs through the first forward's graph (runner/methods/dropped.py)."""
-        return self.mode == "twopass"
+        """twopass: its second backward runs through the first forward's graph (runner/methods/dropped.py);
+        recompute: its second forward runs on a copy of a kept record's row in place of each record left out, whose
+        backward (loss masked) must be finite too: its sum is checked likewise."""
+        return self.mode in ("twopass", "recompute")
 
     def exact_under_tf32(self) -> bool:
         """bk: the records carry TF32's rounding, but the norms and the clipped sums are formed from them in float32
@@ -214,8 +217,9 @@ class ReweightGP(Method):
         norms = certified_norms(norms_sq, streaming.layers)  # (B,)
         nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
         set_rng_state(state, x.device)  # the second forward draws the dropout masks the norms were formed with
-        # a record with nu = 0 enters the second forward as zeros: its non-finite values never reach the graph
-        outputs = model(finite_rows(x, nu > 0))  # (B, classes)
+        # a record with nu = 0 enters the second forward as a copy of a kept record's row (runner/methods/dropped.py):
+        # its non-finite values never reach the graph, and the copy's backward (weight 0) is finite
+        outputs = model(filled_rows(x, nu > 0))  # (B, classes)
         losses = loss_fn(outputs, y)  # (B,)
         self.second_backward(params, weighted_loss(nu, losses))
         return outputs, losses, norms

@@ -164,31 +164,6 @@ def finite_gradients(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor, o
     return ok & torch.tensor([finite([r]) if bool(ok[r]) else False for r in range(len(ok))], device=ok.device)
 
 
-def check_zero_row(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:
-    """A method that leaves a record out by putting a row of zeros in its place and running the model again (jl and
-    reweight twopass: runner/methods/dropped.py; recompute's second forward) needs that row's backward, its loss
-    masked, to be finite. Else one record whose gradient is not finite ended the run mid-training, after steps were
-    released (review 7: h / ||h|| without an epsilon, nan at a zero row): its presence revealed. Refused here, on
-    the model alone (a row of zeros, no data), before anything is released."""
-    if not (method.backward_holds_records() or getattr(method, "mode", None) == "recompute"):
-        return
-    params = trainable(model)
-    rows = torch.cat([x[:1], torch.zeros_like(x[:1])])  # a probed example and the zero row, both losses masked
-    try:
-        with method.autocast(rows):
-            losses = loss_fn(model(rows), y[:1].repeat(2))
-            loss = torch.where(torch.zeros_like(losses, dtype=torch.bool), losses, torch.zeros_like(losses)).sum()
-        grads = torch.autograd.grad(loss, params, allow_unused=True) if params and loss.requires_grad else ()
-    except (ValueError, RuntimeError):
-        return  # a model that cannot run these rows at all (a loss of another shape): the other checks name it
-    if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
-        mode = f" mode={method.mode}" if getattr(method, "mode", None) else ""
-        raise DprunError(f"method={method.name}{mode} leaves a record whose gradient is not finite out by running "
-                         f"the model on a row of zeros in its place, and this model's backward at a row of zeros is "
-                         f"not finite (e.g. h / ||h|| without an epsilon); add an epsilon, or use method=nxbp, "
-                         f"multiloss or reweight with method.mode=bk")
-
-
 def orders(xs: torch.Tensor, ys: torch.Tensor, rows: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
     """The probe rows as drawn, and reversed (with each row's index in the batch, for the messages): a forward that
     reorders the batch by its data (sorting by length before packing, then restoring the order) is the identity on
@@ -269,7 +244,6 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
                 return  # no finite example in this batch: the next one is checked
             with torch.no_grad():
                 check_losses(loss_fn(model(xs), ys), k)
-            check_zero_row(method, model, loss_fn, xs, ys)
             if name not in ALONE and not method.updates_model and k >= 2:
                 check_independence(model, loss_fn, xs, ys, name)
             if name in PER_LAYER:
