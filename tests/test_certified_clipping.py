@@ -367,11 +367,12 @@ def test_a_non_finite_record_through_the_fused_attention_adds_nothing(name, cfg,
 
 
 def test_the_dropped_record_rerun_costs_nothing_when_every_record_is_finite(monkeypatch):
-    """jl and twopass ask once per chunk whether every record was finite; only a no forms the chunk again."""
+    """jl and twopass ask once per chunk whether every record was finite; only a no forms the chunk again (on the kept
+    records' rows)."""
     from runner.methods import dropped
 
-    calls = []
-    monkeypatch.setattr(dropped, "losses_kept", lambda loss_fn, keep: calls.append(keep) or loss_fn)
+    calls, kept_rows = [], dropped.kept_rows
+    monkeypatch.setattr(dropped, "kept_rows", lambda t, keep: calls.append(keep) or kept_rows(t, keep))
     torch.manual_seed(0)
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
     for name, cfg in [("jl", {"r": 2}), ("reweight", {"mode": "twopass"})]:
@@ -382,7 +383,7 @@ def test_the_dropped_record_rerun_costs_nothing_when_every_record_is_finite(monk
     assert calls == []
     x[1] = float("nan")
     method.step(m, ce, x, y, torch.optim.SGD(m.parameters(), lr=0.0), sample_rate=1.0, expected_batch_size=1.0)
-    assert len(calls) == 1 and calls[0].tolist() == [True, False, True, True]
+    assert len(calls) == 2 and calls[0].tolist() == [True, False, True, True]  # x's rows and y's, once
 
 
 class SeqMlp(nn.Module):

@@ -4,9 +4,9 @@ and `torch.where(h >= 100, 0, sqrt(100 - h))` takes the selected branch's tangen
 nan in the other; an entropy bonus `where(p > 0, p log p, 0)` does the same where a softmax underflows to 0. Before,
 one such record made the whole release nan (its presence revealed with certainty, the run ended as diverged). Its
 own backward is found by bisection over the chunk's records, it is counted as non-finite, every other record adds
-exactly what it adds without it. A record left out is replaced by a copy of a kept record's row, not a row of zeros,
-so a model whose backward is not finite at a zero row (log 0, h / ||h||) is not refused, and its zero records are
-left out too; reweight's recompute (a second forward over such filler rows) is checked likewise.
+exactly what it adds without it. The chunk is formed again on the kept records' rows alone (no row stands in for a
+record left out), so a model whose backward is not finite at a zero row (log 0, h / ||h||) is not refused, and its
+zero records are left out too; reweight's recompute (a second forward through the same rows) is checked likewise.
 Also: jl refuses EmbeddingBag at attach and turns torch.utils.checkpoint's and a missing derivative's errors into
 one-line DprunErrors."""
 from __future__ import annotations
@@ -165,24 +165,82 @@ def test_a_record_whose_backward_is_nan_adds_nothing_compiled(case):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_a_model_not_finite_at_a_zero_row_leaves_its_zero_records_out(case, physical):
     """ZeroNan's backward is nan at a row of zeros (0 * log 0). When a record left out was replaced by a row of zeros,
-    jl and twopass refused the step and recompute released nan; the filler is now a copy of a kept record's row:
-    the zero records add nothing, every other record what it adds without them."""
+    jl and twopass refused the step and recompute released nan; no row stands in for it now: the zero records add
+    nothing, every other record what it adds without them."""
     torch.manual_seed(0)
     x, y = data(bad=())
     x[[2, 6]] = 0.0  # their own backward is nan, their losses and estimates finite
     adds_nothing(*case, ZeroNan(), ce, x, y, bad=[2, 6], physical=physical)
 
 
-def test_a_filler_row_is_a_copy_of_the_first_kept_record():
-    x = torch.arange(12.0).view(4, 3)
-    keep = torch.tensor([False, True, False, True])
-    assert dropped.filled_rows(x, keep).tolist() == [x[1].tolist(), x[1].tolist(), x[1].tolist(), x[3].tolist()]
-    tokens = torch.tensor([[0, 5], [7, 0]])
-    assert dropped.filled_rows(tokens, torch.tensor([False, True])).tolist() == [[7, 0], [7, 0]]
+class DuplicatesPooled(nn.Module):
+    """out_i = h_i + the h_j of every other row identical to row i: rows without an exact duplicate are independent.
+    A copy of a kept record's row in a left-out record's place (stop 57's first filler) made one: 2 C (review 9)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.b(torch.relu(self.a(x)))  # (B, 3)
+        same = (x[:, None, :] == x[None, :, :]).all(-1) & ~torch.eye(len(x), dtype=torch.bool)  # (B, B)
+        return h + torch.where(same[:, :, None], h[None, :, :], torch.zeros(())).sum(1)
+
+
+class DuplicatesNan(DuplicatesPooled):
+    """-inf wherever a row has a duplicate: a filler duplicating a kept record dropped the whole chunk (review 9)."""
+
+    def forward(self, x):
+        h = self.b(torch.relu(self.a(x)))
+        with torch.no_grad():
+            count = (x[:, None, :] == x[None, :, :]).all(-1).sum(1, keepdim=True).to(h.dtype)  # (B, 1), self included
+        return h + (2 - count).log()
+
+
+class ZeroGradFill(torch.autograd.Function):
+    """Identity; its backward gives 10 x for a row whose output-gradient is exactly zero (a custom backward need not
+    be linear): a masked filler row leaked the copied record's activations, 62 C (review 9)."""
+
+    generate_vmap_rule = True  # jl's forward mode with r > 1 vmaps over its directions
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return torch.where((g == 0).all(1, keepdim=True), 10 * x, g)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t
+
+
+class ZeroGradNet(Mlp):
+    def forward(self, x):
+        return self.b(ZeroGradFill.apply(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("physical", [None, 4], ids=["one_chunk", "chunks_of_4"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("build", [DuplicatesPooled, DuplicatesNan, ZeroGradNet], ids=lambda b: b.__name__)
+def test_no_row_stands_in_for_a_record_left_out(build, case, physical):
+    """The chunk is formed again on the kept records' rows alone: nothing a model does with a stand-in row (a
+    duplicate of a kept record, a zero output-gradient) reaches the release, which equals the release without the
+    nan records."""
+    torch.manual_seed(0)
+    x, y = data(bad=())
+    x[[5, 7]] = float("nan")
+    adds_nothing(*case, build(), ce, x, y, bad=[5, 7], physical=physical)
 
 
 def test_a_chunk_with_no_record_kept_adds_exactly_zero():
-    """Every record left out: the sum is zero without a pass (ZeroNan at all-zero rows: every filler would be nan)."""
+    """Every record left out: the sum is zero without a pass (ZeroNan at all-zero rows: every row is nan alone)."""
     torch.manual_seed(0)
     x, y = data(bad=())
     x.zero_()

@@ -244,10 +244,9 @@ class Method:
         return self.unsupported(feature)
 
     def backward_holds_records(self) -> bool:
-        """True where the clipped sum is a backward through a forward's graph that holds a non-finite record's values
-        (0 * inf = nan would reach every sum) or a filler row in its place: each chunk is then checked, and formed
-        again without such records (runner/methods/dropped.py). False where the sum leaves them out itself (recorded
-        rows masked)."""
+        """True where the clipped sum is a backward through a forward's graph, which holds a non-finite record's
+        values (0 * inf = nan would reach every sum): each chunk is then checked, and formed again without such
+        records (runner/methods/dropped.py). False where the sum leaves them out itself (recorded rows masked)."""
         return False
 
     def exact_under_tf32(self) -> bool:

@@ -27,7 +27,6 @@ import torch
 
 from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized
-from runner.methods.dropped import filled_rows
 from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.features import Feature
 from runner.norms import Recorder, plan_model
@@ -105,8 +104,7 @@ class ReweightGP(Method):
 
     def backward_holds_records(self) -> bool:
         """twopass: its second backward runs through the first forward's graph (runner/methods/dropped.py);
-        recompute: its second forward runs on a copy of a kept record's row in place of each record left out, whose
-        backward (loss masked) must be finite too: its sum is checked likewise."""
+        recompute: through its second forward's, over the same rows."""
         return self.mode in ("twopass", "recompute")
 
     def exact_under_tf32(self) -> bool:
@@ -217,9 +215,9 @@ class ReweightGP(Method):
         norms = certified_norms(norms_sq, streaming.layers)  # (B,)
         nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
         set_rng_state(state, x.device)  # the second forward draws the dropout masks the norms were formed with
-        # a record with nu = 0 enters the second forward as a copy of a kept record's row (runner/methods/dropped.py):
-        # its non-finite values never reach the graph, and the copy's backward (weight 0) is finite
-        outputs = model(filled_rows(x, nu > 0))  # (B, classes)
+        # a record with nu = 0 adds 0 x its finite gradient; a non-finite one turns the sum into nan, and the chunk is
+        # formed again without it (backward_holds_records, runner/methods/dropped.py)
+        outputs = model(x)  # (B, classes)
         losses = loss_fn(outputs, y)  # (B,)
         self.second_backward(params, weighted_loss(nu, losses))
         return outputs, losses, norms
