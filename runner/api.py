@@ -37,7 +37,7 @@ from runner.data.sampler import Sampler
 from runner.accountants.published import delta_note
 from runner.errors import DprunError
 from runner.methods.base import StepOutput
-from runner.methods.privacy_check.probe_rows import dataset_probe
+from runner.methods.privacy_check.probe_rows import attach_probes
 from runner.validate import check_options
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, y) -> (B,)
@@ -312,7 +312,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     private = assemble(request, model, source.dataset, world, source.sampler)  # runner/assembly.py, as the CLI's
     private.method.privacy_check = bool(validate)  # the first step's check (runner/methods/privacy_check/)
     if source.loader is not None and private.method.private:  # a TensorDataset's records join its probe too
-        private.method.probe_records = dataset_probe(source.loader.dataset)
+        attach_probes(private.method, source.loader.dataset)
     if source.loader is not None and validate and private.method.private:  # rows built from their example alone
         privacy_check.check_collate(source.loader.dataset, source.loader.per_example_collate, private.method.name)
     privacy_check.check_ranks(world, *(source.tensors or (None, None)), private.sampler)  # same data, same batches

@@ -26,7 +26,7 @@ from runner.data.sampler import Sampler
 from runner.distributed import World
 from runner.errors import DprunError
 from runner.heap import retain_freed_memory
-from runner.methods.privacy_check.probe_rows import dataset_probe
+from runner.methods.privacy_check.probe_rows import attach_probes
 from runner.validate import integer
 
 log = logging.getLogger("dprun")
@@ -84,7 +84,7 @@ def assemble(request: Request, model: torch.nn.Module, data: Any, world: World,
                  "pooling is several times slower; the same values)")
     model = method.attach(model, data)  # validates (BatchNorm refused, norm-rule coverage) and prepares
     if method.private:  # training records with extreme keys join the first step's check (probe_rows.py)
-        method.probe_records = dataset_probe(data)
+        attach_probes(method, data)
     if any(p.device.type == "cpu" for p in model.parameters()):
         # a CPU step's freed blocks serve the next step (runner/heap.py): without it, glibc hands them back and the
         # next step re-faults them (reweight bk: ~700 / 5,600 / 3,500 minor faults a step on L&K's CNN at B=16,

@@ -33,6 +33,7 @@ from runner.methods.privacy_check.independence import check_independence
 from runner.methods.privacy_check.measured import (alone_grads, batch_row, check_against_oracle, check_inside_calls,
                                                    check_jl_release, check_own_rows, per_example_grads, tolerance)
 from runner.methods.privacy_check.probe_rows import spread_first
+from runner.methods.privacy_check.row_order import check_row_order
 from runner.methods.privacy_check.shapes import BLACK_BOX, check_batch_first, check_losses
 from runner.methods.privacy_check.state import check_unwritten, restore, snapshot
 
@@ -250,6 +251,7 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
                 check_batch_first(model, xs, name)
                 one_row(lambda: check_batch_first(model, xs[:1], name))  # no non-batch dimension equals both sizes
                 check_inside_calls(model, loss_fn, xs, ys, name)
+                check_row_order(method, model, x)  # the whole batch, and records of the features its rows tie on
             if name == "jl":  # black box: its estimates and its batch backward against each example alone
                 check_jl_release(method, model, loss_fn, xs, ys, rows_in_batch)
             check_unwritten(model, before, name)
