@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset as TorchDataset, Sampler as TorchSampler
+from torch.utils.data import DataLoader, Dataset as TorchDataset, IterableDataset, Sampler as TorchSampler
 from torch.utils.data.dataloader import default_collate
 
 from runner import distributed, randomness
@@ -115,11 +116,23 @@ class _NoStep:
         pass
 
 
+def tensor_leaves(batch, depth: int = 4) -> list[torch.Tensor]:
+    """The tensors in a batch: itself, or inside tuples, lists, namedtuples and dicts (a Hugging Face style record)."""
+    if torch.is_tensor(batch):
+        return [batch]
+    if depth == 0:
+        return []
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return [t for item in items for t in tensor_leaves(item, depth - 1)]
+
+
 def batch_size_of(batch) -> int:
-    """The number of examples in a DataLoader's batch ((x, y): len(y)); -1 when its structure does not say."""
-    if isinstance(batch, (list, tuple)) and batch and hasattr(batch[-1], "__len__"):
-        return len(batch[-1])
-    return -1
+    """The number of examples in a DataLoader's batch: the first dimension its tensors share ((x, y): len(y); a dict's
+    or a namedtuple's values alike); -1 where they share none (a structure step() cannot take either). Before review
+    9 only a tuple's or list's last item was read: a dict batch skipped the size check, and hand-made accumulation of
+    two yielded batches in one step (released at rate ~2q, accounted at q) passed."""
+    sizes = {len(t) for t in tensor_leaves(batch) if t.dim() > 0}
+    return sizes.pop() if len(sizes) == 1 else -1
 
 
 class PrivateTraining:
@@ -178,7 +191,11 @@ class PrivateTraining:
             self._collate_checked = True
 
     def _run(self, x, y, loss_fn: LossFn, optimizer) -> StepOutput:
-        self._check_batch(y)
+        record = getattr(self, "_record", None)
+        if record is not None and record["owner"] != id(self):
+            raise DprunError("this PrivateTraining was superseded by a later make_private on the same model (which "
+                             "accounts its steps from then on): step that one")
+        self._check_batch(x, y)
         indices = getattr(self, "_last_indices", None) if self._tensors is not None else None
         mechanism = self.method.step_mechanism(self.sample_rate, indices)
         if self.accountant is not None:  # one the accountant cannot compute (a sigma set since) is refused before
@@ -192,20 +209,33 @@ class PrivateTraining:
                 self._waiting = None  # even if something after the noise raised; a step refused before it (a bad
                 if self.accountant is not None:  # loss) leaves its batch waiting
                     self.accountant.step(mechanism)
+                if record is not None and self.method.private:  # public pretraining (nonprivate) is not counted
+                    record["steps"] += 1
         self.steps += 1
         return out
 
-    def _check_batch(self, y) -> None:
+    def _check_batch(self, x, y) -> None:
         """The epsilon counts one Poisson sample of the data per step: a batch batches() did not yield (the user's
         own loader: a fixed size, a shuffle) or one it yielded taken twice (two noise draws on one sample, or a
-        batch split by hand) is not the mechanism the accountant analyses. Refused in one line, before any work."""
+        batch split by hand) is not the mechanism the accountant analyses. Refused in one line, before any work.
+        x must hold exactly y's examples: an x of other rows (`step(x_train, yb)`) trained every step on x's first
+        len(y) rows, released at rate 1 and accounted at q (review 9)."""
+        if not (torch.is_tensor(x) and torch.is_tensor(y) and x.dim() > 0 and y.dim() > 0 and len(x) == len(y)):
+            shapes = [tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in (x, y)]
+            raise DprunError(f"private.step()/backward() takes x and y as tensors of the same examples (first "
+                             f"dimensions equal), got x {shapes[0]} and y {shapes[1]}: pass the inputs and labels of "
+                             f"the batch private.batches() yielded")
         waiting = getattr(self, "_waiting", None)
         if waiting is None:
             raise DprunError("private.step()/backward() takes each batch private.batches() yields, once; none is "
                              "waiting (the accountant counts one Poisson sample per step): iterate `for x, y in "
                              "private.batches(): private.step(x, y, loss_fn)`; for smaller chunks of a batch use "
                              "make_private(max_physical_batch_size=...)")
-        if waiting >= 0 and len(y) != waiting:
+        if waiting < 0:
+            raise DprunError("private.step()/backward(): the batch private.batches() yielded has no size its tensors "
+                             "share (a DataLoader's collate_fn returned no (x, y) of tensors), so the step cannot be "
+                             "matched to the Poisson sample the accountant counts; collate to tensors (x, y)")
+        if len(y) != waiting:
             raise DprunError(f"private.step()/backward() got a batch of {len(y)} examples, but the batch "
                              f"private.batches() yielded has {waiting}: the accountant counts that Poisson sample; "
                              f"pass the batch as it was yielded (moved to a device is fine)")
@@ -293,6 +323,12 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         pooling is several times slower on the CPU; time your model both ways) | "contiguous" (NCHW);
         runner/memory_format.py.
     """
+    record = getattr(model, WRAPPED, None)  # {"steps": released through make_private, "owner": the latest wrapper}
+    if record is not None and record["steps"] > 0 and method != "nonprivate":  # nonprivate publishes epsilon inf
+        raise DprunError(f"this model already trained {record['steps']} private steps through an earlier make_private, "
+                         f"whose PrivateTraining accounts them; a second make_private would start another ledger at "
+                         f"epsilon 0 with those steps left out: keep stepping the first one (its batches() for each "
+                         f"epoch), or build a fresh model")
     seed = privacy_check.shared_seed(seed, generator, distributed.current())  # several ranks: one sampling seed
     if generator is None and seed is not None and randomness.check_rng(rng) == "seeded":
         generator = torch.Generator().manual_seed(int(seed))
@@ -316,7 +352,17 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if source.loader is not None and validate and private.method.private:  # rows built from their example alone
         privacy_check.check_collate(source.loader.dataset, source.loader.per_example_collate, private.method.name)
     privacy_check.check_ranks(world, *(source.tensors or (None, None)), private.sampler)  # same data, same batches
-    return _training(private, optimizer, params_before, source, delta, generator, rng, validate, world)
+    training = _training(private, optimizer, params_before, source, delta, generator, rng, validate, world)
+    training._record = record if record is not None else {"steps": 0}
+    training._record["owner"] = id(training)  # an earlier wrapper of this model (no step taken) is superseded
+    for wrapped in {id(model): model, id(training.model): training.model}.values():
+        object.__setattr__(wrapped, WRAPPED, training._record)  # plain attribute: deepcopy copies it, state_dict not
+    return training
+
+
+# Set on a model make_private wrapped, shared by its wrappers (review 9: make_private called in each epoch's loop
+# started a new accountant each time: 24 steps released, 8 accounted, epsilon 3.18 published for 4.68).
+WRAPPED = "_dprun_make_private"
 
 
 def _check_optimizer_in_model(optimizer, params: list, model: torch.nn.Module) -> None:
@@ -363,6 +409,10 @@ class _Source:
             info = DataInfo("user", tuple(x.shape[1:]), int(y.max().item()) + 1 if y.numel() else 0,
                             train_size=len(y))
             self.dataset = Dataset(info, x, y, x[:0], y[:0], source="user")
+        elif isinstance(getattr(data, "dataset", data), IterableDataset):
+            raise DprunError(f"data is an IterableDataset ({type(getattr(data, 'dataset', data)).__name__}): Poisson "
+                             f"sampling draws records by index, which it has none of; pass a map-style Dataset "
+                             f"(__getitem__ and __len__), a DataLoader over one, or (x, y) tensors")
         elif isinstance(data, (TorchDataset, DataLoader)):
             self.data, self.dataset = data, None
         else:

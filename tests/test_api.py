@@ -493,3 +493,80 @@ def test_sbcd_noise_outside_float32s_range_is_refused(options):
     with pytest.raises(DprunError, match=r"^method=sbcd: its noise std and shift per layer .* must lie in \[1e-30, 1e30\]"):
         dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="sbcd",
                            batch_size=20, seed=0, method_options=options)
+
+
+def test_make_private_again_on_a_model_it_trained_privately_is_refused():
+    """Review 9: make_private in each epoch's loop started a new accountant each time (24 steps released, 8
+    accounted: epsilon 3.18 published for 4.68). A model that trained private steps through make_private is refused
+    by a second private make_private (its deep copy too); a wrapper replaced before any step is superseded."""
+    import copy
+
+    x, y = blobs()
+    model = nn.Linear(5, 3)
+    first = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=40, seed=0)
+    second = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=40, seed=0)
+    xb, yb = next(iter(first.batches()))
+    with pytest.raises(DprunError, match="superseded by a later make_private"):
+        first.step(xb, yb, loss_fn)
+    for xb, yb in second.batches():
+        second.step(xb, yb, loss_fn)
+    for again in (model, copy.deepcopy(model)):
+        with pytest.raises(DprunError, match=rf"^this model already trained {second.steps} private steps"):
+            dprun.make_private(again, torch.optim.SGD(again.parameters(), lr=0.1), (x, y), batch_size=40)
+    plain = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="nonprivate",
+                               batch_size=40)  # epsilon inf: nothing to leave out
+    assert plain.get_epsilon(1e-5) == math.inf
+
+
+def test_x_of_other_examples_than_y_is_refused():
+    """Review 9: step(x_train, yb) (a typo) trained every step on x_train's first len(yb) rows, released at rate 1 and
+    accounted at q: 16 steps accepted by every method."""
+    x, y = blobs()
+    model = nn.Linear(5, 3)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=40, seed=0)
+    xb, yb = next(iter(private.batches()))
+    for bad_x in (x, xb[:-1], (xb,)):
+        with pytest.raises(DprunError, match=r"^private.step\(\)/backward\(\) takes x and y as tensors of the same"):
+            private.step(bad_x, yb, loss_fn)
+    assert private.steps == 0
+
+
+def test_a_dict_batch_is_held_to_its_size():
+    """Review 9: a Dataset of {"x", "y"} records skipped the size check (batch_size_of read only tuples): two yielded
+    batches stepped as one (released at rate ~2q, accounted at q) passed."""
+    from torch.utils.data import DataLoader, Dataset
+
+    x, y = blobs()
+
+    class Records(Dataset):
+        def __len__(self):
+            return len(y)
+
+        def __getitem__(self, i):
+            return {"x": x[i], "y": y[i]}
+
+    model = nn.Linear(5, 3)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(Records()),
+                                 batch_size=40, seed=0)
+    batches = iter(private.batches())
+    one, two = next(batches), next(batches)
+    with pytest.raises(DprunError, match=r"got a batch of \d+ examples, but the batch private.batches\(\) yielded has"):
+        private.step(torch.cat([one["x"], two["x"]]), torch.cat([one["y"], two["y"]]), loss_fn)
+    private.step(two["x"], two["y"], loss_fn)
+    assert private.steps == 1
+
+
+def test_an_iterable_dataset_is_refused_in_one_line():
+    from torch.utils.data import DataLoader, IterableDataset
+
+    x, y = blobs()
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(zip(x, y))
+
+    for data in (Stream(), DataLoader(Stream(), batch_size=8)):
+        model = nn.Linear(5, 3)
+        with pytest.raises(DprunError, match=r"^data is an IterableDataset \(Stream\)") as e:
+            dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=8)
+        assert "\n" not in str(e.value)
