@@ -13,11 +13,11 @@ A model whose rows are independent is permutation-equivariant layer by layer: th
 rows come permuted alike. A sort is not, on any two rows whose keys differ. So the check runs one forward of the
 rows as drawn and one of them in a fixed shuffled order (no gradients; not reversed: a forward that reverses the
 batch commutes with that), and compares every covered call's input row by row. The rows: every
-finite row of the first batch, and, where the training set is in memory (probe_rows.feature_extremes), for each
-feature whose training range reaches beyond the batch's, the training records holding that feature's largest and
-smallest value (those of the features the batch's rows tie on first: a rare flag's records; a text longer or shorter
-than the batch's), up to EXTRA_RECORDS. Randomness in the forward (dropout) would differ between the two orders:
-dropout modules run in eval mode, and a forward still random is compared in eval mode throughout.
+finite row of the first batch, and, where the training set is in memory (probe_rows.feature_extremes), training
+records lying outside the batch's range on each feature whose training range reaches beyond it (`covering`: a rare
+flag's records; a text longer or shorter than the batch's), up to EXTRA_RECORDS. Randomness in the forward (dropout) would differ between the two orders:
+dropout modules run in eval mode, and where the orders differ, a forward that is still random (a second forward of
+the same rows differs) is compared again in eval mode.
 
 What it cannot see: a key that is a function of several features (or of a feature of a layer's output) on which the
 first batch and the added records tie, and a reorder only in training mode of a forward with randomness outside
@@ -30,27 +30,41 @@ from torch import nn
 from runner.errors import DprunError
 from runner.methods.privacy_check.shapes import BLACK_BOX, covered, first_input
 
-EXTRA_RECORDS = 512  # training records added at most (the cost: two forwards without gradients of these rows)
+EXTRA_RECORDS = 256  # training records added at most (the cost: two forwards without gradients of these rows)
 CHUNK = 256  # rows per forward at least (a run's physical batch if larger): memory as a no-grad forward of these
 
 
 def rows_to_check(method, x: torch.Tensor) -> torch.Tensor:
-    """(n, ...) training records holding a feature's value outside the range of the batch's finite rows (those of the
-    features the rows tie on first: a rare flag's), up to EXTRA_RECORDS, then those rows."""
+    """(n, ...) training records holding values outside the range of the batch's finite rows (`covering`), then
+    those rows."""
     flat = x.reshape(len(x), -1)
     rows = x[torch.isfinite(flat).all(1)] if x.is_floating_point() else x
     found = getattr(method, "probe_features", None)
     if found is None or len(rows) == 0 or found.largest.numel() != flat.shape[1] or found.x.dtype != x.dtype:
         return rows
     seen = rows.reshape(len(rows), -1)
-    high, low = seen.amax(0).to(found.largest.device), seen.amin(0).to(found.largest.device)  # (d,)
-    tied, above, below = high == low, found.largest > high, found.smallest < low
-    index = torch.cat([found.at_largest[tied & above], found.at_smallest[tied & below],
-                       found.at_largest[~tied & above], found.at_smallest[~tied & below]]).tolist()
-    index = list(dict.fromkeys(index))[:EXTRA_RECORDS]  # distinct, in that order
+    index = covering(found, seen.amax(0).to(found.largest.device), seen.amin(0).to(found.largest.device))
     if not index:
         return rows
     return torch.cat([found.x[torch.tensor(index, device=found.x.device)].to(x.device), rows])
+
+
+def covering(found, high: torch.Tensor, low: torch.Tensor) -> list[int]:
+    """Training records (indices, up to EXTRA_RECORDS) such that every feature whose training range reaches beyond the
+    batch's [low, high] has a record outside it: chosen greedily, the record outside on the most features not yet
+    covered first, among the features' extreme records, those of the features the batch's rows tie on (a rare flag)
+    before the others. A few records cover most: a long text every padded position of a batch of shorter ones."""
+    candidates = list(dict.fromkeys(torch.cat([found.at_largest, found.at_smallest]).tolist()))  # distinct records
+    values = found.x[torch.tensor(candidates, device=found.x.device)].reshape(len(candidates), -1).to(high.device)
+    outside = (values > high) | (values < low)  # (c, d): candidate c lies outside the batch's range on feature d
+    order = []
+    for needed in (high == low, high != low):  # tied features first
+        left = needed & outside.any(0)  # (d,) features still to cover
+        while bool(left.any()) and len(order) < EXTRA_RECORDS:
+            best = int((outside & left).sum(1).argmax())
+            order.append(candidates[best])
+            left &= ~outside[best]
+    return list(dict.fromkeys(order))
 
 
 def call_inputs(model: nn.Module, x: torch.Tensor) -> list[tuple[str, nn.Module, torch.Tensor]]:
@@ -78,10 +92,10 @@ def same_rows(a: torch.Tensor, b: torch.Tensor, rtol: float) -> torch.Tensor:
     a row that is not finite in either counts as equal: a record that is not finite adds nothing)."""
     if not a.is_floating_point():
         return (a == b).reshape(len(a), -1).all(1)
-    a, b = a.double().reshape(len(a), -1), b.double().reshape(len(b), -1)
-    finite = torch.isfinite(a).all(1) & torch.isfinite(b).all(1)
-    a, b = torch.where(finite[:, None], a, 0.0), torch.where(finite[:, None], b, 0.0)
-    return (a - b).norm(dim=1) <= rtol * torch.maximum(a.norm(dim=1), b.norm(dim=1)) + 1e-30
+    a, b = a.float().reshape(len(a), -1), b.float().reshape(len(b), -1)
+    scale = torch.maximum(a.norm(dim=1), b.norm(dim=1))  # (n,) inf or nan where a row is not finite
+    differ = (a - b).norm(dim=1) > rtol * scale + 1e-30
+    return ~differ | ~torch.isfinite(scale)
 
 
 def shuffled(n: int) -> torch.Tensor:
@@ -105,10 +119,11 @@ def reordered(model: nn.Module, rows: torch.Tensor, rtol: float) -> tuple[str, n
     return None
 
 
-def random_forward(model: nn.Module, rows: torch.Tensor) -> bool:
-    """Two forwards of the same rows differ (randomness outside the dropout modules already in eval mode)."""
-    one, two = call_inputs(model, rows), call_inputs(model, rows)
-    return any(not torch.equal(a, b) for (_, _, a), (_, _, b) in zip(one, two)) or len(one) != len(two)
+def random_forward(model: nn.Module, rows: torch.Tensor, first) -> bool:
+    """A second forward of the same rows differs from `first` (call_inputs of the first): randomness outside the
+    dropout modules already in eval mode."""
+    again = call_inputs(model, rows)
+    return len(again) != len(first) or any(not torch.equal(a, b) for (_, _, a), (_, _, b) in zip(first, again))
 
 
 @torch.no_grad()
@@ -124,10 +139,11 @@ def check_row_order(method, model: nn.Module, x: torch.Tensor) -> None:
     rtol = 5e-2 if method.precision == "bf16" else 1e-3  # reordered rows are other examples' rows: off by O(1)
     size = max(CHUNK, method.physical_batch_size or 0)
     with method.autocast(rows):
-        if random_forward(model, rows[:size]):
-            model.eval()
         for part in rows.split(size):
             found = reordered(model, part, rtol) if len(part) >= 2 else None
+            if found is not None and model.training and random_forward(model, part, call_inputs(model, part)):
+                model.eval()  # a forward random outside dropout modules: the two orders compared without it
+                found = reordered(model, part, rtol)
             if found is not None:
                 path, module = found
                 raise DprunError(f"{path} ({type(module).__name__}) is fed the examples in another order than the "

@@ -1,0 +1,50 @@
+"""runner/methods/privacy_check/row_order.py and probe_rows.feature_extremes: which training records the first
+step's reorder check adds, checked against brute force (tests/test_privacy_validator.py checks the refusals)."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import TensorDataset
+
+from runner.methods.privacy_check import probe_rows, row_order
+
+
+def test_feature_extremes_are_each_features_largest_and_smallest_finite_record(monkeypatch):
+    monkeypatch.setattr(probe_rows, "CHUNK", 7)  # several chunks, the last one short
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 2, 3, generator=g)
+    x[4, 1, 2] = float("nan")  # a record that is not finite is never chosen, whatever its other values
+    x[4, 0, 0] = 99.0
+    x[11, 0, 1] = float("inf")
+    found = probe_rows.feature_extremes(TensorDataset(x, torch.zeros(30)))
+    finite = [i for i in range(30) if i not in (4, 11)]
+    flat = x.reshape(30, -1)[finite]
+    assert torch.equal(found.largest, flat.amax(0)) and torch.equal(found.smallest, flat.amin(0))
+    assert torch.equal(x.reshape(30, -1)[found.at_largest, torch.arange(6)], found.largest)
+    assert torch.equal(x.reshape(30, -1)[found.at_smallest, torch.arange(6)], found.smallest)
+    tokens = torch.randint(0, 50, (40, 9), generator=g)
+    found = probe_rows.feature_extremes(TensorDataset(tokens, torch.zeros(40)))
+    assert torch.equal(found.largest, tokens.amax(0)) and torch.equal(tokens[found.at_smallest, torch.arange(9)],
+                                                                       tokens.amin(0))
+
+
+def test_the_records_added_cover_every_feature_outside_the_batchs_range():
+    """Texts of 30-60 tokens among 2000, one of 100: a batch of the short ones gets the long one (it alone lies
+    outside the batch's range at every position past 60) and records shorter than the batch's shortest."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(30, 61, (2000,), generator=g)
+    lengths[1234] = 100
+    x = torch.randint(1, 9, (2000, 100), generator=g)
+    x[torch.arange(100)[None, :] >= lengths[:, None]] = 0
+    method = type("M", (), {})()
+    probe_rows.attach_probes(method, TensorDataset(x, torch.zeros(2000)))
+    batch = x[(lengths >= 40) & (lengths <= 50)][:32]
+    rows = row_order.rows_to_check(method, batch)
+    added = rows[:len(rows) - len(batch)]
+    assert torch.equal(rows[len(added):], batch)
+    assert any(torch.equal(r, x[1234]) for r in added)  # the long text
+    assert bool(((added != 0).sum(1) < 40).any())  # a text shorter than every one of the batch
+    seen = batch.reshape(len(batch), -1)
+    outside = lambda rows_: (rows_ > seen.amax(0)) | (rows_ < seen.amin(0))  # noqa: E731
+    need = outside(x).any(0)  # every feature some training record lies outside the batch's range on
+    assert torch.equal(outside(added).any(0), need)
+    assert len(added) <= 20  # a few records cover them (greedy), not one per feature
