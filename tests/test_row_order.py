@@ -48,3 +48,25 @@ def test_the_records_added_cover_every_feature_outside_the_batchs_range():
     need = outside(x).any(0)  # every feature some training record lies outside the batch's range on
     assert torch.equal(outside(added).any(0), need)
     assert len(added) <= 20  # a few records cover them (greedy), not one per feature
+
+
+def test_rows_are_matched_by_their_nearest_sketch_not_a_tolerance():
+    """A call's rows matched to their own, offset or not; a swap of two rows that differ by 1e-4 of their norm (review
+    10: a relative tolerance let it pass) is seen; exact duplicates swapped are not a reorder."""
+    g = torch.Generator().manual_seed(0)
+    rows = 1e3 + 0.01 * torch.randn(16, 5, 3, generator=g)  # (n, ...) a call's input, a large common offset
+    order = row_order.shuffled(16)
+    drawn, permuted = row_order.sketch(rows), row_order.sketch(rows[order])
+    assert not row_order.moved(drawn, permuted, order)
+    swapped = rows[order].clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert row_order.moved(drawn, row_order.sketch(swapped), order)
+    twins = rows.clone()
+    twins[3] = twins[7]
+    swapped = twins[order].clone()
+    i, j = int((order == 3).nonzero()[0, 0]), int((order == 7).nonzero()[0, 0])
+    swapped[[i, j]] = swapped[[j, i]]
+    assert not row_order.moved(row_order.sketch(twins), row_order.sketch(swapped), order)
+    nan_row = rows.clone()
+    nan_row[5] = float("nan")  # a row that is not finite is never counted
+    assert not row_order.moved(row_order.sketch(nan_row), row_order.sketch(nan_row[order]), order)
