@@ -1140,7 +1140,7 @@ def wide_flagged_records(seed, width, offset=0.0):
 
 
 @pytest.mark.parametrize("mode", ["twopass", "bk", "recompute"])
-@pytest.mark.parametrize("width,offset", [(24, 0.0), (784, 0.0), (24, 100.0)])
+@pytest.mark.parametrize("width,offset", [(24, 0.0), (784, 0.0), (24, 100.0), (24, 1e4)])
 @pytest.mark.parametrize("seed", range(3))
 def test_a_sort_by_a_rare_flag_of_wide_rows_is_refused(seed, width, offset, mode):
     """The documented gap until stop 57: the rare flag of review 7 on rows of 24 features (too wide for each
