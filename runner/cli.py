@@ -23,11 +23,13 @@ from runner.overrides import (CONFIG_GROUPS, check_group_choices, check_group_ke
                               check_sweeps)
 from runner.paths import CONF_DIR, register_resolvers
 from runner.registry import unknown_name_message
-from runner.run_dir import check_reused_dirs, discard_hydra_record, discard_unstarted, run_dir_in_out_dir
+from runner.run_dir import (check_job_folders, check_reused_dirs, discard_hydra_record, discard_unstarted,
+                            ensure_fresh, new_parents, remove_empty_parents, run_dir_in_out_dir)
 from runner.speaker import Speaker
 
 register_resolvers()  # before @hydra.main composes conf/
 NEW_DIRS: set[Path] = set()  # out_dir= folders that did not exist before Hydra made them (main() notes them)
+NEW_PARENTS: set[Path] = set()  # the folders above a single run's folder that Hydra will make (outputs/runs/<date>)
 EXIT_DIVERGED = 3  # a run whose loss or parameters became non-finite (status `diverged`); 2: refused; 1: failed
 
 
@@ -39,6 +41,8 @@ def run(cfg: DictConfig, speaker: Speaker | None = None) -> dict:
         with sigterm_as_interrupt():
             return train(cfg, out_dir)
     with run_lock.holding(out_dir):  # before the log: a second writer (resume= of a running run) touches nothing
+        if not cfg.get("resume"):  # before the log too: a run refused another run's folder writes nothing into it
+            ensure_fresh(out_dir)
         log_file = logging.FileHandler(Path(out_dir) / "dprun.log")  # the run's log (Slurm jobs have no terminal)
         log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         logging.getLogger().addHandler(log_file)
@@ -159,10 +163,10 @@ def discard_refused(cfg: DictConfig, out_dir: Path | None) -> None:
     hydra_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.out_dir and out_dir is None and hydra_dir.resolve() == Path(cfg.out_dir).resolve():  # a user's folder
         discard_hydra_record(hydra_dir)  # it stays, without the record Hydra wrote into it
-    else:
-        discard_unstarted(hydra_dir)
-    if out_dir is not None:
-        discard_unstarted(out_dir)
+    elif discard_unstarted(hydra_dir):
+        remove_empty_parents(hydra_dir, NEW_PARENTS)  # e.g. outputs/runs/<date>/, if this run made it
+    if out_dir is not None and discard_unstarted(out_dir):
+        remove_empty_parents(out_dir, NEW_PARENTS)
 
 
 def extra_sweeps_note(argv: list[str]) -> str | None:
@@ -261,12 +265,15 @@ def main() -> None:
         check_group_choices(argv)
         check_launcher_extra(argv)
         check_keys(argv)
-        check_group_keys(argv)  # method.r=3 under method=nonprivate: one line, not Hydra's "not in struct"
+        resuming = any(a.lstrip("+").startswith("resume=") and a.partition("=")[2] not in ("", "null") for a in argv)
+        if not resuming:  # (a resume's keys are checked against that run's own config: resume_argv)
+            check_group_keys(argv)  # method.r=3 under method=nonprivate: one line, not Hydra's "not in struct"
         check_scale(argv)  # scale=huge: before Hydra resolves ${scales.huge.*}
         check_noise(argv)  # sigma= with target_epsilon=
+        check_job_folders(argv)  # one folder per job: out_dir= under -m, hydra.sweep.subdir=, hydra.output_subdir=
         check_reused_dirs(argv)
         # resume=<dir>: that run's own config (summary.json), continued in its folder; checked before Hydra writes
-        if any(a.lstrip("+").startswith("resume=") for a in argv):
+        if resuming:
             from runner.checkpoint import resume_argv  # (dp-accounting, scipy: only to resume)
 
             argv_run = resume_argv(argv)
@@ -279,6 +286,9 @@ def main() -> None:
         hydra_argv = run_dir_in_out_dir(argv_run)  # out_dir=X: Hydra's .hydra/ record inside X too
         NEW_DIRS.update(Path(a.partition("=")[2]).resolve() for a in hydra_argv
                         if a.startswith("hydra.run.dir=") and not Path(a.partition("=")[2]).exists())
+        NEW_PARENTS.clear()  # (a test's in-process runs share this module)
+        if not resuming and not {"-m", "--multirun"} & set(hydra_argv):
+            NEW_PARENTS.update(new_parents(run_dir_pattern(hydra_argv)))
         nproc = launch.processes(argv)  # distributed.nproc_per_node=N, or what a resumed run recorded
         if nproc > 1 and Speaker.here().size == 1:  # start the N ranks, each running this command
             sys.exit(launch.launch(argv, nproc, new_dirs=set(NEW_DIRS)))
@@ -290,6 +300,16 @@ def main() -> None:
         print(f"dprun: {e}", file=sys.stderr)
         sys.exit(2)
     _hydra_main()
+
+
+def run_dir_pattern(argv: list[str]) -> str:
+    """hydra.run.dir as the command line gives it, else conf/config.yaml's (outputs/runs/${now:%Y-%m-%d}/...)."""
+    given = [a.partition("=")[2] for a in argv if a.lstrip("+").startswith("hydra.run.dir=")]
+    if given:
+        return given[-1]
+    import yaml
+
+    return str(yaml.safe_load((Path(CONF_DIR) / "config.yaml").read_text())["hydra"]["run"]["dir"])
 
 
 def rank_argv(argv: list[str]) -> list[str]:

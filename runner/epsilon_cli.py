@@ -8,7 +8,7 @@ Steps = round(epochs x steps per epoch), where an epoch is max(1, round(n / batc
 (runner/data/sampler.py), so `--epochs 20` gives the epsilon a 20-epoch run publishes. Poisson sampling at
 q = batch_size / n. r = inf is the exact Gaussian
 mechanism (accountant pld unless --accountant says otherwise). An infinite epsilon is printed with the certified
-lower bound of the JL analysis, e.g. "inf (> 430)".
+lower bound of the JL analysis, e.g. "inf (> 430)". A delta not below 1/N is warned about on stderr, as dprun does.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import time
 
 from runner import accountants
 from runner.accountants import SubsampledGaussian, SubsampledJL
+from runner.accountants.published import delta_note
 from runner.data.sampler import poisson_steps_per_epoch
 from runner.entry import OneLineParser, run_entry
 from runner.errors import DprunError
@@ -61,6 +62,25 @@ def check_args(n: int, batch_size: int, sigma: float, epochs: float, delta: floa
     return steps
 
 
+def analysing(mechanism) -> list[str]:
+    """The registered accountants that analyse `mechanism` (pld, rdp, gdp for the exact Gaussian; jl for JL)."""
+    return [name for name, cls in accountants.ACCOUNTANTS.items() if cls().supports(mechanism)]
+
+
+def check_accountant(name: str | None, rs: list[float]) -> None:
+    """--accountant is r=inf's (the exact Gaussian; JL dimensions always use jl): one that analyses it, or, with only
+    JL dimensions asked for, jl; a one-line DprunError otherwise (none computes no epsilon)."""
+    if name is None:
+        return
+    exact = any(math.isinf(r) for r in rs)
+    mech = SubsampledGaussian(0.5, 1.0) if exact else SubsampledJL(0.5, 1.0, 1)
+    valid = analysing(mech)
+    if name not in valid:
+        where = "r=inf (the exact Gaussian)" if exact else "JL dimensions (finite --r)"
+        what = "computes no epsilon" if name == "none" else "is not valid"
+        raise DprunError(f"--accountant={name} {what}; valid for {where}: {', '.join(valid)}")
+
+
 def epsilon_row(n: int, batch_size: int, sigma: float, epochs: float, delta: float, r: float,
                 accountant: str | None) -> tuple[float, float, str]:
     """-> (epsilon, seconds, printable) for one r."""
@@ -70,8 +90,8 @@ def epsilon_row(n: int, batch_size: int, sigma: float, epochs: float, delta: flo
         name = accountant or "pld"
         mech = SubsampledGaussian(sample_rate=q, noise_multiplier=sigma)
     else:
-        name = accountant or "jl"
         mech = SubsampledJL(sample_rate=q, noise_multiplier=sigma, r=int(r))
+        name = accountant if accountant in analysing(mech) else "jl"  # JL dimensions: jl (--accountant is r=inf's)
     acc = accountants.build(name)
     acc.step(mech, count=steps)
     eps = acc.epsilon(delta)
@@ -96,9 +116,13 @@ def epsilon_table(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=float, required=True)
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--r", type=parse_r, nargs="+", default=[math.inf], help="JL dimensions; 'inf' = exact Gaussian")
-    p.add_argument("--accountant", default=None, help="rdp | pld | gdp for r=inf (default pld); jl for finite r")
+    p.add_argument("--accountant", default=None, help="rdp | pld | gdp for r=inf (default pld); finite r always uses jl")
     args = p.parse_args(argv)
     steps = check_args(args.n, args.batch_size, args.sigma, args.epochs, args.delta)
+    check_accountant(args.accountant, args.r)  # before the header: a refused command prints one line only
+    weak = delta_note(args.delta, args.n)  # as dprun warns
+    if weak:
+        print(f"dprun-eps: warning: {weak}", file=sys.stderr)
     print(f"N={args.n} B={args.batch_size} q={args.batch_size / args.n:.5g} steps={steps} "
           f"({poisson_steps_per_epoch(args.n, args.batch_size)} per epoch) sigma={args.sigma} delta={args.delta:g}")
     print(f"{'r':>5}  {'epsilon':>22}  {'seconds':>8}")

@@ -57,6 +57,65 @@ def check_reused_dirs(argv: list[str]) -> None:
             ensure_fresh(value)
 
 
+def check_job_folders(argv: list[str]) -> None:
+    """One folder per job, before Hydra writes anything: refused in one line
+    - under -m, `out_dir=X` that is not swept over one distinct folder per job (every job would write into X: the
+      second one found the first one's run there), and `hydra.run.dir=` (Hydra ignores it under -m);
+    - `hydra.sweep.subdir=` without ${hydra.job.num} (each job would rewrite the previous job's .hydra/ record);
+    - `hydra.output_subdir=` that is not a plain folder name (`../other/.hydra` rewrites another run's record).
+    An interpolated out_dir is left to the check each job makes before it writes (runner/cli.py: run)."""
+    import re
+
+    from runner.overrides import chosen_options, group_options, parsed_overrides, CONFIG_GROUPS
+
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    parsed = parsed_overrides(argv)
+    for arg, o in parsed:
+        key, value = o.key_or_group, arg.partition("=")[2].strip("'\"")
+        if o.is_delete() or value in ("", "null"):
+            continue
+        if key == "hydra.sweep.subdir" and (not re.search(r"\$\{\s*hydra\.job\.num\s*\}", value)
+                                             or _leaves_folder(value)):
+            raise DprunError(f"hydra.sweep.subdir={value} is not valid: it must contain ${{hydra.job.num}} (one "
+                             f"folder per job of a sweep) and stay inside hydra.sweep.dir, e.g. "
+                             f"'hydra.sweep.subdir=${{hydra.job.num}}_mine'; or leave it unset")
+        if key == "hydra.output_subdir" and (not re.fullmatch(r"[^/\\$]+", value) or value in (".", "..")):
+            raise DprunError(f"hydra.output_subdir={value} is not valid: it must be a plain folder name inside the "
+                             f"run's folder (e.g. .hydra, the default), or null for no record")
+        if multirun and key == "hydra.run.dir":
+            raise DprunError(f"{arg}: dprun -m does not use hydra.run.dir (each job's folder is hydra.sweep.dir/"
+                             f"hydra.sweep.subdir); name the sweep's folder with hydra.sweep.dir={value}")
+    if not multirun:
+        return
+    for arg, o in parsed:
+        if o.key_or_group != "out_dir" or o.is_delete():
+            continue
+        folders = list(o.sweep_string_iterator()) if o.is_sweep_override() and o.is_discrete_sweep() else \
+            [arg.partition("=")[2]]
+        if any("${" in f for f in folders):  # interpolated: each job checks its own folder before it writes
+            continue
+        folders = [f.strip("'\"") for f in folders]
+        if all(f in ("", "null") for f in folders):
+            continue
+        jobs = 1
+        for _, other in parsed:
+            if other is o or not other.is_sweep_override():
+                continue
+            if other.key_or_group in CONFIG_GROUPS:
+                jobs *= len(chosen_options(other, group_options(other.key_or_group)))
+            else:
+                jobs *= len(list(other.sweep_string_iterator())) if other.is_discrete_sweep() else 2  # interval()
+        presets = any(p.key_or_group == "experiment" and str(p.value()) not in ("null", "None") for _, p in parsed)
+        if jobs > 1 or presets or len(set(folders)) < len(folders):
+            raise DprunError(f"{arg} under -m would put several jobs of the sweep into one folder (each job after "
+                             f"the first would find a run there); leave out_dir unset and name the sweep's folder "
+                             f"with hydra.sweep.dir={folders[0]} (one subfolder per job)")
+
+
+def _leaves_folder(value: str) -> bool:
+    return value.startswith(("/", "\\")) or ".." in value.replace("\\", "/").split("/")
+
+
 def discard_unstarted(folder: str | Path) -> bool:
     """Remove a run folder that holds nothing but Hydra's .hydra/ record and dprun.log: what a run refused before
     training leaves. Anything else in it (results, a checkpoint, a user's file, a link) keeps the whole folder, and
@@ -77,6 +136,33 @@ def discard_unstarted(folder: str | Path) -> bool:
         hydra.rmdir()
     folder.rmdir()
     return True
+
+
+def new_parents(run_dir: str) -> set[Path]:
+    """The folders above a run folder (hydra.run.dir's value, `${now:...}` filled in as Hydra will) that do not exist
+    yet: Hydra makes them with the run's folder, and a refused run removes them again (remove_empty_parents). A
+    part that is another interpolation ends the known prefix."""
+    import re
+    from datetime import datetime
+
+    folder, missing = Path.cwd(), set()
+    for part in Path(run_dir).parts[:-1]:
+        part = re.sub(r"\$\{now:([^}]*)\}", lambda m: datetime.now().strftime(m.group(1)), part)
+        if "${" in part:
+            break
+        folder = folder / part
+        if not folder.exists():
+            missing.add(folder.absolute())
+    return missing
+
+
+def remove_empty_parents(folder: str | Path, made: set[Path]) -> None:
+    """After a refused run's folder is gone: its parents that this command made (`made`, from new_parents) and that
+    are empty now, deepest first (outputs/runs/<date>/ of a first run refused that day)."""
+    parent = Path(folder).absolute().parent
+    while parent in made and parent.is_dir() and not parent.is_symlink() and not any(parent.iterdir()):
+        parent.rmdir()
+        parent = parent.parent
 
 
 def discard_hydra_record(folder: str | Path) -> None:

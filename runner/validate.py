@@ -54,10 +54,12 @@ def _as_float(value: Any) -> float | None:
         return None
 
 
-def integer(low: int | None = None) -> Rule:
+def integer(low: int | None = None, high: int | None = None) -> Rule:
     def rule(value):
         v = _as_int(value)
-        if v is None or (low is not None and v < low):
+        if v is None or (low is not None and v < low) or (high is not None and v > high):
+            if high is not None:
+                return f"an integer in [{low}, {high}]"
             return "an integer" + (f" >= {low}" if low is not None else "")
         return None
     return rule
@@ -75,6 +77,16 @@ def number(low: float, low_open: bool, high: float = math.inf, high_open: bool =
             return f"a finite number {'>' if low_open else '>='} {low:g}"
         return f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
     return rule
+
+
+def at_most(rule: Rule, high: float, why: str) -> Rule:
+    """`rule`, and at most `high` (a bound only huge values meet, named only to them: lr=1e308)."""
+    def check(value):
+        what = rule(value)
+        if what is None and _as_float(value) > high:
+            return f"{rule(math.nan)} and <= {high:.17g} ({why})"
+        return what
+    return check
 
 
 def one_of(*choices: str) -> Rule:
@@ -119,6 +131,11 @@ def optional(rule: Rule) -> Rule:
     return check
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch's optimizers take lr, momentum, weight_decay, eps as float32 scalars
+FLOAT32_WHY = "float32's largest: torch's optimizer takes it as a float32"
+SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)  # what torch.manual_seed and torch.Generator.manual_seed accept
+TIMEOUT_MAX = 86400 * 999_999_999  # datetime.timedelta's largest span, in seconds (the process group's timeout)
+
 # knob -> rule. The ranges are where the run means something: clip <= 0 freezes the model or ascends the loss,
 # sigma < 0 is not a noise level, delta must be a probability strictly inside (0, 1) for epsilon(delta) to exist.
 RULES: dict[str, Rule] = {
@@ -128,10 +145,10 @@ RULES: dict[str, Rule] = {
     "max_steps_per_epoch": optional(integer(1)),
     "max_eval_batches": optional(integer(1)),  # -1 evaluated no example at all: test_acc 0 on a "finished" run
     "warmup_steps": integer(0),
-    "seed": integer(),
+    "seed": integer(*SEED_RANGE),
     "rng": one_of(*RNGS),  # seeded | secure (runner/randomness.py)
     "r": optional(integer(1)),  # the bare r= alias of method.r (null: method=jl's own default)
-    "lr": number(0, low_open=True),
+    "lr": at_most(number(0, low_open=True), FLOAT32_MAX, FLOAT32_WHY),
     "clip": number(0, low_open=True),
     "sigma": number(0, low_open=False),  # sigma = 0: no noise, epsilon = inf (docs/privacy.md)
     "delta": number(0, low_open=True, high=1, high_open=True),
@@ -143,16 +160,16 @@ RULES: dict[str, Rule] = {
     "physical_batch_size": optional(integer(1)),
     "distributed.backend": one_of("auto", "gloo", "nccl"),
     "distributed.nproc_per_node": integer(1),
-    "distributed.timeout_s": number(0, low_open=True),
+    "distributed.timeout_s": at_most(number(0, low_open=True), TIMEOUT_MAX, "a timedelta's largest span"),
     "sampling": one_of(*SAMPLINGS),
     "progress": boolean,
     "step_timing": one_of("sync", "epoch"),
     "log_norms": boolean,
     "checkpoint": boolean,
     "privacy_check": boolean,
-    "optimizer.momentum": number(0, low_open=False),
-    "optimizer.weight_decay": number(0, low_open=False),
-    "optimizer.eps": number(0, low_open=True),
+    "optimizer.momentum": at_most(number(0, low_open=False), FLOAT32_MAX, FLOAT32_WHY),
+    "optimizer.weight_decay": at_most(number(0, low_open=False), FLOAT32_MAX, FLOAT32_WHY),
+    "optimizer.eps": at_most(number(0, low_open=True), FLOAT32_MAX, FLOAT32_WHY),
     "optimizer.betas": betas,
     "optimizer.impl": one_of(*IMPLS),
     "audit.canaries": integer(2),  # halves: one picks the number of guesses, the other is bounded

@@ -76,3 +76,53 @@ def test_check_target_with_a_certified_calibrator_meets_it_quietly(caplog, publi
     facts = check_target(publisher, "pld", method.mechanism(q), steps, target, 1e-5)
     assert facts["target_epsilon_met"] is True and 0.99 * target <= facts["planned_epsilon"] <= target
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_accountant_none_calibrates_with_pld(tmp_path):
+    """accountant=none publishes no epsilon, but target_epsilon still calibrates sigma (with pld, as
+    calibration_accountant's docstring says); it used to stop with "unknown accountant 'none'"."""
+    import json
+
+    from conftest import dprun_in_process
+    from runner.accountants import calibration_accountant
+
+    assert calibration_accountant("none") == "pld"
+    proc = dprun_in_process("method=reweight", "dataset=digits", "epochs=1", "max_steps_per_epoch=2",
+                            "progress=false", "accountant=none", "target_epsilon=2", f"out_dir={tmp_path}/run",
+                            cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["calibration_accountant"] == "pld" and summary["target_epsilon_met"] is True
+
+
+def test_a_calibrator_that_cannot_analyse_the_mechanism_names_one_that_can():
+    with pytest.raises(DprunError, match=r"accountant=pld cannot calibrate sigma for mechanism SubsampledJL; set "
+                                         r"calibration_accountant=jl") as err:
+        calibrate_sigma("pld", FakeMethod(r=4).mechanism, 0.04, 10, 2.0, 1e-5)
+    assert "\n" not in str(err.value)
+
+
+def test_a_composition_too_large_to_hold_is_one_line_before_allocating():
+    """dprun method=reweight epochs=1e9 target_epsilon=1 (digits: 2.2e10 steps) tried to allocate 769 GiB in the PLD
+    composition; now one line before any FFT, pointing to rdp (no grid) or fewer epochs."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(DprunError, match=r"accountant=pld cannot compose 22000000000 steps .* use accountant=rdp "
+                                         r"\(no grid\) or fewer epochs") as err:
+        calibrate_sigma("pld", FakeMethod().mechanism, 64 / 1437, 22 * 10 ** 9, 1.0, 1e-5)
+    assert "\n" not in str(err.value) and time.perf_counter() - start < 30
+    acc = ACCOUNTANTS.build("pld")  # the plain accounting of such a run: the same guard
+    acc.step(SubsampledGaussian(64 / 1437, 1.0), count=22 * 10 ** 9)
+    with pytest.raises(DprunError, match="cannot compose"):
+        acc.epsilon(1e-5)
+
+
+def test_calibration_stops_shrinking_sigma_where_the_composition_gets_too_large(monkeypatch):
+    """A loose target lets sigma shrink toward SIGMA_MIN, whose PLDs grow like 1/sigma^2: where one is too large to
+    compose, the last sigma that met the target is used."""
+    import runner.accountants.pld as pld
+
+    monkeypatch.setattr(pld, "MAX_COMPOSED_POINTS", 2e6)
+    sigma = calibrate_sigma("pld", FakeMethod().mechanism, 0.02, 200, 50.0, 1e-5)
+    assert sigma >= 0.05 and epsilon("pld", SubsampledGaussian(0.02, sigma), 200) <= 50.0

@@ -160,3 +160,17 @@ def test_model_mlp_on_digits_is_the_model_auto_gives():
     mnist = OmegaConf.to_container(compose_config(["dataset=mnist", "model=mlp"]).model, resolve=True)
     knobs = {k: v for k, v in mnist.items() if k not in ("name", "kwargs") and v is not None}  # null: the default
     assert "Sigmoid" in str(models.build("mlp", DataInfo("mnist", (1, 28, 28), 10), **knobs))  # L&K's MLP elsewhere
+
+
+def test_a_resumes_method_option_is_checked_against_the_resumed_run(tmp_path):
+    """`dprun resume=<a method=jl r=30 run> method.r=2` said "method.r is not an option of method=nonprivate" (the
+    command line's default method, before the resume merged the run's config); now the resume's own check names the
+    run's value."""
+    run = tmp_path / "jl30"
+    first = dprun_in_process("method=jl", "r=30", "dataset=digits", "epochs=1", "max_steps_per_epoch=1",
+                             "progress=false", f"out_dir={run}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    line = one_line_error(dprun_in_process(f"resume={run}", "epochs=2", "method.r=2", cwd=tmp_path))
+    assert "method.r=2 would change the run (method.r=30 there)" in line and "nonprivate" not in line
+    assert one_line_error(dprun_in_process("resume=null", "method.r=2", "epochs=1", cwd=tmp_path)).startswith(
+        "dprun: method.r is not an option of method=nonprivate")  # no resume: checked as before

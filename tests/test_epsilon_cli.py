@@ -42,3 +42,37 @@ def test_a_bad_value_is_one_line_naming_only_it(capsys, flag, value, accepted):
     assert lines[0].startswith("dprun-eps: ") and flag in lines[0] and accepted in lines[0]
     others = [k for k in BASE if k != flag and not (flag == "--batch-size" and k == "--n")]
     assert not any(f"{k}=" in lines[0] for k in others), lines[0]  # only the bad value is named
+
+
+@pytest.mark.parametrize("extra,line", [
+    (["--accountant", "none"], "dprun-eps: --accountant=none computes no epsilon; valid for r=inf (the exact "
+                               "Gaussian): gdp, pld, rdp"),
+    (["--accountant", "foo"], "dprun-eps: --accountant=foo is not valid; valid for r=inf (the exact Gaussian): gdp, "
+                              "pld, rdp"),
+    (["--accountant", "rdp", "--r", "4"], "dprun-eps: --accountant=rdp is not valid; valid for JL dimensions (finite "
+                                          "--r): jl"),
+])
+def test_an_accountant_that_computes_nothing_here_is_one_line_before_the_header(capsys, extra, line):
+    """--accountant none printed the header, then crashed (AttributeError: 'NoneType' object has no attribute
+    'step')."""
+    argv = [x for k, v in BASE.items() for x in (k, v)] + extra
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.strip() == line
+
+
+def test_jl_dimensions_use_jl_beside_another_accountant_for_r_inf(capsys):
+    """--accountant rdp --r 4 inf: rdp for r = inf, jl for r = 4 (as the docstring says); it stopped at r = 4."""
+    argv = [x for k, v in BASE.items() for x in (k, v)] + ["--accountant", "rdp", "--r", "4", "inf"]
+    assert main(argv) == 0
+    rows = capsys.readouterr().out.strip().splitlines()[2:]
+    assert [r.split()[0] for r in rows] == ["4", "inf"]
+
+
+def test_a_delta_not_below_one_over_n_is_warned_about_as_dprun_does(capsys):
+    from runner.accountants.published import delta_note
+
+    assert main(["--n", "100", "--batch-size", "10", "--sigma", "1.3", "--epochs", "1", "--delta", "0.5"]) == 0
+    err = capsys.readouterr().err
+    assert err.strip() == f"dprun-eps: warning: {delta_note(0.5, 100)}"
+    assert main([x for k, v in BASE.items() for x in (k, v)]) == 0 and capsys.readouterr().err == ""

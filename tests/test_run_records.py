@@ -71,6 +71,65 @@ def test_reusing_a_sweep_folder_is_refused(tmp_path):
     assert {p: p.read_text() for p in sweep.rglob("*.yaml")} == records
 
 
+@pytest.mark.parametrize("args,names", [
+    (["-m", "seed=0,1", "out_dir={tmp}/X"], ["out_dir={tmp}/X", "hydra.sweep.dir={tmp}/X"]),
+    (["-m", "out_dir={tmp}/X,{tmp}/X"], ["out_dir={tmp}/X,{tmp}/X", "hydra.sweep.dir="]),
+    (["-m", "seed=0,1", "out_dir={tmp}/X,{tmp}/Y"], ["out_dir={tmp}/X,{tmp}/Y", "hydra.sweep.dir="]),
+    (["-m", "seed=0,1", "hydra.run.dir={tmp}/X"], ["hydra.run.dir={tmp}/X", "hydra.sweep.dir={tmp}/X"]),
+    (["-m", "seed=0,1", "hydra.sweep.dir={tmp}/S", "hydra.sweep.subdir=same"],
+     ["hydra.sweep.subdir=same", "${{hydra.job.num}}"]),
+    (["hydra.output_subdir=../a6/.hydra", "out_dir={tmp}/X"], ["hydra.output_subdir=../a6/.hydra", "plain folder name"]),
+    (["hydra.output_subdir={tmp}/rec"], ["hydra.output_subdir={tmp}/rec", "plain folder name"]),
+])
+def test_jobs_that_would_share_a_folder_are_refused_before_hydra_writes(tmp_path, args, names):
+    """Each wrote into another run's folder: job 1 of `-m seed=0,1 out_dir=X` appended its refusal to job 0's
+    dprun.log; hydra.sweep.subdir=same let job 1 rewrite job 0's .hydra/overrides.yaml; hydra.output_subdir=../a6/.hydra
+    rewrote a finished run's record."""
+    line = one_line(dprun_in_process(*(a.format(tmp=tmp_path) for a in args), *TINY, cwd=tmp_path))
+    assert all(name.format(tmp=tmp_path) in line for name in names), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written: no X, no outputs/
+
+
+@pytest.mark.parametrize("argv", [
+    ["-m", "out_dir=a,b"], ["-m", "seed=0,1", "out_dir=runs/${seed}"], ["-m", "out_dir=x"], ["out_dir=x"],
+    ["-m", "seed=0,1", "hydra.sweep.subdir=${hydra.job.num}_mine"], ["hydra.output_subdir=null"],
+    ["hydra.output_subdir=record"], ["hydra.run.dir=x"], ["-m", "seed=0,1", "hydra.sweep.dir=s"],
+])
+def test_one_folder_per_job_lets_these_pass(argv):
+    from runner.run_dir import check_job_folders
+
+    check_job_folders(argv)
+
+
+def test_a_run_refused_another_runs_folder_writes_nothing_into_it(tmp_path):
+    """An interpolated out_dir (not checked before Hydra) naming a finished run: refused before the run's log is
+    opened, so the finished run's dprun.log does not gain the refusal's ERROR line."""
+    first = dprun_in_process(*TINY, f"out_dir={tmp_path}/run_nonprivate", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run_nonprivate").iterdir() if p.is_file()}
+    second = dprun_in_process(*TINY, "seed=1", f"out_dir={tmp_path}/run_${{method.name}}", cwd=tmp_path)
+    assert "already holds a run" in one_line(second)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run_nonprivate").iterdir() if p.is_file()} == before
+
+
+def test_a_refused_run_removes_the_empty_folders_above_it_that_it_made(tmp_path):
+    """outputs/runs/<date>/ made for a run refused before training goes with the run's folder; folders that were
+    there before stay, even empty."""
+    assert dprun_in_process(*TINY, "clip=0", cwd=tmp_path).returncode == 2
+    assert not (tmp_path / "outputs").exists()
+    (tmp_path / "outputs" / "runs").mkdir(parents=True)
+    assert dprun_in_process(*TINY, "clip=0", cwd=tmp_path).returncode == 2
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["outputs", "outputs/runs"]
+    assert dprun_in_process(*TINY, "clip=0", f"out_dir={tmp_path}/a/b/run", cwd=tmp_path).returncode == 2
+    assert not (tmp_path / "a").exists()
+
+
+def one_line(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("dprun: "), proc.stderr
+    return lines[0]
+
+
 def test_train_refuses_a_used_folder_before_loading_data(tmp_path, monkeypatch):
     import runner.train
     from runner.errors import DprunError

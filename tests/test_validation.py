@@ -35,6 +35,12 @@ BAD_KNOBS = [
     ("max_eval_batches=-1", ">= 1"), ("max_eval_batches=0", ">= 1"), ("checkpoint=maybe", "true or false"),
     # nested knobs: each ended in a torch traceback after the data was loaded
     ("optimizer.momentum=-1", ">= 0"), ("optimizer.weight_decay=-1", ">= 0"), ("optimizer.impl=fast", "foreach"),
+    # past float32's largest value: torch's SGD crashed ("cannot be converted to type float without overflow")
+    ("lr=1e+308", "<= 3.4028234663852886e+38"), ("optimizer.weight_decay=1e+39", "<= 3.4028234663852886e+38"),
+    ("optimizer.momentum=1e+39", "<= 3.4028234663852886e+38"),
+    # outside what torch.manual_seed takes: "Overflow when unpacking long long" after the folder was made
+    ("seed=18446744073709551616", "[-9223372036854775808, 18446744073709551615]"),
+    ("seed=-9223372036854775809", "[-9223372036854775808, 18446744073709551615]"),
 ]
 
 
@@ -171,9 +177,30 @@ def test_what_the_command_line_checks_let_pass(argv):
     check_noise(argv)
 
 
+def test_the_edges_of_the_optimizer_and_seed_ranges_pass_the_validator():
+    import torch
+
+    from runner.validate import RULES, SEED_RANGE
+
+    for knob, value in [("lr", 3.4028234663852886e38), ("optimizer.eps", 3.4e38), ("seed", SEED_RANGE[0]),
+                        ("seed", SEED_RANGE[1])]:
+        assert RULES[knob](value) is None, (knob, value)
+    for seed in SEED_RANGE:  # what the rule accepts, torch takes
+        torch.manual_seed(seed)
+        torch.Generator().manual_seed(seed)
+
+
+def test_a_seed_torch_cannot_take_is_one_line_and_leaves_no_folder(tmp_path):
+    proc = dprun_in_process(*TINY, "seed=18446744073709551616", cwd=tmp_path)
+    assert one_line_error(proc) == ("dprun: seed=18446744073709551616 is not valid: seed must be an integer in "
+                                    "[-9223372036854775808, 18446744073709551615]")
+    assert not (tmp_path / "outputs").exists()
+
+
 @pytest.mark.parametrize("extra,accepted", [(["optimizer=adam", "optimizer.betas=abc"], "two numbers in [0, 1)"),
                                             (["optimizer=adam", "optimizer.betas=[0.9,1.0]"], "[0, 1)"),
-                                            (["optimizer=adam", "optimizer.eps=0"], "> 0")])
+                                            (["optimizer=adam", "optimizer.eps=0"], "> 0"),
+                                            (["optimizer=adam", "optimizer.eps=1e39"], "<= 3.4028234663852886e+38")])
 def test_adam_knobs_are_refused_before_any_data_is_loaded(tmp_path, no_data, extra, accepted):
     with pytest.raises(DprunError, match=re.escape(accepted)) as err:
         runner.train.train(compose_config(TINY + extra), tmp_path / "run")

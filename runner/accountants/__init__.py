@@ -32,10 +32,13 @@ def resolve_name(name: str, method) -> str:
 
 def calibration_accountant(run_accountant: str, requested: str | None = None) -> str:
     """The accountant that picks sigma for target_epsilon: the run's own if it is certified, else pld (gdp's CLT can
-    underestimate, so calibrating with it would publish a target it does not meet). `requested` (the
-    calibration_accountant knob) overrides this explicitly."""
+    underestimate, so calibrating with it would publish a target it does not meet), and pld for accountant=none
+    (which publishes no epsilon: the target is still met, by pld's count). `requested` (the calibration_accountant
+    knob) overrides this explicitly."""
     if requested not in (None, "", "auto"):
         return resolve_name(str(requested), None)
+    if run_accountant == "none":
+        return "pld"
     return run_accountant if ACCOUNTANTS.get(run_accountant).certified else "pld"
 
 

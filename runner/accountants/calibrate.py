@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from runner.accountants.base import ACCOUNTANTS
 from runner.accountants.mechanisms import Mechanism
+from runner.accountants.pld import CompositionTooLarge
 from runner.errors import DprunError
 
 SIGMA_MIN, SIGMA_MAX = 0.05, 1000.0
@@ -46,6 +47,11 @@ def calibrate_sigma(accountant_name: str, mechanism_for: Callable[[float], Mecha
         raise DprunError(f"cannot calibrate sigma for mechanism {template.kind}: it has no noise multiplier")
     if not target_epsilon > 0:
         raise DprunError(f"target_epsilon={target_epsilon} must be > 0")
+    if not ACCOUNTANTS.build(accountant_name).supports(template):  # e.g. accountant=none's pld for a JL run
+        able = [n for n, cls in ACCOUNTANTS.items() if cls.certified and cls().supports(template)]
+        raise DprunError(f"target_epsilon: accountant={accountant_name} cannot calibrate sigma for mechanism "
+                         f"{template.kind}; set calibration_accountant={'|'.join(able) or '...'} (an accountant "
+                         f"that analyses it)")
 
     seen: dict[float, float] = {}
 
@@ -68,7 +74,12 @@ def calibrate_sigma(accountant_name: str, mechanism_for: Callable[[float], Mecha
                                  f"still gives {reach}; raise the target or lower the steps{more}")
             lo, hi = hi, min(hi * 4, SIGMA_MAX)
     else:  # shrink sigma while the target still holds
-        while eps(lo) <= target_epsilon:
+        while True:
+            try:
+                if eps(lo) > target_epsilon:
+                    break
+            except CompositionTooLarge:  # so little noise that its PLD is too large to compose: hi (twice lo)
+                return hi  # meets the target
             lo, hi = lo / 2, lo
             if lo < SIGMA_MIN:
                 return hi  # the target allows even less noise than SIGMA_MIN: use SIGMA_MIN

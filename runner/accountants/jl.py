@@ -24,6 +24,7 @@ from scipy import optimize
 from runner.accountants import jl_pld
 from runner.accountants.base import ACCOUNTANTS, Accountant
 from runner.accountants.mechanisms import SubsampledJL
+from runner.accountants.pld import check_composition
 from runner.errors import DprunError
 
 
@@ -43,7 +44,9 @@ def _composed(key: tuple):
     runs, d, max_loss = key
     out = None
     for q, sigma, r, n in runs:
-        pld = _step(q, sigma, r, d, max_loss).self_compose(n)
+        step = _step(q, sigma, r, d, max_loss)
+        check_composition(step, n, "jl", f"JL(r={r}) at sigma={sigma:g}, q={q:.4g}", "use fewer epochs")
+        pld = step.self_compose(n)
         out = pld if out is None else out.compose(pld)
     return out
 
