@@ -11,8 +11,8 @@ general keys) may all tie on that key. Measured before this check (docs/privacy.
 
 A model whose rows are independent is permutation-equivariant layer by layer: the batch permuted, each call's input
 rows come permuted alike. A sort is not, on any two rows whose keys differ. So the check runs one forward of the
-rows as drawn and one of them in a fixed shuffled order (no gradients; not reversed: a forward that reverses the
-batch commutes with that), and matches every covered call's input rows: each row, centred and projected on a few
+rows as drawn and two in shuffled orders, one fixed and one drawn afresh (gradients on, as in training; not reversed:
+a forward that reverses the batch commutes with that), and matches every covered call's input rows: each row, centred and projected on a few
 fixed random directions (`sketch`), must lie nearest its own example's row of the other order (`moved`), not a
 tolerance away from it (review 10: rows of norm 480 differing by 0.1 passed a relative tolerance of 1e-3). The rows: every
 finite row of the first batch, and, where the training set is in memory (probe_rows.feature_extremes), training
@@ -22,9 +22,13 @@ dropout modules run in eval mode, and where the orders differ, a forward that is
 the same rows differs) is compared again in eval mode.
 
 What it cannot see: a key that is a function of several features (or of a feature of a layer's output) on which the
-first batch and the added records tie, and a reorder only in training mode of a forward with randomness outside
-dropout modules."""
+first batch and the added records tie, differences below the rounding floor, a reorder among identical rows (the
+probe's twin with another label catches that: first_step.py with_twin), and a model that behaves otherwise when
+dropout is off or when it is being checked (a reorder only in training mode of a forward with randomness outside
+dropout modules)."""
 from __future__ import annotations
+
+import secrets
 
 import torch
 from torch import nn
@@ -71,27 +75,25 @@ def covering(found, high: torch.Tensor, low: torch.Tensor) -> list[int]:
 
 
 def sketch(inp: torch.Tensor) -> torch.Tensor:
-    """(n, SKETCH + 2) float64: each row of one call's input (n, ...) less the rows' mean, projected on SKETCH fixed
-    random directions (E ||P d||^2 = ||d||^2), then the row's norm centred and as it is. The mean over the same rows
-    does not depend on their order, so a call that is permutation-equivariant gives the same sketch rows permuted (up
-    to rounding). Centred, a large common offset does not hide a small difference between records (review 10: rows of
-    norm 480 differing by 0.1 passed a tolerance of their norm and released 245-367 C per example); projected, two
-    forwards' inputs are never held (review 10: 1.3 GB for the transformer at 256 rows). A row that is not finite
-    gets nan."""
+    """(n, SKETCH + 1) float64: each row of one call's input (n, ...) projected on SKETCH fixed random directions
+    (E ||P d||^2 = ||d||^2) less the rows' mean projection (their mean's: the projection is linear), then the row's
+    norm. The mean over the same rows does not depend on their order, so a call that is permutation-equivariant gives
+    the same sketch rows permuted (up to rounding). Centred, a large common offset does not hide a small difference
+    between records (review 10: rows of norm 480 differing by 0.1 passed a tolerance of their norm and released
+    245-367 C per example); projected, two forwards' inputs are never held (review 10: 1.3 GB for the transformer at
+    256 rows); one float64 pass of ROWS_AT_ONCE rows at a time (review 11: 0.5 s a call at D = 65,536 before). A row
+    that is not finite gets nan (its norm in float64 cannot overflow from float32 values)."""
     flat = inp.detach().reshape(len(inp), -1)
-    finite = torch.isfinite(flat).all(1) if flat.is_floating_point() else torch.ones(len(flat), dtype=torch.bool,
-                                                                                     device=flat.device)
-    count = max(int(finite.sum()), 1)
-    mean = torch.where(finite[:, None], flat, 0).sum(0, dtype=torch.float64) / count  # (D,)
     directions = torch.randn(flat.shape[1], SKETCH, dtype=torch.float64,
                              generator=torch.Generator().manual_seed(flat.shape[1])).to(flat.device) / SKETCH ** 0.5
     parts = []
     for block in flat.split(ROWS_AT_ONCE):  # (<= 64, D) upcast at a time
         raw = block.double()
-        centred = raw - mean
-        parts.append(torch.cat([centred @ directions, centred.norm(dim=1, keepdim=True),
-                                raw.norm(dim=1, keepdim=True)], 1))
-    out = torch.cat(parts) if parts else flat.new_zeros(0, SKETCH + 2, dtype=torch.float64)
+        parts.append(torch.cat([raw @ directions, raw.norm(dim=1, keepdim=True)], 1))
+    out = torch.cat(parts) if parts else flat.new_zeros(0, SKETCH + 1, dtype=torch.float64)
+    finite = torch.isfinite(out[:, SKETCH])  # (n,)
+    mean = out[finite, :SKETCH].mean(0) if bool(finite.any()) else out.new_zeros(SKETCH)
+    out[:, :SKETCH] -= mean
     return torch.where(finite[:, None], out, float("nan"))
 
 
@@ -116,39 +118,43 @@ def call_sketches(model: nn.Module, x: torch.Tensor) -> list[tuple[str, nn.Modul
     return calls
 
 
-def moved(drawn: torch.Tensor, permuted: torch.Tensor, order: torch.Tensor, rounding: tuple[float, float]) -> bool:
+def moved(drawn: torch.Tensor, permuted: torch.Tensor, order: torch.Tensor, rounding: float) -> bool:
     """Some row i of `permuted` lies much nearer another row of `drawn` than its own, drawn[order[i]], and further from
-    its own than rounding explains (sketches (n, SKETCH + 2)): the call saw that example's row elsewhere. rounding:
-    (relative to the centred row's norm, relative to the row's own norm), the distance the same row computed at
-    another position may lie at. Near-duplicate records (texts that start alike: identical hidden states) are not
-    counted however their rounding falls (the real IMDB's first texts did), nor rows that are not finite."""
-    distance = torch.cdist(permuted[:, :SKETCH], drawn[:, :SKETCH])  # (n, n)
+    its own than `rounding` (relative to the row's norm) explains (sketches (n, SKETCH + 1)): the call saw that
+    example's row elsewhere. Distances are exact differences (torch.cdist's matrix-product route put exact duplicates
+    ~1e-8 of their norm apart, and the rounding then put a twin nearer than a row's own: review 11, and the real
+    IMDB's texts that open alike); rows that are not finite are never counted."""
+    distance = torch.cdist(permuted[:, :SKETCH], drawn[:, :SKETCH], compute_mode="donot_use_mm_for_euclid_dist")
     rows = torch.arange(len(order), device=order.device)
     own = distance[rows, order]  # (n,)
     distance[rows, order] = float("inf")
     nearest = distance.nan_to_num(nan=float("inf")).amin(1)  # (n,)
-    floor = rounding[0] * drawn[order, SKETCH] + rounding[1] * drawn[order, SKETCH + 1]  # (n,)
+    floor = rounding * drawn[order, SKETCH]  # (n,)
     return bool(((nearest < 0.5 * own) & (own > floor) & torch.isfinite(own)).any())
 
 
-def shuffled(n: int) -> torch.Tensor:
-    """(n,) a fixed permutation that is not the identity, drawn from its own generator (the run's random state is not
-    touched): not the reversal, which a forward that itself reverses the batch commutes with."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(n))
-    return order if not bool((order == torch.arange(n)).all()) else order.roll(1)
+def shuffles(n: int) -> list[torch.Tensor]:
+    """Two (n,) permutations that are not the identity, drawn from their own generators (the run's random state is not
+    touched): one fixed by n (a check that reads the same every time), one drawn afresh from the OS's randomness (a
+    model applying the fixed one itself released 9-15 C: review 11). Neither is the reversal, which a forward that
+    itself reverses the batch commutes with."""
+    orders = [torch.randperm(n, generator=torch.Generator().manual_seed(seed)) for seed in (n, secrets.randbits(63))]
+    return [o if not bool((o == torch.arange(n)).all()) else o.roll(1) for o in orders]
 
 
-def reordered(model: nn.Module, rows: torch.Tensor, rounding: tuple[float, float]) -> tuple[str, nn.Module] | None:
+def reordered(model: nn.Module, rows: torch.Tensor, rounding: float) -> tuple[str, nn.Module] | None:
     """The first covered call whose input rows, for the rows permuted, are not its input rows permuted; or None."""
-    order = shuffled(len(rows)).to(rows.device)
-    drawn, permuted = call_sketches(model, rows), call_sketches(model, rows[order])
-    if [(p, shape) for p, _, shape, _ in drawn] != [(p, shape) for p, _, shape, _ in permuted]:
-        path, module, _, _ = next((c for c, d in zip(drawn, permuted) if c[::2] != d[::2]),
-                                  drawn[-1] if len(drawn) > len(permuted) else permuted[-1])
-        return path, module
-    for (path, module, _, a), (_, _, _, b) in zip(drawn, permuted):
-        if a is not None and moved(a, b, order.to(a.device), rounding):
+    drawn = call_sketches(model, rows)
+    for order in shuffles(len(rows)):
+        order = order.to(rows.device)
+        permuted = call_sketches(model, rows[order])
+        if [(p, shape) for p, _, shape, _ in drawn] != [(p, shape) for p, _, shape, _ in permuted]:
+            path, module, _, _ = next((c for c, d in zip(drawn, permuted) if c[::2] != d[::2]),
+                                      drawn[-1] if len(drawn) > len(permuted) else permuted[-1])
             return path, module
+        for (path, module, _, a), (_, _, _, b) in zip(drawn, permuted):
+            if a is not None and moved(a, b, order.to(a.device), rounding):
+                return path, module
     return None
 
 
@@ -159,7 +165,7 @@ def random_forward(model: nn.Module, rows: torch.Tensor) -> bool:
                                        for (_, _, _, a), (_, _, _, b) in zip(one, two))
 
 
-@torch.no_grad()
+@torch.enable_grad()
 def check_row_order(method, model: nn.Module, x: torch.Tensor) -> None:
     """Refuses (one line) a forward that feeds a covered layer the first batch's rows, or the added training records,
     in an order other than theirs (see the module docstring). The caller restores the modules' flags and the RNG."""
@@ -170,8 +176,10 @@ def check_row_order(method, model: nn.Module, x: torch.Tensor) -> None:
         if isinstance(m, nn.modules.dropout._DropoutNd):
             m.eval()
     size = max(method.physical_batch_size or len(x), 2)  # rows per forward: the training step's chunk at most
-    rounding = (5e-2, 1e-2) if method.precision == "bf16" else (1e-3, 1e-7)  # float32: ~1 ulp of the row (review 10)
-    rows = rows[shuffled(len(rows)).to(rows.device)]  # each forward mixes added records and batch rows
+    # rows computed at two batch positions are bitwise equal on the CPU (review 11: Linear, fp32 and bf16); the floor
+    # is ~1 ulp of the row for kernels elsewhere that are not (a centred-norm floor let near neighbours through: 1.28 C)
+    rounding = 1e-3 if method.precision == "bf16" else 1e-7
+    rows = rows[shuffles(len(rows))[0].to(rows.device)]  # each forward mixes added records and batch rows
     with method.autocast(rows):
         for part in rows.split(size):
             found = reordered(model, part, rounding) if len(part) >= 2 else None
