@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from runner.errors import DprunError
-from runner.methods.privacy_check.shapes import BLACK_BOX, covered, first_input
+from runner.methods.privacy_check.shapes import BLACK_BOX, each_call_input
 
 EXTRA_RECORDS = 256  # training records added at most (the cost: two forwards without gradients of these rows)
 SKETCH = 4  # random directions each call's centred input rows are projected on (row matching by nearest sketch)
@@ -101,20 +101,11 @@ def call_sketches(model: nn.Module, x: torch.Tensor) -> list[tuple[str, nn.Modul
     """(path, module, input shape, sketch) of every call of a covered module in one forward of x, in call order."""
     calls = []
 
-    def hook(path):
-        def record(module, args, kwargs):
-            inp = first_input(args, kwargs)
-            if inp is not None:
-                rows = inp.dim() > 0 and len(inp) == len(x)  # batch-first (check_batch_first refuses the others)
-                calls.append((path, module, inp.shape, sketch(inp) if rows else None))
-        return record
+    def visit(path, module, inp):
+        rows = inp.dim() > 0 and len(inp) == len(x)  # batch-first (check_batch_first refuses the others)
+        calls.append((path, module, inp.shape, sketch(inp) if rows else None))
 
-    handles = [m.register_forward_pre_hook(hook(path), with_kwargs=True) for path, m in covered(model)]
-    try:
-        model(x)
-    finally:
-        for h in handles:
-            h.remove()
+    each_call_input(model, x, visit)
     return calls
 
 

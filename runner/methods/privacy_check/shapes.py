@@ -48,24 +48,35 @@ def first_input(args, kwargs):
     return None
 
 
-@torch.no_grad()
-def check_batch_first(model: nn.Module, x: torch.Tensor, method: str) -> None:
-    """One forward of x (B rows): every call of a covered module must take an input whose first dimension is B."""
-    batch, seen = len(x), []
+def each_call_input(model: nn.Module, x, visit) -> None:
+    """One forward of x with visit(path, module, input) at every call of a covered module that takes a tensor (its
+    first), in call order."""
 
     def hook(path):
-        def record(module, args, kwargs, out):
+        def record(module, args, kwargs):
             inp = first_input(args, kwargs)
-            if inp is not None and (inp.dim() == 0 or inp.shape[0] != batch) and not seen:
-                seen.append((path, module, tuple(inp.shape)))
+            if inp is not None:
+                visit(path, module, inp)
         return record
 
-    handles = [m.register_forward_hook(hook(path), with_kwargs=True) for path, m in covered(model)]
+    handles = [m.register_forward_pre_hook(hook(path), with_kwargs=True) for path, m in covered(model)]
     try:
         model(x)
     finally:
         for h in handles:
             h.remove()
+
+
+@torch.no_grad()
+def check_batch_first(model: nn.Module, x: torch.Tensor, method: str) -> None:
+    """One forward of x (B rows): every call of a covered module must take an input whose first dimension is B."""
+    batch, seen = len(x), []
+
+    def visit(path, module, inp):
+        if (inp.dim() == 0 or inp.shape[0] != batch) and not seen:
+            seen.append((path, module, tuple(inp.shape)))
+
+    each_call_input(model, x, visit)
     if seen:
         path, module, shape = seen[0]
         raise DprunError(f"{path} ({type(module).__name__}) is called on an input of shape {shape} whose first "
