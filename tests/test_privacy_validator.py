@@ -1375,3 +1375,78 @@ def test_the_same_records_without_a_reorder_are_accepted(data):
     for xb, yb in private.batches():
         private.step(xb, yb, loss_fn)
     assert private.steps > 20
+
+
+class MaskedClasses(nn.Module):
+    """Each record's input holds its valid classes (features 10:16); invalid ones get probability 0. Coupled: the
+    features centred on the batch's mean first."""
+
+    def __init__(self, coupled=False):
+        super().__init__()
+        self.coupled, self.a, self.b = coupled, nn.Linear(10, 16), nn.Linear(16, 6)
+
+    def forward(self, x):
+        f = x[:, :10] - x[:, :10].mean(0) if self.coupled else x[:, :10]
+        return self.b(torch.tanh(self.a(f))).masked_fill(x[:, 10:] < 0.5, float("-inf"))  # (B, 6) logits
+
+
+def masked_records():
+    """400 records, each label one of its own valid classes."""
+    g = torch.Generator().manual_seed(1)
+    valid = torch.rand(400, 6, generator=g) < 0.5
+    valid[torch.arange(400), torch.randint(0, 6, (400,), generator=g)] = True
+    y = torch.multinomial(valid.float(), 1, generator=g)[:, 0]
+    return torch.cat([torch.randn(400, 10, generator=g), valid.float()], 1), y
+
+
+def masked_nll(logits, y):
+    p = logits.softmax(1).gather(1, y[:, None])[:, 0]
+    return torch.where(p > 0, -torch.log(p), torch.zeros_like(p))  # the safe way: a masked label costs 0
+
+
+@pytest.mark.parametrize("case", [("reweight", {"mode": "bk"}), ("reweight", {"mode": "twopass"}),
+                                  ("reweight", {"mode": "recompute"}), ("jl", {"r": 2}), ("nxbp", {}),
+                                  ("multiloss", {}), ("opacus", {"grad_sample_mode": "hooks"})], ids=case_id)
+def test_the_probes_twin_never_takes_a_label_its_input_cannot_have(case):
+    """Review 12: the twin (a copy of the first probe example with another's label) joined the probe unfiltered; a
+    label masked for that input gave it a nan gradient, and reweight and Opacus refused this sound model. The twin
+    passes the probe's own filters (finite loss and gradient alone), else another label or none is taken."""
+    import dprun
+
+    name, cfg = case
+    x, y = masked_records()
+    torch.manual_seed(0)
+    model = MaskedClasses()
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), method=name,
+                                 method_options=dict(cfg), noise_multiplier=0.0, max_grad_norm=1.0, batch_size=32,
+                                 seed=1)
+    xb, yb = next(iter(private.batches()))
+    private.step(xb, yb, masked_nll)
+    assert private.steps == 1
+
+
+@pytest.mark.parametrize("mode", ["bk", "twopass"])
+def test_an_infinite_output_does_not_blind_the_independence_check(mode):
+    """Review 12: with the twin's loss inf (its label masked), rows_differ's scale became inf and no row could differ:
+    reweight accepted a batch-centred model (8.5 C leave-one-out). The scale is taken over finite entries, and an
+    entry finite in one forward only differs."""
+    import dprun
+
+    x, y = masked_records()
+    torch.manual_seed(0)
+    model = MaskedClasses(coupled=True)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), method="reweight",
+                                 method_options={"mode": mode}, noise_multiplier=0.0, max_grad_norm=1.0,
+                                 batch_size=32, seed=1)
+    xb, yb = next(iter(private.batches()))
+    with pytest.raises(DprunError, match="depend on the other examples of the batch"):
+        private.step(xb, yb, loss_fn)
+
+
+def test_rows_differ_sees_an_entry_finite_in_one_forward_only():
+    from runner.methods.privacy_check.independence import rows_differ
+
+    a = torch.tensor([[1.0, float("-inf")], [2.0, 3.0]])
+    assert not rows_differ(a, a.clone())
+    assert rows_differ(a, torch.tensor([[1.0, float("-inf")], [2.0, 3.5]]))  # an inf elsewhere: scale stays finite
+    assert rows_differ(a, torch.tensor([[1.0, 0.0], [2.0, 3.0]]))

@@ -113,20 +113,36 @@ def probe(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor):
     return xp[rows], yp[rows], [names[r] for r in rows.tolist()], (xp[skipped], yp[skipped])
 
 
-def with_twin(xs: torch.Tensor, ys: torch.Tensor, names: list):
-    """The probe with one more row: a copy of its first example with another example's label, where one differs. A
-    forward that reorders identical rows (identical inputs at every layer, so row_order.py's forwards see nothing)
+def with_twin(method, model, loss_fn, xs: torch.Tensor, ys: torch.Tensor, names: list):
+    """The probe with one more row: a copy of its first example with another example's label, where one differs and
+    the copy's loss and gradient alone are finite (the probe's own filters: review 12, a label masked for that input
+    gave the twin a nan gradient, which refused sound models, or an inf loss, which blinded the independence check).
+    A forward that reorders identical rows (identical inputs at every layer, so row_order.py's forwards see nothing)
     gave per-layer methods each twin's output-gradient under the other's row (review 11: 1.41 C per example, 2.79 C
     leave-one-out); compared with one backward per example, the twins' norms tell them apart. A model that couples
     identical rows is seen by the independence check the same way."""
     if len(ys) < 2:
         return xs, ys, names
-    other = (ys.reshape(len(ys), -1) != ys[:1].reshape(1, -1)).any(1).nonzero()[:, 0]  # rows with another label
-    if len(other) == 0:
-        return xs, ys, names
-    j = int(other[0])
-    twin = f"a copy of {batch_row(0, names)} with the label of {batch_row(j, names)}"
-    return torch.cat([xs, xs[:1]]), torch.cat([ys, ys[j:j + 1]]), list(names) + [twin]
+    other = (ys.reshape(len(ys), -1) != ys[:1].reshape(1, -1)).any(1).nonzero()[:, 0].tolist()  # another label
+    state = rng_state(xs.device)
+    try:
+        for j in other[:4]:
+            tx, ty = torch.cat([xs, xs[:1]]), torch.cat([ys, ys[j:j + 1]])
+            with torch.no_grad(), method.autocast(tx):
+                losses = loss_fn(model(tx), ty)
+            set_rng_state(state, xs.device)
+            if losses.shape != ty.shape[:1] or not bool(torch.isfinite(losses[-1])):
+                continue
+            last = torch.zeros(len(ty), dtype=torch.bool, device=xs.device)
+            last[-1] = True
+            if bool(finite_gradients(method, model, loss_fn, tx, ty, last)[-1]):
+                twin = f"a copy of {batch_row(0, names)} with the label of {batch_row(j, names)}"
+                return tx, ty, list(names) + [twin]
+    except (ValueError, RuntimeError):  # a model or loss that cannot take this row: no twin
+        pass
+    finally:
+        set_rng_state(state, xs.device)
+    return xs, ys, names
 
 
 def check_beside_skipped(method, model, loss_fn, x, y, x_skip, y_skip, index, hooks) -> None:
@@ -256,7 +272,7 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
         with untouched(method, model, x.device) as hooks:
             quiet(hooks)
             xs, ys, rows_in_batch, skipped = probe(method, model, loss_fn, x, y)
-            xs, ys, rows_in_batch = with_twin(xs, ys, rows_in_batch)
+            xs, ys, rows_in_batch = with_twin(method, model, loss_fn, xs, ys, rows_in_batch)
             k = len(ys)
             if k == 0:
                 return  # no finite example in this batch: the next one is checked
