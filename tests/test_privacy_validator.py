@@ -1348,17 +1348,10 @@ def test_review_11s_reorders_are_refused(reorder, data, mode):
     neighbours under a floor relative to the centred norm (1.28 C), a sort only where gradients are on (the check's
     forwards ran under no_grad: 10-34 C leave-one-out), and a model applying the check's own fixed shuffle (9-15 C;
     a second shuffle is drawn afresh)."""
-    import dprun
-
     x, y = review11_records(data)
     torch.manual_seed(0)
-    model = positions_by(reorder)
-    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), method="reweight",
-                                 method_options={"mode": mode}, noise_multiplier=0.0, max_grad_norm=1.0,
-                                 batch_size=64, seed=0)
-    xb, yb = next(iter(private.batches()))
     with pytest.raises(DprunError, match=FED_REORDERED[1:] + "|alone gives|moves") as e:
-        private.step(xb, yb, loss_fn)
+        api_first_step(positions_by(reorder), x, y, "reweight", {"mode": mode})
     assert "\n" not in str(e.value)
 
 
@@ -1375,6 +1368,18 @@ def test_the_same_records_without_a_reorder_are_accepted(data):
     for xb, yb in private.batches():
         private.step(xb, yb, loss_fn)
     assert private.steps > 20
+
+
+def api_first_step(model, x, y, method="reweight", cfg=None, loss=loss_fn, batch_size=64, seed=0):
+    """make_private on (x, y) (sigma 0, lr 0, C 1) and its first step, the check included; the PrivateTraining."""
+    import dprun
+
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), method=method,
+                                 method_options=dict(cfg or {}), noise_multiplier=0.0, max_grad_norm=1.0,
+                                 batch_size=batch_size, seed=seed)
+    xb, yb = next(iter(private.batches()))
+    private.step(xb, yb, loss)
+    return private
 
 
 class MaskedClasses(nn.Module):
@@ -1411,18 +1416,9 @@ def test_the_probes_twin_never_takes_a_label_its_input_cannot_have(case):
     """Review 12: the twin (a copy of the first probe example with another's label) joined the probe unfiltered; a
     label masked for that input gave it a nan gradient, and reweight and Opacus refused this sound model. The twin
     passes the probe's own filters (finite loss and gradient alone), else another label or none is taken."""
-    import dprun
-
-    name, cfg = case
     x, y = masked_records()
     torch.manual_seed(0)
-    model = MaskedClasses()
-    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), method=name,
-                                 method_options=dict(cfg), noise_multiplier=0.0, max_grad_norm=1.0, batch_size=32,
-                                 seed=1)
-    xb, yb = next(iter(private.batches()))
-    private.step(xb, yb, masked_nll)
-    assert private.steps == 1
+    assert api_first_step(MaskedClasses(), x, y, *case, loss=masked_nll, batch_size=32, seed=1).steps == 1
 
 
 @pytest.mark.parametrize("mode", ["bk", "twopass"])
@@ -1430,17 +1426,10 @@ def test_an_infinite_output_does_not_blind_the_independence_check(mode):
     """Review 12: with the twin's loss inf (its label masked), rows_differ's scale became inf and no row could differ:
     reweight accepted a batch-centred model (8.5 C leave-one-out). The scale is taken over finite entries, and an
     entry finite in one forward only differs."""
-    import dprun
-
     x, y = masked_records()
     torch.manual_seed(0)
-    model = MaskedClasses(coupled=True)
-    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), method="reweight",
-                                 method_options={"mode": mode}, noise_multiplier=0.0, max_grad_norm=1.0,
-                                 batch_size=32, seed=1)
-    xb, yb = next(iter(private.batches()))
     with pytest.raises(DprunError, match="depend on the other examples of the batch"):
-        private.step(xb, yb, loss_fn)
+        api_first_step(MaskedClasses(coupled=True), x, y, "reweight", {"mode": mode}, batch_size=32, seed=1)
 
 
 def test_rows_differ_sees_an_entry_finite_in_one_forward_only():
