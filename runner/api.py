@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
@@ -323,8 +324,11 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         pooling is several times slower on the CPU; time your model both ways) | "contiguous" (NCHW);
         runner/memory_format.py.
     """
-    record = getattr(model, WRAPPED, None)  # {"steps": released through make_private, "owner": the latest wrapper}
-    if record is not None and record["steps"] > 0 and method != "nonprivate":  # nonprivate publishes epsilon inf
+    records = [getattr(m, WRAPPED, None) or LEDGERS.get(m) for m in model.modules()]  # a wrapper (Sequential,
+    records = [led for led in records if led is not None]  # DataParallel, a new head) or a part of one: review 13
+    trained = [led for led in records if led["steps"] > 0]
+    record = trained[0] if trained else (records[0] if records else None)
+    if trained and method != "nonprivate":  # nonprivate publishes epsilon inf
         raise DprunError(f"this model already trained {record['steps']} private steps through an earlier make_private, "
                          f"whose PrivateTraining accounts them; a second make_private would start another ledger at "
                          f"epsilon 0 with those steps left out: keep stepping the first one (its batches() for each "
@@ -355,14 +359,17 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     training = _training(private, optimizer, params_before, source, delta, generator, rng, validate, world)
     training._record = record if record is not None else {"steps": 0}
     training._record["owner"] = id(training)  # an earlier wrapper of this model (no step taken) is superseded
-    for wrapped in {id(model): model, id(training.model): training.model}.values():
-        object.__setattr__(wrapped, WRAPPED, training._record)  # plain attribute: deepcopy copies it, state_dict not
+    for root in (model, training.model):
+        object.__setattr__(root, WRAPPED, training._record)  # plain attribute: deepcopy copies it, state_dict not
+        for m in root.modules():
+            LEDGERS[m] = training._record  # each part too (a submodule trained again alone)
     return training
 
 
 # Set on a model make_private wrapped, shared by its wrappers (review 9: make_private called in each epoch's loop
 # started a new accountant each time: 24 steps released, 8 accounted, epsilon 3.18 published for 4.68).
 WRAPPED = "_dprun_make_private"
+LEDGERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its ledger, for every part of a model
 
 
 def _check_optimizer_in_model(optimizer, params: list, model: torch.nn.Module) -> None:

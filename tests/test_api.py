@@ -570,3 +570,17 @@ def test_an_iterable_dataset_is_refused_in_one_line():
         with pytest.raises(DprunError, match=r"^data is an IterableDataset \(Stream\)") as e:
             dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=8)
         assert "\n" not in str(e.value)
+
+
+def test_a_privately_trained_model_inside_another_or_a_part_of_it_is_refused_too():
+    """Review 13: the ledger was read on the object passed only: nn.Sequential(model), a new head on it,
+    DataParallel(model) or a submodule of a trained model started a new ledger at epsilon 0."""
+    x, y = blobs()
+    body = nn.Sequential(nn.Linear(5, 4), nn.Tanh())
+    full = nn.Sequential(body, nn.Linear(4, 3))
+    private = dprun.make_private(full, torch.optim.SGD(full.parameters(), lr=0.1), (x, y), batch_size=40, seed=0)
+    for xb, yb in private.batches():
+        private.step(xb, yb, loss_fn)
+    for again in (nn.Sequential(full), nn.Sequential(body, nn.ReLU(), nn.Linear(4, 3)), nn.DataParallel(full), full[1]):
+        with pytest.raises(DprunError, match=r"^this model already trained \d+ private steps"):
+            dprun.make_private(again, torch.optim.SGD(again.parameters(), lr=0.1), (x, y), batch_size=40)

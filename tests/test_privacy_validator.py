@@ -1439,3 +1439,34 @@ def test_rows_differ_sees_an_entry_finite_in_one_forward_only():
     assert not rows_differ(a, a.clone())
     assert rows_differ(a, torch.tensor([[1.0, float("-inf")], [2.0, 3.5]]))  # an inf elsewhere: scale stays finite
     assert rows_differ(a, torch.tensor([[1.0, 0.0], [2.0, 3.0]]))
+
+
+def test_identical_outputs_that_are_nan_in_both_forwards_agree():
+    """Review 13: nan == nan is False, so a constant nan column made every row 'differ' and refused a sound model."""
+    from runner.methods.privacy_check.independence import rows_differ
+
+    a = torch.tensor([[1.0, float("nan")], [2.0, float("nan")]])
+    assert not rows_differ(a, a.clone())
+    assert rows_differ(a, torch.tensor([[1.0, 0.0], [2.0, float("nan")]]))
+
+
+def test_the_twin_takes_any_label_of_the_batch_its_input_can_have():
+    """Review 13: only the first 4 other rows' labels were tried; on data where each record has 2 valid classes of 6,
+    none was valid for example 0 on some seeds, no twin joined, and identical rows reversed passed (1.49 C). Every
+    distinct label of the batch is tried (up to 16)."""
+    from runner.methods.privacy_check.first_step import with_twin
+
+    g = torch.Generator().manual_seed(2)
+    valid = torch.zeros(40, 6, dtype=torch.bool)
+    valid[torch.arange(40), torch.randint(0, 6, (40,), generator=g)] = True
+    valid[0] = False
+    valid[0, [0, 5]] = True  # example 0 takes class 0 or 5
+    y = torch.multinomial(valid.float(), 1, generator=g)[:, 0]
+    y[0], y[1:5], y[20] = 0, 2, 5  # the first rows' other labels are not valid for it; row 20's is
+    x = torch.cat([torch.randn(40, 10, generator=g), valid.float()], 1)
+    torch.manual_seed(0)
+    model = MaskedClasses()
+    method = METHODS.build("reweight", cfg={}, clip=1.0, sigma=0.0)
+    xs, ys, names = with_twin(method, model, masked_nll, x[:6], y[:6], list(range(6)), y)
+    j = int(names[-1].rsplit("example ", 1)[1].split()[0])  # the batch row whose label the twin took
+    assert len(ys) == 7 and int(ys[-1]) == 5 and int(y[j]) == 5 and j > 4

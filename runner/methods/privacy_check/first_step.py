@@ -38,6 +38,7 @@ from runner.methods.privacy_check.shapes import BLACK_BOX, check_batch_first, ch
 from runner.methods.privacy_check.state import check_unwritten, restore, snapshot
 
 PROBE = 4  # examples of the first batch the check runs on (the cost: a few forwards and backwards of these)
+TWIN_LABELS = 16  # labels of the batch tried for the probe's twin (with_twin), the first whose twin is finite kept
 MOST_EXTREME = 12  # more of them where more rows hold a key's extreme (probe_rows.py)
 ALONE = ("nxbp", "multiloss")  # each example's forward runs alone: no coupling, no batch dimension to get wrong
 PER_LAYER = ("reweight", "opacus")  # norms from each module's recorded calls
@@ -113,7 +114,7 @@ def probe(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor):
     return xp[rows], yp[rows], [names[r] for r in rows.tolist()], (xp[skipped], yp[skipped])
 
 
-def with_twin(method, model, loss_fn, xs: torch.Tensor, ys: torch.Tensor, names: list):
+def with_twin(method, model, loss_fn, xs: torch.Tensor, ys: torch.Tensor, names: list, batch_labels: torch.Tensor):
     """The probe with one more row: a copy of its first example with another example's label, where one differs and
     the copy's loss and gradient alone are finite (the probe's own filters: review 12, a label masked for that input
     gave the twin a nan gradient, which refused sound models, or an inf loss, which blinded the independence check).
@@ -123,11 +124,15 @@ def with_twin(method, model, loss_fn, xs: torch.Tensor, ys: torch.Tensor, names:
     identical rows is seen by the independence check the same way."""
     if len(ys) < 2:
         return xs, ys, names
-    other = (ys.reshape(len(ys), -1) != ys[:1].reshape(1, -1)).any(1).nonzero()[:, 0].tolist()  # another label
+    labels = batch_labels.to(ys.device, ys.dtype)
+    other = (labels.reshape(len(labels), -1) != ys[:1].reshape(1, -1)).any(1).nonzero()[:, 0].tolist()
+    distinct = {}
+    for j in other:  # each other label of the whole batch once, in batch order (review 13: the first 4 rows' labels
+        distinct.setdefault(tuple(labels[j].reshape(-1).tolist()), j)  # were all masked for example 0: no twin)
     state = rng_state(xs.device)
     try:
-        for j in other[:4]:
-            tx, ty = torch.cat([xs, xs[:1]]), torch.cat([ys, ys[j:j + 1]])
+        for j in list(distinct.values())[:TWIN_LABELS]:
+            tx, ty = torch.cat([xs, xs[:1]]), torch.cat([ys, labels[j:j + 1]])
             with torch.no_grad(), method.autocast(tx):
                 losses = loss_fn(model(tx), ty)
             set_rng_state(state, xs.device)
@@ -136,7 +141,7 @@ def with_twin(method, model, loss_fn, xs: torch.Tensor, ys: torch.Tensor, names:
             last = torch.zeros(len(ty), dtype=torch.bool, device=xs.device)
             last[-1] = True
             if bool(finite_gradients(method, model, loss_fn, tx, ty, last)[-1]):
-                twin = f"a copy of {batch_row(0, names)} with the label of {batch_row(j, names)}"
+                twin = f"a copy of {batch_row(0, names)} with the label of {batch_row(j, None)}"
                 return tx, ty, list(names) + [twin]
     except (ValueError, RuntimeError):  # a model or loss that cannot take this row: no twin
         pass
@@ -272,7 +277,7 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
         with untouched(method, model, x.device) as hooks:
             quiet(hooks)
             xs, ys, rows_in_batch, skipped = probe(method, model, loss_fn, x, y)
-            xs, ys, rows_in_batch = with_twin(method, model, loss_fn, xs, ys, rows_in_batch)
+            xs, ys, rows_in_batch = with_twin(method, model, loss_fn, xs, ys, rows_in_batch, y)
             k = len(ys)
             if k == 0:
                 return  # no finite example in this batch: the next one is checked
