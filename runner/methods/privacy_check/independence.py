@@ -14,8 +14,10 @@ so a float32 model's rows can differ by its rounding (1.8e-7 relative on an H100
 and no float32 tolerance separates that from weak coupling for every depth. So the rows are compared at 1e-7 (float64's
 rounding is ~1e-16); a model that is not float64 and differs by at most ROUNDING (1e-3) is probed again on a float64
 copy of it and of the probe rows on the CPU before it is refused: coupling shows in both, rounding only in the first.
-A larger difference is refused in the model's own dtype. (Until this was found,
+A larger difference is refused in the model's own dtype, and on the CPU so is any difference with example 0 replaced
+(k rows both times: the same kernels compute each other row bitwise alike; review 14). (Until this was found,
 a float32 tolerance was documented here but a float64 one was applied: the GPT-2-small stack was refused on an H100.)
+The forwards run with gradients on, as the training step's do (review 14: `if torch.is_grad_enabled()` coupling).
 """
 from __future__ import annotations
 
@@ -40,17 +42,21 @@ ROUNDING = 1e-3  # float32 differences at most this (relative) may be rounding: 
 def rows_differ(a, b, rtol: float = RTOL) -> bool:
     """a, b: the same rows of two forwards; True if they differ by more than 1e-7 relative: beyond float64's
     rounding, not beyond float32's, whose forwards of k and k - 1 rows may round differently (other kernels); a
-    float32 or bf16 model that differs is asked again in float64 (confirmed_independent_in_float64)."""
+    float32 or bf16 model that differs is asked again in float64 (confirmed_independent_in_float64). Each row (first
+    dimension; a 0-dim tensor is one row) is measured against its own finite entries: one scale for the whole tensor
+    let one probe row's 1e30 entry (finite, gradient-free) hide plain centring in every other row (review 14, 4.26 C)."""
     if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape or not a.is_floating_point():
         return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and not torch.equal(a, b)
-    a, b = a.detach().double(), b.detach().double()
+    if a.numel() == 0:
+        return False
+    a, b = (t.detach().double().reshape(len(t) if t.dim() else 1, -1) for t in (a, b))  # (rows, entries per row)
     finite = torch.isfinite(a) & torch.isfinite(b)
     agree = finite | (a == b) | (torch.isnan(a) & torch.isnan(b))  # inf == inf; nan in both (review 13) agrees too
     if not bool(agree.all()):  # an entry finite in one forward only
         return True
-    b_finite = b[finite]
-    scale = max(1.0, float(b_finite.abs().max())) if b_finite.numel() else 1.0  # an inf entry would make it inf
-    return bool(((a - b).abs()[finite] > rtol * (b.abs()[finite] + scale)).any())
+    size = torch.where(finite, b.abs(), 0.0)  # (rows, entries): an inf entry would make its row's scale inf
+    scale = size.amax(1, keepdim=True).clamp(min=1.0)  # (rows, 1): max(1, max |finite b_row|)
+    return bool((torch.where(finite, (a - b).abs(), 0.0) > rtol * (size + scale)).any())
 
 
 def replaced(t: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
@@ -65,19 +71,26 @@ def replaced(t: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def kept(value):
+    """What calls() keeps of a value: a tensor detached (no graph held), nothing else (rows_differ compares tensors)."""
+    return value.detach() if torch.is_tensor(value) else None
+
+
 def calls(model: nn.Module, loss_fn, x, y):
-    """One forward: the losses, and (path, module, input, output) of every module call in order (rows first)."""
+    """One forward: the losses, and (path, module, input, output) of every module call in order (rows first). With
+    gradients on, as in training: a model coupling the batch only `if torch.is_grad_enabled()` passed forwards under
+    no_grad (review 14, 7.7 C); all that is kept is detached, so each forward's graph is freed."""
     seen = []
 
     def hook(path):
         def record(module, args, kwargs, out):
-            seen.append((path, module, first_input(args, kwargs), out))
+            seen.append((path, module, kept(first_input(args, kwargs)), kept(out)))
         return record
 
     handles = [m.register_forward_hook(hook(p or "<model>"), with_kwargs=True) for p, m in model.named_modules()]
     try:
-        with torch.no_grad():
-            losses = loss_fn(model(x), y)
+        with torch.enable_grad():
+            losses = kept(loss_fn(model(x), y))
     finally:
         for h in handles:
             h.remove()
@@ -122,9 +135,14 @@ def check_independence(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tens
 def within_rounding(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str) -> bool:
     """The same probe, on the model as it is, at ROUNDING: True if its rows moved by at most 1e-3 relative, what
     float32 kernels can round; coupling in the model's own dtype beyond that is refused there (a model whose coupling
-    only its float32 path has, `if x.dtype == torch.float32: x = x - x.mean(0)`, cannot hide behind the float64 copy)."""
+    only its float32 path has, `if x.dtype == torch.float32: x = x - x.mean(0)`, cannot hide behind the float64 copy).
+    Only the removed probe (k - 1 rows: other kernels, other blocking) gets ROUNDING on the CPU: the replaced probes
+    keep the batch's shape, so the same kernels compute each other row bitwise alike unless the rows are coupled, and
+    they stay at RTOL there (review 14: `x + 1e-5 * x.sum(0)` on the float32 path alone, inside the 1e-3 band, was
+    cleared by the float64 copy, 5.3 C). On CUDA the replaced probes keep ROUNDING and the float64 route: same-shape
+    forwards there are not shown to be bitwise alike (atomics, per-call algorithm choice), not checked on a GPU."""
     try:
-        probe(model, loss_fn, x, y, method, ROUNDING)
+        probe(model, loss_fn, x, y, method, ROUNDING, replaced_rtol=RTOL if x.device.type == "cpu" else ROUNDING)
     except DprunError:
         return False
     return True
@@ -151,8 +169,12 @@ def confirmed_independent_in_float64(model: nn.Module, loss_fn, x: torch.Tensor,
     return True
 
 
-def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str, rtol: float = RTOL) -> None:
+def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str, rtol: float = RTOL,
+          replaced_rtol: float | None = None) -> None:
+    """Example 0 replaced (train mode, then eval mode; compared at replaced_rtol, default rtol), then removed (eval
+    mode, compared at rtol)."""
     k = len(y)
+    same = rtol if replaced_rtol is None else replaced_rtol  # the replaced probes: the same batch shape
     x2, y2 = replaced(x, x), replaced(y, y)
     for train in (True, False):
         model.train(train)
@@ -161,9 +183,9 @@ def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: s
         set_rng_state(state, x.device)  # the same dropout masks for the same rows
         other, other_calls = calls(model, loss_fn, x2, y2)
         outputs = (base_calls[-1][3], other_calls[-1][3]) if base_calls else (None, None)
-        if rows_differ(base[1:], other[1:], rtol) or (torch.is_tensor(outputs[0]) and outputs[0].shape[:1] == (k,)
-                                                      and rows_differ(outputs[0][1:], outputs[1][1:], rtol)):
-            refuse(mixer(base_calls, other_calls, k, rtol), f"with the first probed example replaced "
+        if rows_differ(base[1:], other[1:], same) or (torch.is_tensor(outputs[0]) and outputs[0].shape[:1] == (k,)
+                                                      and rows_differ(outputs[0][1:], outputs[1][1:], same)):
+            refuse(mixer(base_calls, other_calls, k, same), f"with the first probed example replaced "
                    f"({'train' if train else 'eval'} mode)", method)
     fewer, _ = calls(model, loss_fn, x[1:], y[1:])  # eval mode
     if rows_differ(base[1:], fewer, rtol):
