@@ -75,33 +75,43 @@ def untouched(method, model: torch.nn.Module, device: torch.device):
 
 
 def probe(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor):
-    """PROBE examples of the batch whose inputs and losses are finite, those with extreme keys first (probe_rows.py:
+    """PROBE examples of the batch whose losses and gradients are finite, those with extreme keys first (probe_rows.py:
     a forward that sorts by a key the rows tie on shows nothing), then the training records with extreme keys that
     assemble() left on the method (`probe_records`), and each row's name for the messages (its row in the batch, or
-    "training record i"). A record that is not finite adds nothing to the release (runner/methods/dropped.py,
-    runner/norms/certify.py); compared with one backward per example it would fail every check, so one such record
-    among the first four made the validator refuse any model. Looks at up to 4 x PROBE rows of the batch: one forward
-    without gradients, random state restored (the caller restores the modules' flags)."""
+    "training record i"). A record whose loss or gradient is not finite adds nothing to the release
+    (runner/methods/dropped.py, runner/norms/certify.py); compared with one backward per example it would fail every
+    check, so one such record among the first four made the validator refuse any model. A record with a nan input
+    that the model imputes (finite loss and gradient) is trained on, so it is probed (review 14: a model mixing the
+    batch among such records only was accepted, bk 7 C, twopass 51 C). Looks at up to 4 x PROBE rows of the batch:
+    one forward without gradients (two where an input is not finite), random state restored (the caller restores
+    the modules' flags)."""
     spread, extreme = spread_first(x, y)
     probe_rows = max(PROBE, min(extreme, MOST_EXTREME))  # every row with an extreme key, up to MOST_EXTREME
     order = torch.tensor(spread[:probe_rows + 3 * PROBE], dtype=torch.long, device=x.device)  # (pool,)
     xp, yp, names = x[order], y[order], order.tolist()
+    from runner.methods.privacy_check.probe_rows import like_batch
     extra = getattr(method, "probe_records", None)
-    if extra is not None and extra[0].shape[1:] == x.shape[1:] and extra[0].is_floating_point() == x.is_floating_point():
-        xp = torch.cat([xp, extra[0].to(x.device, x.dtype)])
+    added = like_batch(extra[0], x, "the training records with extreme keys") if extra is not None else None
+    if added is not None:
+        xp = torch.cat([xp, added])
         yp = torch.cat([yp, extra[1].to(y.device, y.dtype)])
         names = names + list(extra[2])
     pool = len(yp)
-    ok = (torch.isfinite(xp.reshape(pool, -1)).all(1) if xp.is_floating_point()
-          else torch.ones(pool, dtype=torch.bool, device=x.device))  # (pool,)
     state = rng_state(x.device)
     with torch.no_grad(), method.autocast(xp):
-        zeroed = torch.where(ok.view(-1, *([1] * (xp.dim() - 1))), xp, torch.zeros((), dtype=xp.dtype, device=x.device))
-        losses = loss_fn(model(zeroed), yp)
+        losses = loss_fn(model(xp), yp)  # (pool,) the rows as they are
     set_rng_state(state, x.device)
+    ok = torch.isfinite(losses) if losses.shape == (pool,) else torch.ones(pool, dtype=torch.bool, device=x.device)
+    if losses.shape == (pool,) and xp.is_floating_point():
+        inputs = torch.isfinite(xp.reshape(pool, -1)).all(1)  # (pool,)
+        if not bool(inputs.all()):  # a nan row that a coupled model spreads to every row: the rows with finite inputs
+            with torch.no_grad(), method.autocast(xp):  # are looked at alone (with zeros in its place) too
+                alone = loss_fn(model(torch.where(inputs.view(-1, *([1] * (xp.dim() - 1))), xp,
+                                                  torch.zeros((), dtype=xp.dtype, device=x.device))), yp)
+            set_rng_state(state, x.device)
+            ok = ok | (inputs & torch.isfinite(alone))
     ok_loss = ok
     if losses.shape == ok.shape:  # else check_losses refuses the loss's shape
-        ok = ok_loss = ok & torch.isfinite(losses)
         finite = finite_gradients(method, model, loss_fn, xp, yp, ok)
         b = len(order)  # batch rows are skipped so only while 2 or more are left: a coupled model that is nan alone
         # had every row skipped, and no batch was ever checked (review 8: 1.15-1.21 C released); then all are probed

@@ -15,8 +15,8 @@ rows as drawn and two in shuffled orders, one fixed and one drawn afresh (gradie
 a forward that reverses the batch commutes with that), and matches every covered call's input rows: each row, centred and projected on a few
 fixed random directions (`sketch`), must lie nearest its own example's row of the other order (`moved`), not a
 tolerance away from it (review 10: rows of norm 480 differing by 0.1 passed a relative tolerance of 1e-3). The rows: every
-finite row of the first batch, and, where the training set is in memory (probe_rows.feature_extremes), training
-records lying outside the batch's range on each feature whose training range reaches beyond it (`covering`: a rare
+row of the first batch (those with a nan input too: review 14), and, where the training set is in memory (probe_rows.feature_extremes), training
+records (read as the batch holds them) lying outside the batch's range on each feature whose training range reaches beyond it (`covering`: a rare
 flag's records; a text longer or shorter than the batch's), up to EXTRA_RECORDS. Randomness in the forward (dropout) would differ between the two orders:
 dropout modules run in eval mode, and where the orders differ, a forward that is still random (a second forward of
 the same rows differs) is compared again in eval mode.
@@ -29,81 +29,123 @@ dropout modules)."""
 from __future__ import annotations
 
 import secrets
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from runner.errors import DprunError
+from runner.methods.privacy_check.probe_rows import like_batch
 from runner.methods.privacy_check.shapes import BLACK_BOX, each_call_input
 
 EXTRA_RECORDS = 256  # training records added at most (the cost: two forwards without gradients of these rows)
 SKETCH = 4  # random directions each call's centred input rows are projected on (row matching by nearest sketch)
 ROWS_AT_ONCE = 64  # rows of a call's input upcast to float64 at a time
+FLOAT64_ROUNDING = 1e-12  # moved's floor for a float64 call (~D ulps of the float64 sketch at D = 10^4; a float32
+# floor there let rows of a common offset of 1e9 differing by 1 through)
 
 
 def rows_to_check(method, x: torch.Tensor) -> torch.Tensor:
-    """(n, ...) training records holding values outside the range of the batch's finite rows (`covering`), then
-    those rows."""
-    flat = x.reshape(len(x), -1)
-    rows = x[torch.isfinite(flat).all(1)] if x.is_floating_point() else x
+    """(n, ...) training records holding values outside the range of the batch's finite entries (`covering`), read
+    as the batch holds them, then the batch's rows, those with an entry that is not finite included (review 14: a
+    record with a nan input that the model imputes trains like any other; a sort by a flag only such records carry
+    moves the finite rows, whose sketches show it; a row's own sketch that is not finite is never matched)."""
     found = getattr(method, "probe_features", None)
-    if found is None or len(rows) == 0 or found.largest.numel() != flat.shape[1] or found.x.dtype != x.dtype:
-        return rows
-    seen = rows.reshape(len(rows), -1)
-    index = covering(found, seen.amax(0).to(found.largest.device), seen.amin(0).to(found.largest.device))
-    if not index:
-        return rows
-    return torch.cat([found.x[torch.tensor(index, device=found.x.device)].to(x.device), rows])
-
-
-def covering(found, high: torch.Tensor, low: torch.Tensor) -> list[int]:
-    """Training records (indices, up to EXTRA_RECORDS) such that every feature whose training range reaches beyond the
-    batch's [low, high] has a record outside it: chosen greedily, the record outside on the most features not yet
-    covered first, among the features' extreme records, those of the features the batch's rows tie on (a rare flag)
-    before the others. A few records cover most: a long text every padded position of a batch of shorter ones."""
+    flat = x.reshape(len(x), -1)  # (n, d)
+    if found is None or len(x) == 0 or found.largest.numel() != flat.shape[1]:
+        return x
     candidates = list(dict.fromkeys(torch.cat([found.at_largest, found.at_smallest]).tolist()))  # distinct records
-    values = found.x[torch.tensor(candidates, device=found.x.device)].reshape(len(candidates), -1).to(high.device)
+    got = found.records(torch.tensor(candidates))
+    values = like_batch(got[0], x, "the training records at each feature's extremes") if got is not None else None
+    if values is None:
+        return x
+    if flat.is_floating_point():  # the batch's range over its finite entries ((d,) each; -inf / inf on none)
+        bad = ~torch.isfinite(flat)
+        high, low = flat.masked_fill(bad, float("-inf")).amax(0), flat.masked_fill(bad, float("inf")).amin(0)
+    else:
+        high, low = flat.amax(0), flat.amin(0)
+    index = covering(values.reshape(len(values), -1), high, low)
+    return torch.cat([values[index], x]) if index else x
+
+
+def covering(values: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> list[int]:
+    """Rows of values ((c, d): the records holding some feature's largest or smallest value), up to EXTRA_RECORDS,
+    such that every feature whose training range reaches beyond the batch's [low, high] has a record outside it:
+    chosen greedily, the record outside on the most features not yet covered first, those of the features the
+    batch's rows tie on (a rare flag) before the others. A few records cover most: a long text every padded position
+    of a batch of shorter ones."""
     outside = (values > high) | (values < low)  # (c, d): candidate c lies outside the batch's range on feature d
     order = []
     for needed in (high == low, high != low):  # tied features first
         left = needed & outside.any(0)  # (d,) features still to cover
         while bool(left.any()) and len(order) < EXTRA_RECORDS:
             best = int((outside & left).sum(1).argmax())
-            order.append(candidates[best])
+            order.append(best)
             left &= ~outside[best]
     return list(dict.fromkeys(order))
 
 
-def sketch(inp: torch.Tensor) -> torch.Tensor:
-    """(n, SKETCH + 1) float64: each row of one call's input (n, ...) projected on SKETCH fixed random directions
-    (E ||P d||^2 = ||d||^2) less the rows' mean projection (their mean's: the projection is linear), then the row's
-    norm. The mean over the same rows does not depend on their order, so a call that is permutation-equivariant gives
-    the same sketch rows permuted (up to rounding). Centred, a large common offset does not hide a small difference
-    between records (review 10: rows of norm 480 differing by 0.1 passed a tolerance of their norm and released
-    245-367 C per example); projected, two forwards' inputs are never held (review 10: 1.3 GB for the transformer at
-    256 rows); one float64 pass of ROWS_AT_ONCE rows at a time (review 11: 0.5 s a call at D = 65,536 before). A row
-    that is not finite gets nan (its norm in float64 cannot overflow from float32 values)."""
+def column_scale(inp: torch.Tensor) -> torch.Tensor:
+    """(D,) float64: each coordinate of one call's input (n, ...) at its largest finite magnitude over the rows (1
+    where every row is 0 there): the units `sketch` measures rows in."""
     flat = inp.detach().reshape(len(inp), -1)
+    scale = torch.zeros(flat.shape[1], dtype=torch.float64, device=flat.device)
+    for block in flat.split(ROWS_AT_ONCE):
+        scale = torch.maximum(scale, block.double().abs().nan_to_num(nan=0.0, posinf=0.0).amax(0))
+    return torch.where(scale > 0, scale, torch.ones((), dtype=torch.float64, device=flat.device))
+
+
+def sketch(inp: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """(n, SKETCH + 1) float64: each row u of one call's input (n, ...), each coordinate divided by `scale` ((D,),
+    column_scale: the drawn forward's, so that both orders are measured alike), projected on SKETCH fixed random
+    directions (E ||P d||^2 = ||d||^2) less the rows' mean projection (their mean's: the projection is linear), then
+    the norm of u. The mean over the same rows does not depend on their order, so a call that is
+    permutation-equivariant gives the same sketch rows permuted (up to rounding). Per coordinate, rounding moves u_j
+    by about 1 ulp of u_j, |u_j| <= 1, so `moved`'s floor (rounding x ||u||) is a rounding model per coordinate: a
+    large coordinate raises the floor by its own rounding only (review 14: one exact constant column of 1e9 raised
+    a floor of 1e-7 of the raw row's norm to ~100, and a sort by a rare flag passed: twopass 1.3e3-7.9e8 C, 1.5e10 C
+    through make_private). Centred, a large common offset does not hide a small difference between records (review
+    10: rows of norm 480 differing by 0.1 passed a tolerance of their norm and released 245-367 C per example);
+    projected, two forwards' inputs are never held (review 10: 1.3 GB for the transformer at 256 rows); one float64
+    pass of ROWS_AT_ONCE rows at a time (review 11: 0.5 s a call at D = 65,536 before). A row that is not finite
+    gets nan."""
+    flat = inp.detach().reshape(len(inp), -1)
+    scale = column_scale(flat) if scale is None else scale  # (D,)
     directions = torch.randn(flat.shape[1], SKETCH, dtype=torch.float64,
                              generator=torch.Generator().manual_seed(flat.shape[1])).to(flat.device) / SKETCH ** 0.5
+    directions = directions / scale[:, None]  # u @ directions = x @ (directions / scale)
     parts = []
     for block in flat.split(ROWS_AT_ONCE):  # (<= 64, D) upcast at a time
         raw = block.double()
-        parts.append(torch.cat([raw @ directions, raw.norm(dim=1, keepdim=True)], 1))
+        parts.append(torch.cat([raw @ directions, (raw / scale).norm(dim=1, keepdim=True)], 1))
     out = torch.cat(parts) if parts else flat.new_zeros(0, SKETCH + 1, dtype=torch.float64)
-    finite = torch.isfinite(out[:, SKETCH])  # (n,)
+    finite = torch.isfinite(out).all(1)  # (n,)
     mean = out[finite, :SKETCH].mean(0) if bool(finite.any()) else out.new_zeros(SKETCH)
     out[:, :SKETCH] -= mean
     return torch.where(finite[:, None], out, float("nan"))
 
 
-def call_sketches(model: nn.Module, x: torch.Tensor) -> list[tuple[str, nn.Module, torch.Size, torch.Tensor]]:
-    """(path, module, input shape, sketch) of every call of a covered module in one forward of x, in call order."""
+class Call(NamedTuple):
+    path: str
+    module: nn.Module
+    shape: torch.Size  # the call's input shape
+    dtype: torch.dtype
+    sketch: torch.Tensor | None  # (n, SKETCH + 1); None for a call whose input is not batch-first
+    scale: torch.Tensor | None  # (D,) column_scale
+
+
+def call_sketches(model: nn.Module, x: torch.Tensor, scales: list[Call] | None = None) -> list[Call]:
+    """Every call of a covered module in one forward of x, in call order; `scales`: another forward's calls, whose
+    coordinate scales the sketches take (the drawn order's)."""
     calls = []
 
     def visit(path, module, inp):
         rows = inp.dim() > 0 and len(inp) == len(x)  # batch-first (check_batch_first refuses the others)
-        calls.append((path, module, inp.shape, sketch(inp) if rows else None))
+        scale = None
+        if rows:
+            given = scales[len(calls)].scale if scales is not None and len(calls) < len(scales) else None
+            scale = given if given is not None and given.numel() == inp[0].numel() else column_scale(inp)
+        calls.append(Call(path, module, inp.shape, inp.dtype, sketch(inp, scale) if rows else None, scale))
 
     each_call_input(model, x, visit)
     return calls
@@ -111,10 +153,10 @@ def call_sketches(model: nn.Module, x: torch.Tensor) -> list[tuple[str, nn.Modul
 
 def moved(drawn: torch.Tensor, permuted: torch.Tensor, order: torch.Tensor, rounding: float) -> bool:
     """Some row i of `permuted` lies much nearer another row of `drawn` than its own, drawn[order[i]], and further from
-    its own than `rounding` (relative to the row's norm) explains (sketches (n, SKETCH + 1)): the call saw that
-    example's row elsewhere. Distances are exact differences (torch.cdist's matrix-product route put exact duplicates
-    ~1e-8 of their norm apart, and the rounding then put a twin nearer than a row's own: review 11, and the real
-    IMDB's texts that open alike); rows that are not finite are never counted."""
+    its own than `rounding` (relative to the row's norm in the sketch's units, u) explains (sketches (n, SKETCH +
+    1)): the call saw that example's row elsewhere. Distances are exact differences (torch.cdist's matrix-product
+    route put exact duplicates ~1e-8 of their norm apart, and the rounding then put a twin nearer than a row's own:
+    review 11, and the real IMDB's texts that open alike); rows that are not finite are never counted."""
     distance = torch.cdist(permuted[:, :SKETCH], drawn[:, :SKETCH], compute_mode="donot_use_mm_for_euclid_dist")
     rows = torch.arange(len(order), device=order.device)
     own = distance[rows, order]  # (n,)
@@ -138,22 +180,25 @@ def reordered(model: nn.Module, rows: torch.Tensor, rounding: float) -> tuple[st
     drawn = call_sketches(model, rows)
     for order in shuffles(len(rows)):
         order = order.to(rows.device)
-        permuted = call_sketches(model, rows[order])
-        if [(p, shape) for p, _, shape, _ in drawn] != [(p, shape) for p, _, shape, _ in permuted]:
-            path, module, _, _ = next((c for c, d in zip(drawn, permuted) if c[::2] != d[::2]),
-                                      drawn[-1] if len(drawn) > len(permuted) else permuted[-1])
-            return path, module
-        for (path, module, _, a), (_, _, _, b) in zip(drawn, permuted):
-            if a is not None and moved(a, b, order.to(a.device), rounding):
-                return path, module
+        permuted = call_sketches(model, rows[order], drawn)
+        if [(c.path, c.shape) for c in drawn] != [(c.path, c.shape) for c in permuted]:
+            first = next((c for c, d in zip(drawn, permuted) if (c.path, c.shape) != (d.path, d.shape)),
+                         drawn[-1] if len(drawn) > len(permuted) else permuted[-1])
+            return first.path, first.module
+        for a, b in zip(drawn, permuted):
+            floor = min(rounding, FLOAT64_ROUNDING) if a.dtype == torch.float64 else rounding
+            if a.sketch is not None and moved(a.sketch, b.sketch, order.to(a.sketch.device), floor):
+                return a.path, a.module
     return None
 
 
 def random_forward(model: nn.Module, rows: torch.Tensor) -> bool:
-    """Two forwards of the same rows differ: randomness outside the dropout modules already in eval mode."""
-    one, two = call_sketches(model, rows), call_sketches(model, rows)
-    return len(one) != len(two) or any((a is None) != (b is None) or (a is not None and not torch.equal(a, b))
-                                       for (_, _, _, a), (_, _, _, b) in zip(one, two))
+    """Two forwards of the same rows differ: randomness outside the dropout modules already in eval mode (a row that
+    is not finite, nan in both, is no difference)."""
+    one = call_sketches(model, rows)
+    two = call_sketches(model, rows, one)
+    return len(one) != len(two) or any((a.sketch is None) != (b.sketch is None) or (a.sketch is not None and not (
+        torch.equal(a.sketch.nan_to_num(nan=0.0), b.sketch.nan_to_num(nan=0.0)))) for a, b in zip(one, two))
 
 
 @torch.enable_grad()
@@ -168,7 +213,8 @@ def check_row_order(method, model: nn.Module, x: torch.Tensor) -> None:
             m.eval()
     size = max(method.physical_batch_size or len(x), 2)  # rows per forward: the training step's chunk at most
     # rows computed at two batch positions are bitwise equal on the CPU (review 11: Linear, fp32 and bf16); the floor
-    # is ~1 ulp of the row for kernels elsewhere that are not (a centred-norm floor let near neighbours through: 1.28 C)
+    # is ~1 ulp per coordinate (sketch's units) for kernels elsewhere that are not (a floor of 1e-3 of the centred
+    # norm let near neighbours through: 1.28 C; one of 1e-7 of the raw norm, a constant column of 1e9: review 14)
     rounding = 1e-3 if method.precision == "bf16" else 1e-7
     rows = rows[shuffles(len(rows))[0].to(rows.device)]  # each forward mixes added records and batch rows
     with method.autocast(rows):
