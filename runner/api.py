@@ -22,6 +22,7 @@ is runner/data/sampler.py's. docs/api.md has a runnable example.
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -325,7 +326,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         runner/memory_format.py.
     """
     records = [getattr(m, WRAPPED, None) or LEDGERS.get(m) for m in model.modules()]  # a wrapper (Sequential,
-    records = [led for led in records if led is not None]  # DataParallel, a new head) or a part of one: review 13
+    records += [getattr(p, WRAPPED, None) for p in model.parameters()]  # DataParallel, a new head) or a part of one
+    records = [led for led in records if led is not None]  # (review 13); new modules over its Parameters (review 14)
     trained = [led for led in records if led["steps"] > 0]
     record = trained[0] if trained else (records[0] if records else None)
     if trained and method != "nonprivate":  # nonprivate publishes epsilon inf
@@ -340,8 +342,9 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     check_options("method", method, options)  # a typo in an option name is an error, not a silent default
     world = distributed.current(int(seed or 0))  # the user's own process group, if they initialised one
     generator = randomness.api_generator(rng, generator, world)  # secure: SecureRandom, shared by the ranks
-    source = _Source(data, batch_size, generator, world)
-    request = Request(method=method, method_options=options, clip=float(max_grad_norm), sigma=float(noise_multiplier),
+    source = _Source(data, _whole("batch_size", batch_size), generator, world)
+    request = Request(method=method, method_options=options, clip=_number("max_grad_norm", max_grad_norm),
+                      sigma=_number("noise_multiplier", noise_multiplier),
                       sampling="poisson" if poisson else "shuffle", accountant=accountant,
                       physical_batch_size=max_physical_batch_size, precision=precision, epochs=epochs,
                       memory_format=memory_format,
@@ -351,8 +354,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     _check_optimizer_step(optimizer)
     private = assemble(request, model, source.dataset, world, source.sampler)  # runner/assembly.py, as the CLI's
     private.method.privacy_check = bool(validate)  # the first step's check (runner/methods/privacy_check/)
-    if source.loader is not None and private.method.private:  # a TensorDataset's records join its probe too
-        attach_probes(private.method, source.loader.dataset)
+    if source.loader is not None and private.method.private:  # a TensorDataset's records join its probe too, as
+        attach_probes(private.method, source.loader.dataset, source.loader.per_example_collate)  # collated
     if source.loader is not None and validate and private.method.private:  # rows built from their example alone
         privacy_check.check_collate(source.loader.dataset, source.loader.per_example_collate, private.method.name)
     privacy_check.check_ranks(world, *(source.tensors or (None, None)), private.sampler)  # same data, same batches
@@ -363,7 +366,28 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         object.__setattr__(root, WRAPPED, training._record)  # plain attribute: deepcopy copies it, state_dict not
         for m in root.modules():
             LEDGERS[m] = training._record  # each part too (a submodule trained again alone)
+        for p in root.parameters():  # and each weight: new modules holding the same Parameter objects started a
+            setattr(p, WRAPPED, training._record)  # second ledger at epsilon 0 (review 14: 60 steps, 30 in each)
     return training
+
+
+def _number(name: str, value) -> float:
+    """float(value), or one line naming the argument (review 15: a bare ValueError for noise_multiplier="abc")."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise DprunError(f"{name}={value!r} is not a number") from None
+
+
+def _whole(name: str, value) -> int | None:
+    """None, or value as a whole number >= 1 (review 15: batch_size=2.5 trained at 2, batch_size=0 said it was
+    missing)."""
+    if value is None:
+        return None
+    number = _number(name, value)
+    if isinstance(value, bool) or not (math.isfinite(number) and number >= 1 and number == int(number)):
+        raise DprunError(f"{name}={value!r} is not valid: a whole number >= 1")
+    return int(number)
 
 
 # Set on a model make_private wrapped, shared by its wrappers (review 9: make_private called in each epoch's loop
@@ -413,6 +437,8 @@ class _Source:
             if not batch_size:
                 raise DprunError("make_private with tensors needs batch_size (the expected batch size)")
             x, y = self.tensors = tuple(data)
+            if len(x) != len(y):  # review 15: x of 512 rows with y of 100 trained on x's first 100 rows alone
+                raise DprunError(f"data (x, y) must hold the same examples: x has {len(x)} rows, y {len(y)}")
             info = DataInfo("user", tuple(x.shape[1:]), int(y.max().item()) + 1 if y.numel() else 0,
                             train_size=len(y))
             self.dataset = Dataset(info, x, y, x[:0], y[:0], source="user")
