@@ -137,8 +137,9 @@ def test_the_compiled_step_pads_each_chunk_to_p(monkeypatch):
     want, _ = two_steps(None, compiled=False)
     got, sizes = two_steps(2, compiled=True)
     # the first step's privacy check (runner/methods/privacy_check/, on 4 examples or every one with an extreme key,
-    # as drawn and reversed), step 1 eager; step 2 compiled: its last chunk of 1 padded to 2
-    assert sizes[0] == sizes[1] >= 4 and sizes[2:] == [2, 2, 1, 2, 2, 2], sizes
+    # as drawn and reversed, each at the run's clip and two small ones: measured.py SMALL_FACTORS), step 1 eager;
+    # step 2 compiled: its last chunk of 1 padded to 2
+    assert sizes[0] >= 4 and sizes[:6] == [sizes[0]] * 6 and sizes[6:] == [2, 2, 1, 2, 2, 2], sizes
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
