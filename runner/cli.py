@@ -13,6 +13,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
@@ -31,6 +32,7 @@ register_resolvers()  # before @hydra.main composes conf/
 NEW_DIRS: set[Path] = set()  # out_dir= folders that did not exist before Hydra made them (main() notes them)
 NEW_PARENTS: set[Path] = set()  # the folders above a single run's folder that Hydra will make (outputs/runs/<date>)
 EXIT_DIVERGED = 3  # a run whose loss or parameters became non-finite (status `diverged`); 2: refused; 1: failed
+SWEEP_FAILED: list[str] = []  # this process's sweep jobs refused or diverged (_hydra_main), for SweepStatus
 
 
 def run(cfg: DictConfig, speaker: Speaker | None = None) -> dict:
@@ -129,8 +131,9 @@ def _hydra_main(cfg: DictConfig) -> None:
         from runner.train import Diverged
 
         speaker.last_line("failed" if isinstance(e, Diverged) else "refused", str(e))
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
-            raise  # a sweep goes on with its other jobs; Hydra reports the failed one at the end
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a sweep goes on with its other jobs: this one line, no
+            SWEEP_FAILED.append(str(e))  # traceback (Hydra prints one for a job that raises); SweepStatus exits 1
+            return
         if speaker.main and not isinstance(e, (Diverged, run_lock.InUse)):  # in use: the folder is another's
             discard_refused(cfg, out_dir if new_out_dir else None)
         sys.exit(EXIT_DIVERGED if isinstance(e, Diverged) else 2)
@@ -150,6 +153,22 @@ def _hydra_main(cfg: DictConfig) -> None:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             speaker.last_line("failed", f"failed: {type(e).__name__}: {first}")
         sys.exit(1)
+
+
+class SweepStatus(Callback):
+    """A sweep's exit status (conf/config.yaml: hydra.callbacks). A job refused or diverged prints its one line and
+    returns (_hydra_main), so Hydra goes on without a traceback; at the sweep's end the command exits 1 if a job of
+    this process was (SWEEP_FAILED) or dprun-report finds a job folder that did not finish (a launcher's worker
+    process or node: failed-to-start, diverged). A job that raised anything else ends the sweep as Hydra does."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from runner.report import collect
+
+        failed = bool(SWEEP_FAILED)
+        SWEEP_FAILED.clear()  # (a test's in-process sweeps share this module)
+        runs = collect(Path(str(config.hydra.sweep.dir)), reference=True)
+        if failed or (not runs.empty and (runs["status"] != "finished").any()):
+            sys.exit(1)
 
 
 def discard_refused(cfg: DictConfig, out_dir: Path | None) -> None:

@@ -48,8 +48,9 @@ def check_args(n: int, batch_size: int, sigma: float, epochs: float, delta: floa
         raise DprunError(f"--n={n} must be a positive integer (the training set size)")
     if not 1 <= batch_size <= n:
         raise DprunError(f"--batch-size={batch_size} must be between 1 and --n={n}")
-    if not sigma > 0:  # also NaN
-        raise DprunError(f"--sigma={sigma} must be > 0 (sigma=0 adds no noise: no finite epsilon)")
+    if not 0 < sigma < math.inf:  # also NaN
+        raise DprunError(f"--sigma={sigma} is not valid: the noise multiplier must be a finite number > 0" +
+                         (" (sigma=0 adds no noise: no finite epsilon)" if sigma == 0 else ""))
     if not 0 < delta < 1:
         raise DprunError(f"--delta={delta} must be in (0, 1)")
     if not 0 < epochs < math.inf:

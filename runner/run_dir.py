@@ -27,6 +27,19 @@ def ensure_fresh(folder: str | Path) -> None:
     if holds_run(folder):
         raise DprunError(f"folder {str(folder)!r} already holds a run (summary.json or metrics.csv); "
                          f"pass a fresh out_dir= (or hydra.run.dir=), or leave both unset for a new folder")
+    if (Path(folder) / "multirun.yaml").exists():  # a sweep's folder: its jobs' runs are in its subfolders
+        raise DprunError(f"folder {str(folder)!r} holds a sweep (multirun.yaml); pass a fresh out_dir= (or "
+                         f"hydra.run.dir=), or leave both unset for a new folder")
+
+
+def check_not_file(key: str, value: str) -> None:
+    """A run or sweep folder named on the command line that is a file, or lies below one: one line, before Hydra
+    tries to make it (FileExistsError, NotADirectoryError)."""
+    path = Path(value)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == path else f"lies inside {str(existing)!r}, which is a file"
+        raise DprunError(f"{key}={value} {where}, not a folder; pass a folder's path (a new one is made)")
 
 
 def holds_sweep(folder: str | Path) -> bool:
@@ -49,6 +62,7 @@ def check_reused_dirs(argv: list[str]) -> None:
         if value in ("", "null") or any(c in value for c in "${},()"):
             continue
         value = value.strip("'\"")
+        check_not_file(key, value)
         if key == "hydra.sweep.dir":
             if multirun and holds_sweep(value):
                 raise DprunError(f"folder {value!r} already holds a sweep (multirun.yaml or runs); pass a fresh "

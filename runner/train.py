@@ -472,6 +472,8 @@ def record_epoch(run: Run, row: dict[str, Any], eps: dict[str, Any]) -> None:
         write_csv(run.out_dir / "metrics.csv", run.rows)
     run.rows_on_disk = len(run.rows)  # a signal during the write above leaves the previous file, and this count
     publish_state(run)
+    if run.world.main:  # summary.json follows metrics.csv (replaced atomically: a kill leaves the previous one whole)
+        write_json(run.out_dir / "summary.json", run.summary)
     done = [r["epoch_time_s"] for r in run.rows if r["epoch"] > run.start_epoch]
     eta = format_eta(statistics.mean(done) * (int(cfg.epochs) - row["epoch"]))
     no_epsilon = "epsilon=none (accountant=none)" if method.private else "epsilon=none (non-private)"
@@ -490,10 +492,16 @@ def publish_state(run: Run) -> None:
     summary, accountant, rows = run.summary, run.accountant, run.rows[:run.rows_on_disk]
     if run.cfg.get("resume") or rows:  # a fresh run's summary.json says nothing of epochs until its first one
         summary["epochs_completed"] = len(rows)
-        summary["final"] = dict(rows[-1]) if rows else {}
+        summary["final"] = final_row(rows)
     run.published_steps = checkpoint.accountant_steps(accountant)
     if accountant is not None:
         summary["mechanisms"] = [{"kind": m.kind, **m.__dict__, "steps": n} for m, n in accountant.history.items()]
+
+
+def final_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's `final`: the last published row, an epsilon with no number (metrics.csv's empty cell: not
+    private, no accountant, or no certified epsilon under this sampling) as null, as an infinite one is."""
+    return {k: None if k.startswith("epsilon") and v == "" else v for k, v in rows[-1].items()} if rows else {}
 
 
 def published_accountant(run: Run):
@@ -517,7 +525,7 @@ def finish(run: Run) -> None:
     whole) and the error propagates; a partial file would lose the run's config (no resume, no report)."""
     audit_run.finish(run)  # audit=one_run: summary["audit"], claimed vs audited epsilon
     summary, rows = run.summary, run.rows[:run.rows_on_disk]
-    summary["epochs_completed"], summary["final"] = len(rows), dict(rows[-1]) if rows else {}
+    summary["epochs_completed"], summary["final"] = len(rows), final_row(rows)
     if rows and rows[-1]["epsilon"] == float("inf") and run.accountant is not None:
         accountant, delta = published_accountant(run), float(run.cfg.delta)
         if hasattr(accountant, "epsilon_lower_bound"):

@@ -46,6 +46,8 @@ def read_idx(path: Path, name: str = "mnist", fix: str = "") -> np.ndarray:
     (sha256, when the file has a standard name) and the example count of its split. Each failure: one line."""
     fix = fix or f"delete it and download it again (dataset.download=true) or copy the original into {path.parent}"
     raw = path.read_bytes()
+    if not raw:
+        raise DprunError(f"{path} is empty (0 bytes); {fix}")
     if raw[:2] == b"\x1f\x8b":
         raw = gunzip(path, fix)
     kind = "images" if "-images-" in path.name else "labels"
@@ -77,6 +79,11 @@ def find_folder(root: Path, subdirs: tuple[str, ...]) -> Path | None:
     return None
 
 
+def nearest_folder(root: Path, subdirs: tuple[str, ...]) -> Path:
+    """The searched folder holding most of FILES (the first on a tie): where a missing-files message points."""
+    return max([root / s for s in subdirs] + [root], key=lambda f: sum(bool(find_file(f, stem)) for stem in FILES))
+
+
 def load_idx_dataset(name: str, cfg, root: Path) -> Dataset:
     subdirs, (mean, std), mirrors, md5s = SPECS[name]
     folder = find_folder(root, subdirs)
@@ -86,7 +93,8 @@ def load_idx_dataset(name: str, cfg, root: Path) -> Dataset:
             if not find_file(folder, stem):
                 fetch(stem + ".gz", mirrors, folder, md5=md5)
     if folder is None:
-        raise missing_files(name, [s + "[.gz]" for s in FILES], root / subdirs[0])
+        near = nearest_folder(root, subdirs)
+        raise missing_files(name, [s + "[.gz]" for s in FILES if not find_file(near, s)], near)
     xtr, ytr, xte, yte = (read_idx(find_file(folder, stem), name) for stem in FILES)
     if xtr.shape[1:] != (28, 28) or len(xtr) != len(ytr) or len(xte) != len(yte):
         raise DprunError(f"{name} files in {folder} have images {xtr.shape}/{xte.shape} and labels "
