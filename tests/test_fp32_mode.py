@@ -125,8 +125,9 @@ def test_a_private_step_on_the_cpu_takes_ieee_products_in_its_norms_whatever_the
         precision=precision, physical_batch_size=5)
     model = method.attach(model)
     method.clipped_sum(model, lambda o, t: F.cross_entropy(o, t, reduction="none"), x, y)
-    # the first-step check (its probe rows as drawn and reversed), then 3 chunks (5 + 5 + 2)
-    assert len(seen) == 5 and seen == [["ieee"] * 3] * 5
+    # the first-step check (its probe rows as drawn and reversed, each at the run's clip and two small ones:
+    # measured.py SMALL_FACTORS), then 3 chunks (5 + 5 + 2)
+    assert len(seen) == 9 and seen == [["ieee"] * 3] * 9
     assert raw() == before and effective("mkldnn", "matmul") == "bf16"  # the user's setting, back after the step
     with matmul_precision(torch.device("cpu"), precision):
         assert effective("mkldnn", "matmul") == "ieee"
