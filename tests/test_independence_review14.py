@@ -131,3 +131,30 @@ def test_float32_only_coupling_inside_the_rounding_band_is_refused():
         first_step(Float32OnlyWeak(), *features())
     first_step(Float32OnlyWeak(eps=0.0), *features())
     first_step(OddBatchRounded(), *features())  # rounding of another batch shape: still accepted
+
+
+# -- coupling only under autocast (precision=bf16): the step's forward runs there, the probes ran outside it -----
+
+class CentredUnderAutocast(Net):
+    def __init__(self, k: float = 1.0):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        if torch.is_autocast_enabled(x.device.type):
+            x = x - self.k * x.mean(0, keepdim=True)
+        return self.head(x).float()
+
+
+@pytest.mark.parametrize("mode", ["bk"])  # (twopass and recompute refuse bf16 themselves)
+def test_coupling_only_under_autocast_is_refused_under_bf16(mode):
+    x, y = features()
+    torch.manual_seed(0)
+    method = METHODS.build("reweight", cfg={"mode": mode}, clip=1.0, sigma=0.0).configure(precision="bf16")
+    model = method.attach(CentredUnderAutocast())
+    with pytest.raises(DprunError, match=COUPLED):
+        method.clipped_sum(model, loss_fn, x, y)
+    method = METHODS.build("reweight", cfg={"mode": mode}, clip=1.0, sigma=0.0).configure(precision="bf16")
+    model = method.attach(CentredUnderAutocast(k=0.0))  # the same model uncoupled: accepted under bf16
+    method.clipped_sum(model, loss_fn, x, y)
+    assert method._privacy_checked is not None

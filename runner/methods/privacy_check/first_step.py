@@ -29,7 +29,7 @@ import torch
 from runner.errors import DprunError
 from runner.methods.base import trainable
 from runner.methods.rng import rng_state, set_rng_state
-from runner.methods.privacy_check.independence import check_independence
+from runner.methods.privacy_check.independence import check_independence, check_independence_autocast
 from runner.methods.privacy_check.measured import (alone_grads, batch_row, check_against_oracle, check_inside_calls,
                                                    check_jl_release, check_own_rows, per_example_grads, tolerance)
 from runner.methods.privacy_check.probe_rows import spread_first
@@ -295,6 +295,8 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
                 check_losses(loss_fn(model(xs), ys), k)
             if name not in ALONE and not method.updates_model and k >= 2:
                 check_independence(model, loss_fn, xs, ys, name)
+                if method.precision == "bf16":  # the step's forward runs under autocast: coupled only there?
+                    check_independence_autocast(model, loss_fn, xs, ys, name, method.autocast(xs))
             if name in PER_LAYER:
                 check_batch_first(model, xs, name)
                 one_row(lambda: check_batch_first(model, xs[:1], name))  # no non-batch dimension equals both sizes
