@@ -276,6 +276,45 @@ def loss_key(loss_fn) -> tuple:
     return (code, *(state_key(v) for v in captured))
 
 
+def user_functions(losses: torch.Tensor) -> list[str]:
+    """The torch.autograd.Function classes not defined in torch itself whose backward the graph that produced
+    `losses` runs (its nodes' `_forward_cls`), by name; torch's own (checkpointing, compiled graphs) are derivatives
+    of its operators, linear in the incoming gradient."""
+    found, seen, stack = set(), set(), [losses.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        cls = getattr(node, "_forward_cls", None)
+        if cls is not None and cls.__module__.split(".")[0] != "torch":
+            found.add(f"{cls.__module__}.{cls.__qualname__}")
+        stack.extend(n for n, _ in node.next_functions)
+    return sorted(found)
+
+
+def check_no_user_function(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Methods that release the backward of sum_i nu_i loss_i (reweight twopass and recompute, jl) release sum_i nu_i
+    grad_i only where every backward in the graph is linear in its incoming gradient, which torch's operators are and
+    a user's autograd.Function need not be. One lifting output-gradients only in a band of norms between the factors
+    the oracle comparison tries (measured.py SMALL_FACTORS) released 66-74 C (twopass, recompute) and 65-72 C (jl)
+    (review 16); no finite set of factors closes that, so such a graph is refused. Book-keeping sums the recorded
+    output-gradients of the unweighted loss (factor 1 everywhere the Function runs) and stays exact."""
+    if not (method.name == "jl" or getattr(method, "mode", None) in ("twopass", "recompute")):
+        return
+    with torch.enable_grad(), method.autocast(x):
+        losses = loss_fn(model(x), y)
+    names = user_functions(losses) if torch.is_tensor(losses) and losses.grad_fn is not None else []
+    if names:
+        mode = f" method.mode={method.mode}" if method.name == "reweight" else ""
+        alternative = "method=reweight method.mode=bk (it sums the recorded gradients of the unweighted loss), or " \
+            if method.name == "reweight" else ""
+        raise DprunError(f"method={method.name}{mode} releases the backward of sum_i nu_i loss_i, which is sum_i nu_i "
+                         f"grad_i only where every backward is linear in its incoming gradient, and the model's graph "
+                         f"runs a custom torch.autograd.Function ({', '.join(names)}) whose backward need not be; use "
+                         f"{alternative}method=nxbp or multiloss (each example alone)")
+
+
 def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:
     key = (id(model), loss_key(loss_fn))
     if getattr(method, "_privacy_checked", None) == key or len(y) == 0 or x.device.type == "meta":
@@ -293,6 +332,7 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
                 return  # no finite example in this batch: the next one is checked
             with torch.no_grad():
                 check_losses(loss_fn(model(xs), ys), k)
+            check_no_user_function(method, model, loss_fn, xs, ys)
             if name not in ALONE and not method.updates_model and k >= 2:
                 check_independence(model, loss_fn, xs, ys, name)
                 if method.precision == "bf16":  # the step's forward runs under autocast: coupled only there?

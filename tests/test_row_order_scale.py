@@ -1,0 +1,64 @@
+"""The row-order check's units (runner/methods/privacy_check/row_order.py column_scale): one training record of 1e9
+on every feature, added to the check because it lies outside the batch's range, set every column's unit when the
+unit was the column's largest magnitude; the other rows' differences fell below the floor and a swap of two rows
+keyed on a rare flag passed (review 16: twopass 1.9-2011 C on 20 of 21 seeds). The unit is now the lower median of
+the column's non-zero magnitudes."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.errors import DprunError
+from runner.methods import METHODS
+from runner.methods.privacy_check.probe_rows import attach_probes
+from runner.methods.privacy_check.row_order import column_scale
+
+D = 24
+
+
+class SwapLinear(nn.Module):
+    """Swaps the flagged record (feature 0 = 0.4; the others 0.3) with the next row around its one Linear, whose input
+    does not hold the flag (a constant column of 1 in its place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, 3)
+
+    def forward(self, x):  # (B, D)
+        a = torch.cat([torch.ones_like(x[:, :1]), x[:, 1:]], 1)
+        perm = torch.arange(len(x))
+        flagged = (x[:, 0] > 0.35).nonzero()[:, 0]
+        if len(flagged) and len(x) >= 2:
+            i = int(flagged[0])
+            perm[i], perm[(i + 1) % len(x)] = (i + 1) % len(x), i
+        return self.fc(a[perm])[perm]
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+@pytest.mark.parametrize("huge", [0.0, 1e9], ids=["control", "huge_record"])
+@pytest.mark.parametrize("mode", ["twopass", "bk"])
+def test_a_huge_training_record_does_not_set_the_rows_units(mode, huge):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(10)
+    X, Y = torch.randn(300, D, generator=g), torch.randint(0, 3, (300,), generator=g)
+    X[:, 0] = 0.3
+    X[100, 0] = 0.4  # the rare flag, not in the first batch
+    if huge:
+        X[200, 1:] = huge
+    method = METHODS.build("reweight", cfg={"mode": mode}, clip=1.0, sigma=0.0)
+    data = torch.utils.data.TensorDataset(X, Y)
+    model = method.attach(SwapLinear(), data)
+    attach_probes(method, data)
+    with pytest.raises(DprunError, match="is fed the examples in another order"):
+        method.clipped_sum(model, loss_fn, X[:32], Y[:32])
+
+
+def test_column_scale_is_a_lower_median_of_the_non_zero_magnitudes():
+    x = torch.tensor([[1.0, 0.0, 5.0, 0.0], [2.0, 0.0, -1e9, float("nan")], [3.0, 0.0, 3.0, 0.0],
+                      [-4.0, 7.0, 4.0, 0.0]])
+    assert column_scale(x).tolist() == [2.0, 7.0, 4.0, 1.0]  # (1, 2, 3, 4) -> 2; only 7; (3, 4, 5, 1e9) -> 4; none
+    tokens = torch.tensor([[3, 0], [5, 0], [4, 9]])
+    assert column_scale(tokens).tolist() == [4.0, 9.0]
