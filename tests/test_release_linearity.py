@@ -47,12 +47,12 @@ def loss_fn(out, y):
     return F.cross_entropy(out, y, reduction="none")
 
 
-def first_step(name, cfg, fn):
+def first_step(name, cfg, fn, build=None):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
     method = METHODS.build(name, cfg=dict(cfg), clip=1.0, sigma=0.0)
-    model = method.attach(Net(fn), torch.utils.data.TensorDataset(x, y))
+    model = method.attach((build or Net)(fn), torch.utils.data.TensorDataset(x, y))
     method.clipped_sum(model, loss_fn, x[:16], y[:16])
     return method
 
@@ -72,21 +72,65 @@ class BandLift(Lift):
 @pytest.mark.parametrize("fn", [Lift, BandLift, Linear], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("name,cfg", NOT_LINEAR)
 def test_a_users_autograd_function_is_refused_where_the_release_is_a_reweighted_backward(name, cfg, fn):
-    with pytest.raises(DprunError, match=r"runs a custom torch.autograd.Function \(test_release_linearity\."):
+    with pytest.raises(DprunError, match=r"backward runs code of its own that need not be \(test_release_linearity\."):
         first_step(name, cfg, fn)
 
 
 class TorchsLift(Lift):
-    """The lift as if torch defined it: past the structural rule, the small clip factors see it."""
+    """The lift claiming to be torch's: its code is not in torch's files, so it is refused all the same (review 17)."""
 
 
 TorchsLift.__module__ = "torch.test_only"
 
 
 @pytest.mark.parametrize("name,cfg", NOT_LINEAR)
-def test_a_backward_not_linear_in_the_clip_factors_is_refused_at_small_factors(name, cfg):
-    with pytest.raises(DprunError, match="not linear in the clip factors"):
+def test_a_function_claiming_to_be_torchs_is_refused(name, cfg):
+    with pytest.raises(DprunError, match=r"need not be \(torch.test_only.TorchsLift"):
         first_step(name, cfg, TorchsLift)
+
+
+def band(g):  # (B, classes): a row lifted to norm 1e-3 when its norm lies in (1e-5, 1e-3)
+    n = g.norm(dim=1, keepdim=True)
+    return torch.where((n > 1e-5) & (n < 1e-3), g * 1e-3 / n.clamp_min(1e-30), g)
+
+
+class HookNet(Net):
+    """The band lift as a tensor hook on the output (review 17: 66 C twopass, 65 C jl)."""
+    def forward(self, x):
+        out = self.fc2(torch.relu(self.fc1(x)))
+        if out.requires_grad:
+            out.register_hook(band)
+        return out
+
+
+def module_hooked(fn):
+    net = Net(Linear)
+    net.fc2.register_full_backward_hook(lambda module, grad_in, grad_out: (band(grad_in[0]),))
+    return net
+
+
+def parameter_hooked(fn):
+    net = Net(Linear)
+    net.fc2.weight.register_hook(lambda g: g * (1 + g.norm()))
+    return net
+
+
+@pytest.mark.parametrize("build", [lambda fn: HookNet(fn), module_hooked, parameter_hooked],
+                         ids=["tensor_hook", "module_backward_hook", "parameter_hook"])
+@pytest.mark.parametrize("name,cfg", NOT_LINEAR)
+def test_a_gradient_hook_is_refused_where_the_release_is_a_reweighted_backward(name, cfg, build):
+    with pytest.raises(DprunError, match=r"need not be \(a "):
+        first_step(name, cfg, Linear, build=build)
+
+
+@pytest.mark.parametrize("name,cfg", NOT_LINEAR)
+def test_a_backward_not_linear_in_the_clip_factors_is_refused_at_small_factors(name, cfg, monkeypatch):
+    """The second line: a lift past the structural rule (as if torch's own code) is seen at small factors."""
+    from runner.methods.privacy_check import first_step as module
+
+    monkeypatch.setattr(module, "user_functions", lambda losses: [])
+    with pytest.raises(DprunError, match="not linear in the clip factors"):
+        first_step(name, cfg, Lift)
 
 
 @pytest.mark.parametrize("fn", [Lift, BandLift, Linear], ids=lambda f: f.__name__)
@@ -95,8 +139,10 @@ def test_book_keeping_is_linear_by_construction_and_accepts_them(fn):
     assert first_step("reweight", {"mode": "bk"}, fn)._privacy_checked is not None
 
 
-def test_torchs_own_linear_function_is_accepted_and_the_clip_restored():
-    class TorchsLinear(Linear):
-        pass
-    TorchsLinear.__module__ = "torch.test_only"
-    assert first_step("reweight", {"mode": "twopass"}, TorchsLinear).clip == 1.0
+def test_torchs_own_functions_are_accepted_and_the_clip_restored():
+    """torch.utils.checkpoint (non-reentrant) around a layer: torch's own code, accepted."""
+    class Checkpointed(Net):
+        def forward(self, x):
+            h = torch.utils.checkpoint.checkpoint(self.fc1, x, use_reentrant=False)
+            return self.fc2(torch.relu(h))
+    assert first_step("reweight", {"mode": "twopass"}, Linear, build=Checkpointed).clip == 1.0

@@ -62,3 +62,38 @@ def test_column_scale_is_a_lower_median_of_the_non_zero_magnitudes():
     assert column_scale(x).tolist() == [2.0, 7.0, 4.0, 1.0]  # (1, 2, 3, 4) -> 2; only 7; (3, 4, 5, 1e9) -> 4; none
     tokens = torch.tensor([[3, 0], [5, 0], [4, 9]])
     assert column_scale(tokens).tolist() == [4.0, 9.0]
+
+
+class BucketSwap(SwapLinear):
+    """The swap again, with 64 columns of the rows' own after it: 1e-30 everywhere and 1 in a bucket hashed from the
+    row's features. Each column's median is 1e-30, so a row's norm in x / scale units was ~1e30 and the floor ~1e23;
+    and in any units each swapped row lies far from every drawn row, its own too (review 17: twopass 3.1-3.7 C)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D + 64, 3)
+
+    def forward(self, x):
+        a = torch.cat([torch.ones_like(x[:, :1]), x[:, 1:]], 1)
+        buckets = 1e-30 + F.one_hot((x[:, 1:4].abs() * 1e4).long().sum(1) % 64, 64).to(x.dtype)  # (B, 64)
+        perm = torch.arange(len(x))
+        flagged = (x[:, 0] > 0.35).nonzero()[:, 0]
+        if len(flagged) and len(x) >= 2:
+            i = int(flagged[0])
+            perm[i], perm[(i + 1) % len(x)] = (i + 1) % len(x), i
+        return self.fc(torch.cat([a[perm], buckets], 1))[perm]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_swap_behind_columns_of_the_rows_own_is_refused(seed):
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 10)
+    X, Y = torch.randn(300, D, generator=g), torch.randint(0, 3, (300,), generator=g)
+    X[:, 0] = 0.3
+    X[100, 0] = 0.4
+    method = METHODS.build("reweight", cfg={"mode": "twopass"}, clip=1.0, sigma=0.0)
+    data = torch.utils.data.TensorDataset(X, Y)
+    model = method.attach(BucketSwap(), data)
+    attach_probes(method, data)
+    with pytest.raises(DprunError, match="is fed the examples in another order"):
+        method.clipped_sum(model, loss_fn, X[:32], Y[:32])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import types
 
 import contextlib
+import os
 
 import torch
 
@@ -276,10 +277,19 @@ def loss_key(loss_fn) -> tuple:
     return (code, *(state_key(v) for v in captured))
 
 
+TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def torchs_own(fn) -> bool:
+    """fn's code lives in torch's installed files (a class's `__module__` can be set to anything: review 17)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return code is None or os.path.abspath(code.co_filename).startswith(TORCH_DIR + os.sep)
+
+
 def user_functions(losses: torch.Tensor) -> list[str]:
-    """The torch.autograd.Function classes not defined in torch itself whose backward the graph that produced
-    `losses` runs (its nodes' `_forward_cls`), by name; torch's own (checkpointing, compiled graphs) are derivatives
-    of its operators, linear in the incoming gradient."""
+    """The torch.autograd.Function classes whose backward is not torch's own code (torchs_own) that the graph which
+    produced `losses` runs (its nodes' `_forward_cls`), by name; torch's own (checkpointing, compiled graphs) are
+    derivatives of its operators, linear in the incoming gradient."""
     found, seen, stack = set(), set(), [losses.grad_fn]
     while stack:
         node = stack.pop()
@@ -287,32 +297,69 @@ def user_functions(losses: torch.Tensor) -> list[str]:
             continue
         seen.add(node)
         cls = getattr(node, "_forward_cls", None)
-        if cls is not None and cls.__module__.split(".")[0] != "torch":
+        if cls is not None and not torchs_own(getattr(cls, "backward", None)):
             found.add(f"{cls.__module__}.{cls.__qualname__}")
         stack.extend(n for n, _ in node.next_functions)
     return sorted(found)
 
 
+@contextlib.contextmanager
+def tensor_hooks_seen(found: list[str]):
+    """Tensor.register_hook called inside the block (a forward registering a hook on an activation) appends the
+    hook's name to `found`; dprun's own recorders (runner.*) are not counted."""
+    real = torch.Tensor.register_hook
+
+    def spy(tensor, hook):
+        fn = getattr(hook, "func", hook)
+        if not getattr(fn, "__module__", "").startswith("runner."):
+            found.append(f"a tensor hook ({getattr(fn, '__qualname__', type(fn).__name__)})")
+        return real(tensor, hook)
+
+    torch.Tensor.register_hook = spy
+    try:
+        yield found
+    finally:
+        torch.Tensor.register_hook = real
+
+
+def gradient_hooks(model) -> list[str]:
+    """Hooks that change gradients outside the graph's operators: module backward hooks (each module's, and the
+    global ones) and the trainable parameters' own hooks."""
+    from torch.nn.modules import module as modules
+
+    found = [f"a backward hook of {path or 'the model'}" for path, m in model.named_modules()
+             if m._backward_hooks or m._backward_pre_hooks]
+    if modules._global_backward_hooks or modules._global_backward_pre_hooks:
+        found.append("a global module backward hook")
+    found += [f"a hook on parameter {n}" for n, p in model.named_parameters()
+              if p.requires_grad and (p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))]
+    return found
+
+
 def check_no_user_function(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:
     """Methods that release the backward of sum_i nu_i loss_i (reweight twopass and recompute, jl) release sum_i nu_i
-    grad_i only where every backward in the graph is linear in its incoming gradient, which torch's operators are and
-    a user's autograd.Function need not be. One lifting output-gradients only in a band of norms between the factors
-    the oracle comparison tries (measured.py SMALL_FACTORS) released 66-74 C (twopass, recompute) and 65-72 C (jl)
-    (review 16); no finite set of factors closes that, so such a graph is refused. Book-keeping sums the recorded
-    output-gradients of the unweighted loss (factor 1 everywhere the Function runs) and stays exact."""
+    grad_i only where every backward is linear in its incoming gradient, which torch's operators are and a user's
+    autograd.Function, tensor hook or module backward hook need not be. A Function lifting output-gradients only in a
+    band of norms between the factors the oracle comparison tries (measured.py SMALL_FACTORS) released 66-74 C
+    (twopass, recompute) and 65-72 C (jl) (review 16), and the same lift as a tensor hook, a module backward hook or a
+    Function claiming to be torch's, 65-66 C (review 17); no finite set of factors closes that, so such a model is
+    refused. Book-keeping sums the recorded output-gradients of the unweighted loss (factor 1 everywhere a hook runs)
+    and stays exact. A hook registered on a graph node (grad_fn.register_hook) is not seen."""
     if not (method.name == "jl" or getattr(method, "mode", None) in ("twopass", "recompute")):
         return
-    with torch.enable_grad(), method.autocast(x):
+    names = gradient_hooks(model)
+    with torch.enable_grad(), method.autocast(x), tensor_hooks_seen(names):
         losses = loss_fn(model(x), y)
-    names = user_functions(losses) if torch.is_tensor(losses) and losses.grad_fn is not None else []
+    names += user_functions(losses) if torch.is_tensor(losses) and losses.grad_fn is not None else []
     if names:
         mode = f" method.mode={method.mode}" if method.name == "reweight" else ""
         alternative = "method=reweight method.mode=bk (it sums the recorded gradients of the unweighted loss), or " \
             if method.name == "reweight" else ""
         raise DprunError(f"method={method.name}{mode} releases the backward of sum_i nu_i loss_i, which is sum_i nu_i "
-                         f"grad_i only where every backward is linear in its incoming gradient, and the model's graph "
-                         f"runs a custom torch.autograd.Function ({', '.join(names)}) whose backward need not be; use "
-                         f"{alternative}method=nxbp or multiloss (each example alone)")
+                         f"grad_i only where every backward is linear in its incoming gradient, and the model's "
+                         f"backward runs code of its own that need not be ({', '.join(dict.fromkeys(names))}: a custom "
+                         f"torch.autograd.Function or a gradient hook); use {alternative}method=nxbp or multiloss "
+                         f"(each example alone)")
 
 
 def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:

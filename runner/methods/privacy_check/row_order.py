@@ -106,16 +106,18 @@ def column_scale(inp: torch.Tensor) -> torch.Tensor:
 
 
 def sketch(inp: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """(n, SKETCH + 1) float64: each row u of one call's input (n, ...), each coordinate divided by `scale` ((D,),
-    column_scale: the drawn forward's, so that both orders are measured alike), projected on SKETCH fixed random
+    """(n, SKETCH + 1) float64: each row of one call's input (n, ...) as u = asinh(x / scale) per coordinate (`scale`
+    (D,), column_scale: the drawn forward's, so that both orders are measured alike), projected on SKETCH fixed random
     directions (E ||P d||^2 = ||d||^2) less the rows' mean projection (their mean's: the projection is linear), then
-    the norm of u. The mean over the same rows does not depend on their order, so a call that is
-    permutation-equivariant gives the same sketch rows permuted (up to rounding). Per coordinate, rounding moves u_j
-    by about 1 ulp of u_j, |u_j| <= 1, so `moved`'s floor (rounding x ||u||) is a rounding model per coordinate: a
-    large coordinate raises the floor by its own rounding only (review 14: one exact constant column of 1e9 raised
-    a floor of 1e-7 of the raw row's norm to ~100, and a sort by a rare flag passed: twopass 1.3e3-7.9e8 C, 1.5e10 C
-    through make_private). Centred, a large common offset does not hide a small difference between records (review
-    10: rows of norm 480 differing by 0.1 passed a tolerance of their norm and released 245-367 C per example);
+    the norm of u. The mean over the same rows does not depend on their order, and u is the same function of each
+    coordinate in both, so a call that is permutation-equivariant gives the same sketch rows permuted (up to
+    rounding). Rounding moves x_j by about 1 ulp of x_j, which moves u_j by at most that ulp relative (asinh's slope
+    is 1 / sqrt(1 + v^2)), so `moved`'s floor (rounding x ||u||) is a rounding model per coordinate in which a large
+    coordinate adds its logarithm, not itself: review 14's exact constant column of 1e9 raised a floor of 1e-7 of the
+    raw row's norm to ~100 (a sort by a rare flag passed: twopass 1.3e3-7.9e8 C, 1.5e10 C through make_private), and
+    review 17's column at 1 where its median was 1e-30 raised a floor of 1e-7 of x / scale to ~1e23 (3.1-3.7 C);
+    asinh(1e30) is 69. Centred, a large common offset does not hide a small difference between records (review 10:
+    rows of norm 480 differing by 0.1 passed a tolerance of their norm and released 245-367 C per example);
     projected, two forwards' inputs are never held (review 10: 1.3 GB for the transformer at 256 rows); one float64
     pass of ROWS_AT_ONCE rows at a time (review 11: 0.5 s a call at D = 65,536 before). A row that is not finite
     gets nan."""
@@ -123,11 +125,10 @@ def sketch(inp: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor
     scale = column_scale(flat) if scale is None else scale  # (D,)
     directions = torch.randn(flat.shape[1], SKETCH, dtype=torch.float64,
                              generator=torch.Generator().manual_seed(flat.shape[1])).to(flat.device) / SKETCH ** 0.5
-    directions = directions / scale[:, None]  # u @ directions = x @ (directions / scale)
     parts = []
     for block in flat.split(ROWS_AT_ONCE):  # (<= 64, D) upcast at a time
-        raw = block.double()
-        parts.append(torch.cat([raw @ directions, (raw / scale).norm(dim=1, keepdim=True)], 1))
+        u = torch.asinh(block.double() / scale)  # (<= 64, D)
+        parts.append(torch.cat([u @ directions, u.norm(dim=1, keepdim=True)], 1))
     out = torch.cat(parts) if parts else flat.new_zeros(0, SKETCH + 1, dtype=torch.float64)
     finite = torch.isfinite(out).all(1)  # (n,)
     mean = out[finite, :SKETCH].mean(0) if bool(finite.any()) else out.new_zeros(SKETCH)
@@ -163,17 +164,25 @@ def call_sketches(model: nn.Module, x: torch.Tensor, scales: list[Call] | None =
 
 def moved(drawn: torch.Tensor, permuted: torch.Tensor, order: torch.Tensor, rounding: float) -> bool:
     """Some row i of `permuted` lies much nearer another row of `drawn` than its own, drawn[order[i]], and further from
-    its own than `rounding` (relative to the row's norm in the sketch's units, u) explains (sketches (n, SKETCH +
-    1)): the call saw that example's row elsewhere. Distances are exact differences (torch.cdist's matrix-product
-    route put exact duplicates ~1e-8 of their norm apart, and the rounding then put a twin nearer than a row's own:
-    review 11, and the real IMDB's texts that open alike); rows that are not finite are never counted."""
+    its own than `rounding` (relative to the row's norm in the sketch's units, u) explains, or lies further from its
+    own than LARGE_MOVE times that (sketches (n, SKETCH + 1)): the call saw that example's row elsewhere, or another
+    row. Distances are exact differences (torch.cdist's matrix-product route put exact duplicates ~1e-8 of their norm
+    apart, and the rounding then put a twin nearer than a row's own: review 11, and the real IMDB's texts that open
+    alike); rows that are not finite are never counted. The second test: a swap whose rows also carry columns of
+    their own (a per-row bucket one-hot computed after the swap) left each moved row far from every drawn row, its
+    own included, so no other row was nearer (review 17: twopass 3.1-3.7 C)."""
     distance = torch.cdist(permuted[:, :SKETCH], drawn[:, :SKETCH], compute_mode="donot_use_mm_for_euclid_dist")
     rows = torch.arange(len(order), device=order.device)
     own = distance[rows, order]  # (n,)
     distance[rows, order] = float("inf")
     nearest = distance.nan_to_num(nan=float("inf")).amin(1)  # (n,)
     floor = rounding * drawn[order, SKETCH]  # (n,)
-    return bool(((nearest < 0.5 * own) & (own > floor) & torch.isfinite(own)).any())
+    large = min(LARGE_MOVE * rounding, LARGE_MOVE_CAP) * drawn[order, SKETCH]  # (n,)
+    return bool((((nearest < 0.5 * own) & (own > floor)) | (own > large)).logical_and(torch.isfinite(own)).any())
+
+
+LARGE_MOVE, LARGE_MOVE_CAP = 1e4, 5e-2  # a row further from its own than 1e4 rounding floors, at most 5% of its norm
+# (1e-3 in float32, 5e-2 under bf16's 1e-3 floor, 1e-8 for a float64 call), moved whatever its neighbours
 
 
 def shuffles(n: int) -> list[torch.Tensor]:
