@@ -6,6 +6,8 @@ and one lifting only in a band of norms between them released 66-74 C (review 16
 autograd.Function is refused by those methods (first_step.py check_no_user_function); the small factors stay as a
 second line for torch's own Functions. Book-keeping sums the recorded gradients of the unweighted loss: exact.
 """
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,3 +148,34 @@ def test_torchs_own_functions_are_accepted_and_the_clip_restored():
             h = torch.utils.checkpoint.checkpoint(self.fc1, x, use_reentrant=False)
             return self.fc2(torch.relu(h))
     assert first_step("reweight", {"mode": "twopass"}, Linear, build=Checkpointed).clip == 1.0
+
+
+class PartialLift(MixGrad):
+    """A backward without code of its own (a functools.partial): not trusted (review 18: 66 C)."""
+    backward = staticmethod(functools.partial(lambda ctx, g, floor: band(g) + 0 * floor, floor=0.0))
+
+
+@torch.library.custom_op("dprun_test::lift", mutates_args=())
+def custom_lift(h: torch.Tensor) -> torch.Tensor:
+    return h.clone()
+
+
+@custom_lift.register_fake
+def _(h):
+    return torch.empty_like(h)
+
+
+custom_lift.register_autograd(lambda ctx, g: band(g))  # torch generates the Function; the backward is ours (review 18)
+
+
+class CustomOpNet(Net):
+    def forward(self, x):
+        return custom_lift(self.fc2(torch.relu(self.fc1(x))))
+
+
+@pytest.mark.parametrize("build", [lambda fn: Net(PartialLift), lambda fn: CustomOpNet(fn)],
+                         ids=["partial_backward", "custom_op"])
+@pytest.mark.parametrize("name,cfg", NOT_LINEAR[:2] + NOT_LINEAR[3:])
+def test_a_backward_torch_runs_for_the_user_is_refused(name, cfg, build):
+    with pytest.raises(DprunError, match=r"need not be \("):
+        first_step(name, cfg, Linear, build=build)

@@ -280,10 +280,15 @@ def loss_key(loss_fn) -> tuple:
 TORCH_DIR = os.path.dirname(torch.__file__)
 
 
-def torchs_own(fn) -> bool:
-    """fn's code lives in torch's installed files (a class's `__module__` can be set to anything: review 17)."""
+def torchs_own(cls) -> bool:
+    """An autograd.Function class whose backward is torch's own code: the backward a plain function whose code lives
+    in torch's installed files (a class's `__module__` can be set to anything: review 17), and not one of the classes
+    torch generates to run a user's backward (`torch.library.custom_op` with `register_autograd`, torch._library:
+    review 18). A backward without code of its own (a functools.partial, a callable object) is not trusted (review 18)."""
+    fn = getattr(cls, "backward", None)
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    return code is None or os.path.abspath(code.co_filename).startswith(TORCH_DIR + os.sep)
+    return (code is not None and os.path.abspath(code.co_filename).startswith(TORCH_DIR + os.sep)
+            and not cls.__module__.startswith("torch._library"))
 
 
 def user_functions(losses: torch.Tensor) -> list[str]:
@@ -297,7 +302,7 @@ def user_functions(losses: torch.Tensor) -> list[str]:
             continue
         seen.add(node)
         cls = getattr(node, "_forward_cls", None)
-        if cls is not None and not torchs_own(getattr(cls, "backward", None)):
+        if cls is not None and not torchs_own(cls):
             found.add(f"{cls.__module__}.{cls.__qualname__}")
         stack.extend(n for n, _ in node.next_functions)
     return sorted(found)
