@@ -342,6 +342,9 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     check_options("method", method, options)  # a typo in an option name is an error, not a silent default
     world = distributed.current(int(seed or 0))  # the user's own process group, if they initialised one
     generator = randomness.api_generator(rng, generator, world)  # secure: SecureRandom, shared by the ranks
+    # review 15: delta=2 was taken and warned about as weak; get_epsilon refused it only later
+    if delta is not None and not 0 < _number("delta", delta) < 1:
+        raise DprunError(f"delta={delta!r} is not valid: a probability in (0, 1), e.g. 1e-5")
     source = _Source(data, _whole("batch_size", batch_size), generator, world)
     request = Request(method=method, method_options=options, clip=_number("max_grad_norm", max_grad_norm),
                       sigma=_number("noise_multiplier", noise_multiplier),

@@ -66,3 +66,16 @@ def test_a_noise_multiplier_or_clip_that_is_not_a_number_is_named(name):
     x, y = data()
     with pytest.raises(DprunError, match=rf"^{name}='abc' is not a number$"):
         make(nn.Linear(5, 3), x, y, **{name: "abc"})
+
+
+@pytest.mark.parametrize("delta", [2, 1.0, 0, -1e-5, float("nan"), "abc"])
+def test_a_delta_outside_0_1_is_refused_at_make_private(delta):
+    """Review 15: delta=2 was taken (and warned about as weak); the error came only at get_epsilon."""
+    x, y = data()
+    with pytest.raises(DprunError, match=r"^delta=.* is not (valid: a probability in \(0, 1\)|a number)"):
+        make(nn.Linear(5, 3), x, y, delta=delta)
+
+
+def test_delta_none_is_still_allowed():
+    x, y = data()
+    assert make(nn.Linear(5, 3), x, y, delta=None) is not None
