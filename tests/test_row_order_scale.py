@@ -97,3 +97,34 @@ def test_a_swap_behind_columns_of_the_rows_own_is_refused(seed):
     attach_probes(method, data)
     with pytest.raises(DprunError, match="is fed the examples in another order"):
         method.clipped_sum(model, loss_fn, X[:32], Y[:32])
+
+
+def test_an_all_zero_row_does_not_move_by_the_sketchs_own_rounding():
+    """A fully masked example's row is all zeros (norm 0): the float64 centring put its sketch 5.6e-17 from its own,
+    above a floor of 0 x its norm, and the masked BiLSTM toy was refused on most of the OS-drawn shuffles (the
+    chunked-step tests skipped it, a refusal being a skip there). Eight first steps, each with a fresh shuffle."""
+    from test_exact_methods import TOYS
+    from test_physical_batch import step_once  # (a refusal there is pytest.skip: here it must not happen)
+
+    build, info = TOYS["toy_bilstm_masked"]
+    for _ in range(8):
+        try:
+            step_once("reweight", {"mode": "bk"}, build, info, 2)
+        except pytest.skip.Exception as e:
+            pytest.fail(str(e))
+
+
+def test_moved_allows_the_sketchs_own_rounding_at_a_row_of_norm_0():
+    """The mechanism of the test above, deterministic: sketches (n, SKETCH + 1) of 5 rows, one of norm 0, each permuted
+    row 5.6e-17 from its own (float64 centring): not moved; 1e-3 from its own at a norm of 1.6: moved."""
+    from runner.methods.privacy_check.row_order import SKETCH, moved
+
+    g = torch.Generator().manual_seed(0)
+    drawn = torch.cat([torch.randn(5, SKETCH, generator=g, dtype=torch.float64),
+                       torch.tensor([[0.0], [1.6], [1.5], [1.0], [1.2]], dtype=torch.float64)], 1)
+    order = torch.tensor([1, 2, 3, 4, 0])
+    permuted = drawn[order].clone()
+    permuted[:, :SKETCH] += 5.6e-17
+    assert not moved(drawn, permuted, order, 1e-12)
+    permuted[1, :SKETCH] += 1e-3
+    assert moved(drawn, permuted, order, 1e-12)

@@ -101,8 +101,17 @@ def column_scale(inp: torch.Tensor) -> torch.Tensor:
         size = size.masked_fill(~torch.isfinite(size) | (size == 0), float("nan"))
         parts.append(size.nanmedian(0).values.double())  # lower median; nan where the column has no finite non-zero
     scale = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float64)
-    return torch.where(torch.isnan(scale) | (scale == 0), torch.ones((), dtype=torch.float64, device=flat.device),
-                       scale)
+    # no unit below UNIT_FLOOR of the largest column's: a column holding only rounding noise (a masked BiLSTM's
+    # float64 rows, ~1e-17) measured in its own units turned that noise into whole units and refused sound models
+    top = float(scale.nan_to_num(nan=0.0).max()) if scale.numel() else 0.0
+    floor = UNIT_FLOOR.get(inp.dtype, UNIT_FLOOR[torch.float32]) * top
+    scale = torch.where(torch.isnan(scale), torch.ones((), dtype=torch.float64, device=flat.device), scale)
+    return torch.where(scale > floor, scale, max(floor, 1e-300) if top > 0 else 1.0)
+
+
+# a column's unit at least this share of the largest column's: ~1e3 ulps of the dtype (rounding noise then moves
+# a coordinate by <= ~1e-3 of a unit), small enough that review 17's per-row columns (1 over 1e-30) stay visible
+UNIT_FLOOR = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
 def sketch(inp: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -176,11 +185,14 @@ def moved(drawn: torch.Tensor, permuted: torch.Tensor, order: torch.Tensor, roun
     own = distance[rows, order]  # (n,)
     distance[rows, order] = float("inf")
     nearest = distance.nan_to_num(nan=float("inf")).amin(1)  # (n,)
-    floor = rounding * drawn[order, SKETCH]  # (n,)
-    large = min(LARGE_MOVE * rounding, LARGE_MOVE_CAP) * drawn[order, SKETCH]  # (n,)
+    # + the sketch's own float64 rounding (its centring), which a row of norm 0 (a fully masked example) has too
+    tiny = SKETCH_ROUNDING * float(drawn[:, SKETCH].nan_to_num(nan=0.0, posinf=0.0).max()) if len(drawn) else 0.0
+    floor = rounding * drawn[order, SKETCH] + tiny  # (n,)
+    large = min(LARGE_MOVE * rounding, LARGE_MOVE_CAP) * drawn[order, SKETCH] + tiny  # (n,)
     return bool((((nearest < 0.5 * own) & (own > floor)) | (own > large)).logical_and(torch.isfinite(own)).any())
 
 
+SKETCH_ROUNDING = 1e-12  # of the rows' largest norm: float64 centring moved an all-zero row by 5.6e-17 (norm 1.6)
 LARGE_MOVE, LARGE_MOVE_CAP = 1e4, 5e-2  # a row further from its own than 1e4 rounding floors, at most 5% of its norm
 # (1e-3 in float32, 5e-2 under bf16's 1e-3 floor, 1e-8 for a float64 call), moved whatever its neighbours
 
