@@ -41,16 +41,22 @@ def loss_fn(out, y):
 @pytest.mark.parametrize("huge", [0.0, 1e9], ids=["control", "huge_record"])
 @pytest.mark.parametrize("mode", ["twopass", "bk"])
 def test_a_huge_training_record_does_not_set_the_rows_units(mode, huge):
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(10)
+    assert_swap_refused(SwapLinear(), mode, seed=0, huge=huge)
+
+
+def assert_swap_refused(model: nn.Module, mode: str, seed: int, huge: float = 0.0) -> None:
+    """300 records of D features, a rare flag (feature 0 = 0.4) on record 100 only, not in the first batch of 32;
+    `huge` on every other feature of record 200: the first step refuses the model's swap."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 10)
     X, Y = torch.randn(300, D, generator=g), torch.randint(0, 3, (300,), generator=g)
     X[:, 0] = 0.3
-    X[100, 0] = 0.4  # the rare flag, not in the first batch
+    X[100, 0] = 0.4
     if huge:
         X[200, 1:] = huge
     method = METHODS.build("reweight", cfg={"mode": mode}, clip=1.0, sigma=0.0)
     data = torch.utils.data.TensorDataset(X, Y)
-    model = method.attach(SwapLinear(), data)
+    model = method.attach(model, data)
     attach_probes(method, data)
     with pytest.raises(DprunError, match="is fed the examples in another order"):
         method.clipped_sum(model, loss_fn, X[:32], Y[:32])
@@ -86,17 +92,7 @@ class BucketSwap(SwapLinear):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_swap_behind_columns_of_the_rows_own_is_refused(seed):
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed + 10)
-    X, Y = torch.randn(300, D, generator=g), torch.randint(0, 3, (300,), generator=g)
-    X[:, 0] = 0.3
-    X[100, 0] = 0.4
-    method = METHODS.build("reweight", cfg={"mode": "twopass"}, clip=1.0, sigma=0.0)
-    data = torch.utils.data.TensorDataset(X, Y)
-    model = method.attach(BucketSwap(), data)
-    attach_probes(method, data)
-    with pytest.raises(DprunError, match="is fed the examples in another order"):
-        method.clipped_sum(model, loss_fn, X[:32], Y[:32])
+    assert_swap_refused(BucketSwap(), "twopass", seed)
 
 
 def test_an_all_zero_row_does_not_move_by_the_sketchs_own_rounding():
