@@ -331,3 +331,39 @@ def test_a_sweep_that_shares_one_seed_is_told_it_shares_the_noise(monkeypatch):
     assert shared_seed_note(["lr=0.1"]) is None  # one run
     monkeypatch.setenv("DPRUN_FIGURE_SWEEP", "1")
     assert shared_seed_note(["-m", "lr=0.1,0.2"]) is None  # a figure's sweep
+
+
+def lowest_value_has_a_tick_below(ax) -> bool:
+    """On a log y axis: the lowest plotted value lies above a visible major tick, or less than a decade below the
+    lowest one (a wide range ticks every other decade, and the lowest curve could sit far below the first label,
+    unreadable)."""
+    values = [np.asarray(line.get_ydata(), float) for line in ax.lines if line.get_transform() is ax.transData]
+    values = np.concatenate(values) if values else np.array([])
+    values = values[np.isfinite(values) & (values > 0)]
+    if not len(values) or ax.get_yscale() != "log":
+        return True
+    y0, y1 = sorted(ax.get_ylim())
+    ticks = [t for t in ax.get_yticks() if y0 * (1 - 1e-9) <= t <= y1 * (1 + 1e-9)]
+    return bool(ticks) and values.min() * 10 > min(ticks)
+
+
+@pytest.mark.parametrize("name", FIGS)
+def test_every_log_axis_has_a_tick_below_its_lowest_value(name, drawn):
+    for ax in drawn[name].axes:
+        assert lowest_value_has_a_tick_below(ax), ax.get_title()
+
+
+def test_jl_epsilon_r_reads_its_lowest_curve():
+    """The reference table's right panel (epsilon from 4 to 1e12) ticked 1e2, 1e4, ... and its No-JL curve (4-6)
+    sat below every label."""
+    import matplotlib.pyplot as plt
+
+    data = pd.read_csv(Path(__file__).resolve().parents[1] / "outputs" / "reference" / "jl_epsilon_r.csv")
+    figure = FIGURES.get("jl_epsilon_r").draw(data, "caption", "smoke")
+    try:
+        figure.canvas.draw()
+        assert len(figure.axes) == 2
+        for ax in figure.axes:
+            assert lowest_value_has_a_tick_below(ax), ax.get_title()
+    finally:
+        plt.close(figure)

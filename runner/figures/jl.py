@@ -463,17 +463,23 @@ def epsilon_r(runs, epochs, scale) -> pd.DataFrame:
 def draw_epsilon_r(data, caption, scale):
     fig, axes = panels(1, 2, "JL paper Figure 8: privacy loss of DP-SGD-JL up to 5 epochs", 5.2, 4)
     for ax, ((n, b, s), sub) in zip(axes, data.groupby(["N", "B", "sigma"], sort=False)):
+        shown = []  # every plotted value: the axis starts at the decade below the smallest, so it has a tick there
         for r, line in sub.groupby("r", sort=False):
             name = "No JL (exact norms, pld)" if r == "No JL" else f"JL({r})"
             style = {"color": "0.3", "marker": "o"} if r == "No JL" else method_style(name)
             if np.isinf(line["epsilon"]).all() and line["epsilon_lower_bound"].notna().any():
                 ax.plot(line["epoch"], line["epsilon_lower_bound"], ls=":", label=f"{name}: $\\epsilon=\\infty$ "
                         "(certified lower bound shown)", **style)
+                shown.extend(line["epsilon_lower_bound"].dropna())
                 continue
             ax.plot(line["epoch"], line["epsilon"], ls="--" if r == "No JL" else "-", label=name, **style)
+            shown.extend(line["epsilon"])
         ax.set(xlabel="epoch", ylabel=r"$\epsilon$ ($\delta=10^{-5}$, log)", title=f"N={n}, B={b}, $\\sigma$={s}")
         ax.set_xticks(sorted(set(sub["epoch"])))
         ax.set_yscale("log")
+        finite = [v for v in shown if np.isfinite(v) and v > 0]
+        if finite:  # (a wide range ticks every other decade: the lowest curve could sit below the first label)
+            ax.set_ylim(bottom=10.0 ** np.floor(np.log10(min(finite))))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return finish(fig, caption)
