@@ -337,7 +337,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                          f"epoch), or build a fresh model")
     seed = privacy_check.shared_seed(seed, generator, distributed.current())  # several ranks: one sampling seed
     if generator is None and seed is not None and randomness.check_rng(rng) == "seeded":
-        generator = torch.Generator().manual_seed(int(seed))
+        generator = torch.Generator().manual_seed(randomness.derived_seed(seed, "sampling"))  # apart from the global
     options = {**(method_options or {}), **({"r": int(r)} if r is not None else {})}  # r: method.r (JL dimension)
     check_options("method", method, options)  # a typo in an option name is an error, not a silent default
     world = distributed.current(int(seed or 0))  # the user's own process group, if they initialised one

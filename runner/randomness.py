@@ -4,8 +4,9 @@
     mask = poisson_mask(rng, n, batch_size)                   # (n,) bool: the step's Poisson sample
     z = standard_normal(rng, numel, device, dtype)            # (numel,) N(0, 1), the same on every rank
 
-seeded (default): the Poisson masks come from a torch.Generator seeded by `seed` and the noise from torch's global
-RNG, seeded alike, so a run is replayable bit for bit (exactness tests, resume). The guarantee then holds only
+seeded (default): the Poisson masks come from a torch.Generator seeded from `seed` (derived_seed: a stream of its
+own) and the noise from torch's global RNG, seeded by `seed`, so a run is replayable bit for bit (exactness tests,
+resume). The guarantee then holds only
 against an adversary who does not know `seed` (it is in summary.json): with it, training on D and on D' replays
 both runs and the released model equals exactly one of them.
 
@@ -22,6 +23,7 @@ and broadcasts, so every rank samples the same batch and adds the same noise.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import secrets
@@ -363,12 +365,23 @@ def _collective_device(generator: SecureRandom) -> torch.device:
 
 
 # -- set-up: the CLI (runner/train.py) and the API (runner/api.py) ---------------------------------------------------
+def derived_seed(seed: int, purpose: str) -> int:
+    """A 63-bit seed for one of a run's streams ("sampling", "synthetic-data"), hashed from `seed` and the purpose: its
+    own mt19937 stream, never the one torch.manual_seed(seed) starts for the model's initialisation, dropout, JL's
+    directions and the CPU noise. Review 19: the CLI seeded the sampler and torch's global RNG with the same seed, so
+    the noise re-used the sampler's words (965,624 of 965,888 uniforms behind the noise of a digits run) and each
+    noise value told whether an example joined a later batch."""
+    digest = hashlib.blake2b(f"dprun/{purpose}/{int(seed)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
 def sampling_generator(rng: str, seed: int, world) -> torch.Generator | SecureRandom:
-    """The run's sampling generator: seeded by `seed` (the same global batches on every rank), or SecureRandom,
-    whose draws every rank shares. secure also reseeds torch's global RNG (JL directions, dropout) with a secret
-    seed from the OS, broadcast from rank 0, so `seed` does not replay them either."""
+    """The run's sampling generator: seeded from `seed` (derived_seed: apart from torch's global RNG; the same global
+    batches on every rank), or SecureRandom, whose draws every rank shares. secure also reseeds torch's global RNG
+    (JL directions, dropout) with a secret seed from the OS, broadcast from rank 0, so `seed` does not replay them
+    either."""
     if check_rng(rng) == "seeded":
-        return torch.Generator().manual_seed(int(seed))
+        return torch.Generator().manual_seed(derived_seed(seed, "sampling"))
     return reseeded(SecureRandom(world))
 
 
@@ -400,8 +413,17 @@ def is_secure(generator) -> bool:
 
 
 def api_generator(rng: str, generator: torch.Generator | None, world):
-    """make_private's: rng='seeded' keeps `generator` (None: torch's global RNG); 'secure' refuses a generator."""
+    """make_private's: rng='seeded' keeps `generator` (None: torch's global RNG), unless it was seeded as torch's global
+    RNG was (review 19: the same stream twice); 'secure' refuses a generator."""
     if check_rng(rng) == "seeded":
+        if isinstance(generator, torch.Generator) and generator.device.type == "cpu" \
+                and generator.initial_seed() == torch.initial_seed():
+            seed = generator.initial_seed()
+            raise DprunError(f"generator= is seeded with {seed}, as torch's global RNG is (torch.manual_seed): the "
+                             f"batches would be drawn from the very stream that draws the model's initialisation, "
+                             f"dropout and JL's directions, which would then tell which examples join which batch; "
+                             f"pass seed={seed} instead (dprun derives the sampler's seed apart from it), seed the "
+                             f"generator apart, or use rng='secure'")
         return generator
     if generator is not None:
         raise DprunError("rng='secure' draws from the operating system's entropy: pass no generator= with it")

@@ -71,6 +71,50 @@ def test_seeded_draws_are_torchs_own_streams():
     torch.testing.assert_close(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), flat, rtol=0, atol=0)
 
 
+def shared_values(a: torch.Generator | None, b: torch.Generator | None, n: int = 20000) -> int:
+    """How many of n float64 uniforms drawn from b also occur among n drawn from a (None: torch's global RNG):
+    two streams apart share ~n^2 / 2^53 ~ 0; one stream at two offsets shares nearly all of them."""
+    first = set(torch.rand(n, dtype=torch.float64, generator=a).tolist())
+    return sum(v in first for v in torch.rand(n, dtype=torch.float64, generator=b).tolist())
+
+
+def test_the_clis_sampler_and_torchs_global_rng_are_streams_apart(tmp_path):
+    """Review 19: set_up seeded the sampler and torch's global RNG (the CPU noise's, after the model's
+    initialisation) with the same seed: the noise re-used the sampler's words, and each noise value told whether an
+    example joined a later batch (965,624 of 965,888 uniforms behind a digits run's noise)."""
+    from runner.train import set_up
+
+    cfg = compose_config(SHORT + ["seed=3"])
+    run = set_up(cfg, tmp_path / "run", distributed.current())
+    sampler = torch.Generator().set_state(run.sampler.generator.get_state())  # a copy: the run's own stays put
+    assert shared_values(None, sampler) == 0  # the global stream from here on: the noise's
+    torch.manual_seed(3)
+    assert shared_values(None, torch.Generator().set_state(run.sampler.generator.get_state())) == 0
+
+
+def test_make_private_seeds_its_sampler_apart_and_refuses_a_generator_seeded_as_the_global_rng():
+    import dprun
+
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    torch.manual_seed(5)
+    model = torch.nn.Linear(4, 2)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="reweight",
+                                 batch_size=8, seed=5)
+    torch.manual_seed(5)
+    assert shared_values(None, torch.Generator().set_state(private.generator.get_state())) == 0
+    torch.manual_seed(6)
+    with pytest.raises(DprunError, match=r"generator= is seeded with 6, as torch's global RNG is.*seed=6"):
+        model = torch.nn.Linear(4, 2)
+        dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="reweight",
+                           batch_size=8, generator=torch.Generator().manual_seed(6))
+
+
+def test_seeds_derived_for_each_purpose_differ_from_the_seed_and_each_other():
+    seeds = {randomness.derived_seed(s, p) for s in range(50) for p in ("sampling", "synthetic-data")}
+    assert len(seeds) == 100 and not seeds & set(range(50))
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
 # -- the secure Gaussian and masks -----------------------------------------------------------------------------
 def test_secure_normal_moments_and_kolmogorov_smirnov_over_a_million_draws():
     z = secure_standard_normal(SecureRandom(), N, torch.device("cpu")).numpy()

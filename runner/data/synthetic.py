@@ -13,6 +13,7 @@ import torch
 
 from runner.data.base import DATASETS, DataInfo, Dataset
 from runner.errors import DprunError
+from runner.randomness import derived_seed
 from runner.registry import unknown_name_message
 
 # name -> (input_shape, num_classes, kind, vocab_size, train_size, test_size)
@@ -44,7 +45,7 @@ def load_synthetic(cfg, root) -> Dataset:
         shape = (int(cfg.seq_len),)
     n_train = int(cfg.get("train_size") or n_train)
     n_test = int(cfg.get("test_size") or n_test)
-    g = torch.Generator().manual_seed(int(cfg.get("seed", 0)))
+    g = torch.Generator().manual_seed(derived_seed(int(cfg.get("seed", 0)), "synthetic-data"))  # not the noise's stream
 
     def draw(n):
         x = torch.randint(1, vocab, (n, *shape), generator=g) if kind == "text" else torch.randn(n, *shape, generator=g)
