@@ -17,6 +17,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from runner.accountants.published import shown_epsilon
 from runner import run_lock
 from runner.errors import DprunError, RunComplete
 from runner.interrupt import interrupted_exit, sigterm_as_interrupt
@@ -90,7 +91,7 @@ def print_result(summary: dict, out_dir, table: bool = True) -> None:
     if not table:
         final = summary.get("final") or {}
         eps = final.get("epsilon")
-        eps_text = f", epsilon {float(eps):.4g}" if eps not in (None, "") else ""
+        eps_text = f", epsilon {shown_epsilon(float(eps))}" if eps not in (None, "") else ""
         acc_text = f": test_acc {final['test_acc']:.4f}" if "test_acc" in final else ""
         print(f"dprun: {summary['method']} on {summary['config']['dataset']['name']}{acc_text}{eps_text} -> {out_dir}")
         print_guarantee(summary)

@@ -17,6 +17,7 @@ import math
 import sys
 import time
 
+from runner.accountants.published import shown_epsilon
 from runner import accountants
 from runner.accountants import SubsampledGaussian, SubsampledJL
 from runner.accountants.published import delta_note
@@ -96,7 +97,7 @@ def epsilon_row(n: int, batch_size: int, sigma: float, epochs: float, delta: flo
     acc = accountants.build(name)
     acc.step(mech, count=steps)
     eps = acc.epsilon(delta)
-    text = f"{eps:.4g}"
+    text = shown_epsilon(eps)  # rounded up: never below the certified value
     if math.isinf(eps) and hasattr(acc, "epsilon_lower_bound"):
         text = f"inf (> {acc.epsilon_lower_bound(delta):.3g})"
     elif getattr(acc, "approximate", False):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 import pandas as pd
+from runner.accountants.published import shown_epsilon
 
 OUT = Path("outputs/reference/paper/runs")
 PROBES = Path("outputs/reference/paper/imdb_probes")  # the IMDB setups tried (docs/imdb_reproduction.md)
@@ -231,7 +232,7 @@ def pct(v) -> str:
 def eps_str(v) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
-    return "inf" if math.isinf(v) else f"{v:.3g}"
+    return "inf" if math.isinf(v) else shown_epsilon(v, 3)
 
 
 def reproduce_command(row: dict) -> str:

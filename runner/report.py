@@ -35,6 +35,7 @@ from typing import Any
 
 import pandas as pd
 
+from runner.accountants.published import shown_epsilon
 from runner.audit.columns import audit_columns, audited_text
 from runner.entry import OneLineParser, run_entry
 from runner.errors import DprunError
@@ -409,7 +410,7 @@ def epsilon_text(eps: float, lower_bound: float) -> str:
         return ""
     if math.isinf(eps) and not pd.isna(lower_bound) and math.isfinite(lower_bound):  # sigma=0: the bound is inf too
         return f"inf (> {lower_bound:.3g})"
-    return f"{eps:.3g}"
+    return shown_epsilon(eps, 3)  # rounded up: never below the certified value
 
 
 def unfinished_view(runs: pd.DataFrame) -> str:

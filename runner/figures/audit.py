@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from runner.accountants.published import shown_epsilon
 from runner.figures.style import plt
 
 ARMS = [  # (label, overrides); target_epsilon calibrates sigma
@@ -73,7 +74,7 @@ def draw(data: pd.DataFrame, title: str):
             no_claim = not math.isfinite(eps)
             ax.bar(i - 0.2, top if no_claim else eps, width=0.38, facecolor="none", edgecolor=color,
                    hatch="//" if no_claim else None, lw=1.5)
-            ax.text(i - 0.2, (0.5 * top if no_claim else eps), "no claim" if no_claim else f"{eps:.3g}",
+            ax.text(i - 0.2, (0.5 * top if no_claim else eps), "no claim" if no_claim else shown_epsilon(eps, 3),
                     ha="center", va="bottom", fontsize=7, rotation=90 if no_claim else 0)
             ax.bar(i + 0.2, row["audited_fdp"], width=0.38, color=color, alpha=0.55)
             ax.bar(i + 0.2, row["audited"], width=0.38, color=color)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from runner.accountants.published import shown_epsilon
 from runner.figures.spec import FIGURES, Figure
 from runner.figures.style import finish, panels, plain_log_axis
 
@@ -46,7 +47,7 @@ def draw_hsa(data, caption, scale):
     ax.set_ylim(bottom=min(ax.get_ylim()[0], lo / 1.5))
     last = data.iloc[-1]
     for col, name in (("eps_hidden", "hidden-state bound (assumed)"), ("eps_composition", "composition")):
-        ax.annotate(f"{name}: $\\epsilon$={last[col]:.3g}", (last["epoch"], last[col]), xytext=(-10, 6),
+        ax.annotate(f"{name}: $\\epsilon$={shown_epsilon(float(last[col]), 3)}", (last["epoch"], last[col]), xytext=(-10, 6),
                     textcoords="offset points", ha="right", fontsize=8)
     ax.set(xlabel="epochs trained", ylabel=r"$\epsilon$ (log)")
     ax.grid(alpha=0.3, which="both")
@@ -153,8 +154,8 @@ def draw_adaptive(data, caption, scale):
     for schedule, sub in utility.groupby("schedule", sort=False):
         end = sub.sort_values("epoch").iloc[-1]
         acc_ax.plot(sub["epoch"], sub["test_acc"], **styles.get(schedule, {}),
-                    label=f"{schedule}: {end['test_acc']:.1%}; certified $\\epsilon$={float(end['epsilon']):.3g} "
-                          f"(hidden-state {float(end['epsilon_hsa_assumed']):.3g}, assumed)")
+                    label=f"{schedule}: {end['test_acc']:.1%}; certified $\\epsilon$={shown_epsilon(float(end['epsilon']), 3)} "
+                          f"(hidden-state {shown_epsilon(float(end['epsilon_hsa_assumed']), 3)}, assumed)")
     where = str(utility["data"].iloc[0]) if len(utility) else "not trained"
     acc_ax.set(xlabel="epoch", ylabel="test accuracy", title=f"utility: DP-SBCD trained on {where}")
     if len(utility) and "chance" in where:

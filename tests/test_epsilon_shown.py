@@ -1,0 +1,33 @@
+"""An epsilon shown to a reader is never below the certified one (review 19: dprun-report printed 2.2943 as 2.29,
+dprun-eps as 2.294): rounded up to its digits everywhere it is printed; the tables keep the full value."""
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+
+import numpy as np
+import pytest
+
+from runner.accountants.published import shown_epsilon
+from runner.report import epsilon_text
+
+
+@pytest.mark.parametrize("digits", [2, 3, 4])
+def test_shown_epsilon_is_never_below_and_within_one_unit_of_its_last_digit(digits):
+    rng = np.random.default_rng(0)
+    values = np.concatenate([10.0 ** rng.uniform(-8, 12, 20000), [2.294312584, 0.86381, 9.99951, 1.0, 0.1, 5.0,
+                                                                   np.nextafter(2.0, 3.0), np.nextafter(2.0, 1.0)]])
+    for v in map(float, values):
+        shown = shown_epsilon(v, digits)
+        assert Decimal(shown) >= Decimal(repr(v)), (v, shown)
+        unit = 10.0 ** (math.floor(math.log10(v)) - digits + 1)
+        assert float(shown) - v <= unit * (1 + 1e-9), (v, shown)
+        assert len(Decimal(shown).normalize().as_tuple().digits) <= digits, (v, shown)
+
+
+def test_the_report_and_the_logs_round_up():
+    assert epsilon_text(2.294312584, float("nan")) == "2.3"
+    assert shown_epsilon(2.294312584) == "2.295"
+    assert shown_epsilon(6.1736) == "6.174" and shown_epsilon(6.1736, 3) == "6.18"
+    assert shown_epsilon(2.29) == "2.29" and shown_epsilon(5.0) == "5" and shown_epsilon(9.99951) == "10"
+    assert shown_epsilon(math.inf) == "inf" and shown_epsilon(0.0) == "0"
