@@ -1470,3 +1470,63 @@ def test_the_twin_takes_any_label_of_the_batch_its_input_can_have():
     xs, ys, names = with_twin(method, model, masked_nll, x[:6], y[:6], list(range(6)), y)
     j = int(names[-1].rsplit("example ", 1)[1].split()[0])  # the batch row whose label the twin took
     assert len(ys) == 7 and int(ys[-1]) == 5 and int(y[j]) == 5 and j > 4
+
+
+class TrainModeOnlyPath(nn.Module):
+    """In train mode `scale` is reached through a plain list, which torch.func.functional_call does not substitute:
+    jl's forward-mode projections miss its gradient while the backward releases it (review 20: 42.7 C)."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.fc = nn.Linear(d, 3)
+        self.scale = nn.Parameter(torch.ones(3))
+        self._ref = [self.scale]
+
+    def forward(self, x):
+        s = self._ref[0] if self.training else self.scale
+        return self.fc(x) * 0.01 + s * x[:, :3] * 10
+
+
+class FunctionalDropout(nn.Module):
+    """Random outside dropout modules in train mode (F.dropout): jl's check compares it in eval mode, not refused."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(F.dropout(torch.tanh(self.fc1(x)), 0.5, self.training))
+
+
+def test_jl_checks_the_train_mode_forward():
+    """check_jl_release ran the model in eval mode: a parameter reached another way only in train mode was accepted
+    under jvp=forward, and one example released 42.7 C. It now runs in train mode with the dropout modules off."""
+    msg = refused(("jl", {"r": 2, "jvp": "forward"}), TrainModeOnlyPath, features(B=6), r"^method=jl's norm estimate")
+    assert "use method=nxbp or multiloss" in msg
+    first_step(("jl", {"r": 2}), FunctionalDropout(), *features(B=6))  # random in train mode: checked in eval mode
+    first_step(("jl", {"r": 2}), nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 3)), *features(B=6))
+
+
+@pytest.mark.parametrize("draw", range(12))
+def test_one_pair_of_near_neighbours_swapped_is_refused_whatever_the_os_draws(draw, monkeypatch):
+    """The row-order check compared the batch with two shuffles of it: a model that sorts two near-identical rows
+    (feature 1 equal, 1e-2 apart) by feature 0 showed only if a shuffle put the pair in the other order, so with one
+    such pair in the batch it hid on ~1/4 of the OS's draws (review 11's near_neighbours test failed 3 of 12 runs
+    once the API's sampling seed changed). The OS's shuffle read backwards joins them: every pair meets in both
+    orders."""
+    from runner.methods.privacy_check import row_order
+
+    monkeypatch.setattr(row_order.secrets, "randbits", lambda bits: 1000 + draw)
+    n = 12
+    fixed = torch.argsort(row_order.shuffles(n)[0])  # the check permutes the rows by the fixed order, then compares
+    # them with the fixed order again: a pair whose relative order both keep is left to the OS's draw
+    a, b = next((a, b) for a in range(n) for b in range(a + 1, n)
+                if (fixed[a] < fixed[b]) == (fixed[fixed[a]] < fixed[fixed[b]]))
+    g = torch.Generator().manual_seed(draw)
+    x = torch.randn(n, 24, generator=g)
+    x[:, 1] = torch.arange(float(n))  # every row its own cluster ...
+    x[b] = x[a] + 1e-2 * torch.randn(24, generator=g)  # ... but rows a and b: near neighbours, one cluster
+    x[b, 1] = x[a, 1]
+    y = torch.randint(0, 2, (n,), generator=g)
+    refused(("reweight", {"mode": "bk"}), lambda: positions_by(within_clusters), (x, y),
+            FED_REORDERED[1:] + "|alone gives|moves")

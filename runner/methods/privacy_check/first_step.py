@@ -31,6 +31,7 @@ from runner.errors import DprunError
 from runner.methods.base import trainable
 from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.privacy_check.independence import check_independence, check_independence_autocast
+from runner.methods.privacy_check.modules import dropout_off
 from runner.methods.privacy_check.measured import (alone_grads, batch_row, check_against_oracle, check_inside_calls,
                                                    check_jl_release, check_own_rows, per_example_grads, tolerance)
 from runner.methods.privacy_check.probe_rows import spread_first
@@ -166,9 +167,7 @@ def check_beside_skipped(method, model, loss_fn, x, y, x_skip, y_skip, index, ho
     inputs and losses are finite), before them and after them: each probe row's norm from the method must not be
     below, or other than finite, its gradient's computed alone. A reorder keyed on what only those rows have (a rare
     flag on records that are nan alone) showed on no probed row (review 8: bk 1.63-1.92 C, recompute 1.86-2.45 C)."""
-    for m in model.modules():  # dropout off (the alone gradients are batches of one), train mode otherwise (Opacus
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd):  # records only then); the caller restores the flags
-            m.eval()
+    dropout_off(model)  # (the alone gradients are batches of one), train mode otherwise (Opacus records only then)
     want = alone_grads(model, loss_fn, x, y).norm(dim=1)  # (k,)
     k = len(y)
     for xb, yb, rows in ((torch.cat([x_skip, x]), torch.cat([y_skip, y]), slice(len(y_skip), None)),

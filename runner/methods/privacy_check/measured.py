@@ -24,6 +24,7 @@ from torch import nn
 from runner.errors import DprunError
 from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.base import trainable
+from runner.methods.privacy_check.modules import dropout_off
 from runner.methods.privacy_check.shapes import BLACK_BOX, check_losses, check_norms, covered
 
 
@@ -210,15 +211,21 @@ JL_RTOL = 1e-2  # estimates from the same directions: float32 rounding moves the
 
 def check_jl_release(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
                      index: list[int] | None = None) -> None:
-    """jl's estimates and clipped sum against each example alone (alone_grads), in eval mode (dropout off: a batch of
-    one would draw other masks), with the check's own directions V: the estimates M_i equal those of G_i alone,
+    """jl's estimates and clipped sum against each example alone (alone_grads), in train mode with the dropout modules
+    off (a batch of one would draw other masks; eval mode checked another forward than the step's: review 20, a
+    parameter reached through a plain list only in train mode, which functional_call does not substitute, released
+    42.7 C under jvp=forward), or in eval mode where the forward is random outside dropout modules, with the check's
+    own directions V: the estimates M_i equal those of G_i alone,
     sqrt(mean_j <G_i, v_j>^2), and the release equals sum_i nu_i G_i with jl's own factors. The jl accountant assumes
     both; the forward probes cannot see a backward that mixes examples (a custom autograd.Function returning
     g + g.flip(0): one example moved the release by 2.7 C with jvp=double_vjp, 6.0 C with forward mode, whose jvp
     did not mix). The caller restores the random state and the train/eval flags."""
     from runner.methods.jl import draw_directions, padding_rows
 
-    model.eval()
+    dropout_off(model)
+    with torch.no_grad():
+        if not torch.equal(*(loss_fn(model(x), y).nan_to_num(nan=0.0) for _ in range(2))):
+            model.eval()  # random outside dropout modules: each example alone would draw other values
     params = trainable(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     G = alone_grads(model, loss_fn, x, y)  # (k, d)

@@ -44,3 +44,13 @@ def check_modules(model: nn.Module, method: str) -> None:
             raise DprunError(f"{where}, track_running_stats=True) cannot be trained with method={method}: its "
                              f"running statistics of the raw training data are buffers released with the model "
                              f"(no method can bound them); use track_running_stats=False, or GroupNorm")
+
+
+def dropout_off(model: nn.Module) -> None:
+    """The dropout modules in eval mode, every other module as it is (train mode: the forward the step runs). A check
+    that compares a batch with each example alone needs the same masks in both, which dropout cannot give; eval mode
+    for the whole model would check another forward than the step's (review 20: a parameter reached only in train
+    mode escaped jl's check). The caller restores the flags."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.eval()

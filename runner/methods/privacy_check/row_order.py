@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from runner.errors import DprunError
+from runner.methods.privacy_check.modules import dropout_off
 from runner.methods.privacy_check.probe_rows import like_batch
 from runner.methods.privacy_check.shapes import BLACK_BOX, each_call_input
 
@@ -198,12 +199,17 @@ LARGE_MOVE, LARGE_MOVE_CAP = 1e4, 5e-2  # a row further from its own than 1e4 ro
 
 
 def shuffles(n: int) -> list[torch.Tensor]:
-    """Two (n,) permutations that are not the identity, drawn from their own generators (the run's random state is not
-    touched): one fixed by n (a check that reads the same every time), one drawn afresh from the OS's randomness (a
-    model applying the fixed one itself released 9-15 C: review 11). Neither is the reversal, which a forward that
-    itself reverses the batch commutes with."""
+    """Three (n,) permutations that are not the identity, drawn from their own generators (the run's random state is
+    not touched): one fixed by n (a check that reads the same every time), one drawn afresh from the OS's randomness (a
+    model applying the fixed one itself released 9-15 C: review 11), and that one read backwards. Every pair of rows
+    then meets in both relative orders, so a reorder that swaps two rows by their data (a sort among near neighbours)
+    shows in one of the last two forwards whatever the draw (with the two random orders alone it hid on a quarter of
+    the draws when the batch held one such pair). None is the reversal, which a forward that itself reverses the
+    batch commutes with (the third is the second composed with it: it commutes only if the second does)."""
     orders = [torch.randperm(n, generator=torch.Generator().manual_seed(seed)) for seed in (n, secrets.randbits(63))]
-    return [o if not bool((o == torch.arange(n)).all()) else o.roll(1) for o in orders]
+    orders = [o if not bool((o == torch.arange(n)).all()) else o.roll(1) for o in orders]
+    backwards = orders[1].flip(0)
+    return orders + ([backwards] if not bool((backwards == torch.arange(n)).all()) else [])
 
 
 def reordered(model: nn.Module, rows: torch.Tensor, rounding: float) -> tuple[str, nn.Module] | None:
@@ -239,9 +245,7 @@ def check_row_order(method, model: nn.Module, x: torch.Tensor) -> None:
     rows = rows_to_check(method, x)
     if len(rows) < 2:
         return
-    for m in model.modules():  # the two orders draw different dropout masks per example
-        if isinstance(m, nn.modules.dropout._DropoutNd):
-            m.eval()
+    dropout_off(model)  # the two orders draw different dropout masks per example
     size = max(method.physical_batch_size or len(x), 2)  # rows per forward: the training step's chunk at most
     # rows computed at two batch positions are bitwise equal on the CPU (review 11: Linear, fp32 and bf16); the floor
     # is ~1 ulp per coordinate (sketch's units) for kernels elsewhere that are not (a floor of 1e-3 of the centred
