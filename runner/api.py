@@ -482,6 +482,14 @@ def _training(private: PrivateRun, optimizer: torch.optim.Optimizer, params_befo
     if sampler.kind != "poisson" and m.private and not m.sampling:
         warnings.warn("poisson=False: no accountant here analyses shuffled batches; get_epsilon() raises and "
                       "epsilon_assuming_poisson() gives what Poisson sampling would (not a guarantee)", stacklevel=3)
+    if hasattr(m, "direction_generator"):  # jl: one set of directions for the whole batch, on every rank (review 20:
+        # they came from torch's global RNG, which a program seeding torch per rank sets apart on each rank); seeded
+        # from a draw of the global RNG, rank 0's, so N processes equal one
+        drawn = privacy_check.shared_seed(None, None, world) if world.size > 1 else \
+            int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+        seed = randomness.shared_secret_seed(generator) if randomness.is_secure(generator) else \
+            randomness.derived_seed(drawn, "jl-directions")
+        m.direction_generator = randomness.device_generator(model, seed)
     noise_gen = randomness.noise_generator(generator, model)
     if noise_gen is None and world.size > 1:
         # torch's global RNG differs between ranks seeded apart (common for augmentation): each rank would add its

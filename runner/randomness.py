@@ -389,9 +389,14 @@ def reseeded(secure: SecureRandom) -> SecureRandom:
     """Reseed torch's global RNG (JL's directions, dropout masks) with a secret from the OS, the same on every rank:
     under rng=secure a program's own torch.manual_seed must not replay them either (JL's directions known in
     advance let a crafted record's gradient be orthogonal to them all: estimated ~0, released unclipped, 122 C)."""
-    secret = lambda: torch.tensor([secrets.randbits(63)], dtype=torch.int64)  # noqa: E731
-    torch.manual_seed(int(secure.shared(secret, (1,), torch.int64, _collective_device(secure)).item()))
+    torch.manual_seed(shared_secret_seed(secure))
     return secure
+
+
+def shared_secret_seed(secure: SecureRandom) -> int:
+    """A 63-bit seed from the OS's randomness, rank 0's on every rank (secure's shared draw)."""
+    secret = lambda: torch.tensor([secrets.randbits(63)], dtype=torch.int64)  # noqa: E731
+    return int(secure.shared(secret, (1,), torch.int64, _collective_device(secure)).item())
 
 
 def noise_generator(generator, model: torch.nn.Module):

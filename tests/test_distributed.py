@@ -132,6 +132,23 @@ def noise_off_the_sampling_device(rank):
     return torch.cat([p.grad.flatten() for p in private.model.parameters()])
 
 
+def jl_directions(rank):
+    """jl's directions for a step through make_private on ranks that seed torch per rank: they came from torch's
+    global RNG, other ones on each rank (review 20), so an example at a rank boundary moved onto another rank's
+    directions; now from a generator seeded alike on every rank."""
+    import dprun
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    torch.manual_seed(1000 + rank)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), method="jl", r=2,
+                                 batch_size=8, seed=5)
+    private.method.begin_step(private.model)
+    return torch.cat([v.flatten() for v in private.method._directions.values()])
+
+
 def _library_worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=__import__("datetime").timedelta(seconds=60))
@@ -143,6 +160,7 @@ def _library_worker(rank, world, init_file, out_dir):
     results["compiled"] = composed_run(compiled=True)
     results["crafted"] = crafted_release(rank)
     results["device_noise"] = noise_off_the_sampling_device(rank)
+    results["jl_directions"] = jl_directions(rank)
     model = torch.nn.Linear(2, 2)  # replicas that differ are caught, on every rank
     with torch.no_grad():
         model.weight.fill_(float(rank))
@@ -244,6 +262,7 @@ def test_two_ranks_give_the_one_process_weights_and_epsilon_for_every_method(tmp
         assert ranks[r]["crafted"] <= 2 * (1 + 1e-6), f"two crafted examples released {ranks[r]['crafted']} C"
     noise = [ranks[r]["device_noise"] for r in range(2)]
     assert float(noise[0].abs().max()) > 0 and torch.equal(noise[0], noise[1]), "each rank added its own noise draw"
+    assert torch.equal(ranks[0]["jl_directions"], ranks[1]["jl_directions"]), "each rank drew its own jl directions"
 
 
 def _train_worker(rank, world, init_file, out_dir, overrides, folder):

@@ -52,12 +52,15 @@ def trainable_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def draw_directions(params: dict[str, torch.Tensor], r: int, padding: dict[str, int] | None = None) -> Directions:
-    """v_1..v_r ~ N(0, I_d) over all the given parameters, from torch's global RNG: name -> (r, *p.shape).
+def draw_directions(params: dict[str, torch.Tensor], r: int, padding: dict[str, int] | None = None,
+                    generator: torch.Generator | None = None) -> Directions:
+    """v_1..v_r ~ N(0, I_d) over all the given parameters, from `generator` (None: torch's global RNG):
+    name -> (r, *p.shape).
     padding: embedding weight name -> padding_idx (padding_rows), whose row is set to 0 after the draw (the same
     stream of draws): its gradient is 0, so <g, v> is unchanged, but forward mode's tangent of an embedding looks
     the row up at every padding position (the backward zeroes it) and would count it."""
-    directions = {n: torch.randn((r, *p.shape), device=p.device, dtype=p.dtype) for n, p in params.items()}
+    directions = {n: torch.randn((r, *p.shape), device=p.device, dtype=p.dtype, generator=generator)
+                  for n, p in params.items()}
     for n, row in (padding or {}).items():
         if n in directions:
             directions[n][:, row] = 0.0
@@ -214,6 +217,10 @@ class JL(Method):
         # double_vjp's vmap cannot ask a channels-last tensor's layout ("NYI: querying is_contiguous inside of vmap"):
         # memory_format=auto leaves its model NCHW (runner/memory_format.py); auto's switch puts the model back
         self.channels_last = self.mode != "double_vjp"
+        # where the directions come from: torch's global RNG (None), or a generator every rank seeds alike
+        # (make_private on several processes: a program that seeds torch per rank drew other directions on each
+        # rank, and an example at a rank boundary moved onto another rank's directions: review 20)
+        self.direction_generator: torch.Generator | None = None
 
     def prepare(self, model, data=None):
         if not trainable_params(model):
@@ -234,7 +241,8 @@ class JL(Method):
 
     def begin_step(self, model) -> None:
         """The step's v_1..v_r, shared by every chunk (and rank) of the logical batch."""
-        self._directions = draw_directions(trainable_params(model), self.r, padding_rows(model))
+        self._directions = draw_directions(trainable_params(model), self.r, padding_rows(model),
+                                           self.direction_generator)
 
     def end_step(self) -> None:
         self._directions = None
@@ -293,7 +301,7 @@ class JL(Method):
         params = trainable_params(model)
         directions = getattr(self, "_directions", None)  # name -> (r, *p.shape): the step's (begin_step)
         if directions is None:  # privatize called on its own: this call's draw
-            directions = draw_directions(params, self.r, padding_rows(model))
+            directions = draw_directions(params, self.r, padding_rows(model), self.direction_generator)
         losses, outputs, P, backward = self.projections(model, loss_fn, x, y, directions)
         norms = P.pow(2).mean(1).sqrt()  # (B,) M_i, the norm estimates
         grads = backward(self.clip_factors(norms))  # sum_i nu_i g_i, one backward
