@@ -1498,6 +1498,32 @@ class FunctionalDropout(nn.Module):
         return self.fc2(F.dropout(torch.tanh(self.fc1(x)), 0.5, self.training))
 
 
+class KeyedToDropout(TrainModeOnlyPath):
+    """Review 21: the train-mode path keyed to its own dropout module's flag (which the check's comparison with
+    each example alone turns off), or taken beside functional dropout (which sends that comparison to eval mode):
+    both were accepted under jvp=forward and released 26.1 C."""
+
+    def __init__(self, keyed: str):
+        super().__init__()
+        self.keyed, self.drop = keyed, nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.fc(x) * 0.01
+        if self.keyed == "module":
+            s, h = (self._ref[0] if self.drop.training else self.scale), self.drop(h)
+        else:
+            s, h = (self._ref[0] if self.training else self.scale), F.dropout(h, 0.5, self.training)
+        return h + s * x[:, :3] * 10
+
+
+@pytest.mark.parametrize("keyed", ["module", "functional"])
+def test_jl_checks_the_forward_the_step_runs_with_its_random_draws(keyed):
+    msg = refused(("jl", {"r": 2, "jvp": "forward"}), lambda: KeyedToDropout(keyed), features(B=6),
+                  r"^method=jl's norm estimate for .* computed through the same forward")
+    assert "use method=nxbp or multiloss" in msg
+    first_step(("jl", {"r": 2, "jvp": "double_vjp"}), KeyedToDropout(keyed), *features(B=6))  # its projections: exact
+
+
 def test_jl_checks_the_train_mode_forward():
     """check_jl_release ran the model in eval mode: a parameter reached another way only in train mode was accepted
     under jvp=forward, and one example released 42.7 C. It now runs in train mode with the dropout modules off."""

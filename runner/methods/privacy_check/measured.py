@@ -211,25 +211,51 @@ JL_RTOL = 1e-2  # estimates from the same directions: float32 rounding moves the
 
 def check_jl_release(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
                      index: list[int] | None = None) -> None:
-    """jl's estimates and clipped sum against each example alone (alone_grads), in train mode with the dropout modules
-    off (a batch of one would draw other masks; eval mode checked another forward than the step's: review 20, a
-    parameter reached through a plain list only in train mode, which functional_call does not substitute, released
-    42.7 C under jvp=forward), or in eval mode where the forward is random outside dropout modules, with the check's
-    own directions V: the estimates M_i equal those of G_i alone,
-    sqrt(mean_j <G_i, v_j>^2), and the release equals sum_i nu_i G_i with jl's own factors. The jl accountant assumes
-    both; the forward probes cannot see a backward that mixes examples (a custom autograd.Function returning
-    g + g.flip(0): one example moved the release by 2.7 C with jvp=double_vjp, 6.0 C with forward mode, whose jvp
-    did not mix). The caller restores the random state and the train/eval flags."""
-    from runner.methods.jl import draw_directions, padding_rows
+    """jl's estimates and clipped sum against each example's gradient, twice, with the check's own directions V: the
+    estimates M_i must equal those of the gradient G_i that is released, sqrt(mean_j <G_i, v_j>^2), and the release
+    must equal sum_i nu_i G_i with jl's own factors; the jl accountant assumes both.
 
+    First through the SAME forward as the projections (check_jl_same_forward): the model as the step runs it, its
+    random draws replayed. Then against each example ALONE (a batch of one), which the forward probes cannot replace:
+    a backward that mixes examples (a custom autograd.Function returning g + g.flip(0)) moved one example's release by
+    2.7 C with jvp=double_vjp, 6.0 C with forward mode, and its batch backward mixes the per-example gradients of the
+    first comparison alike. A batch of one draws other dropout masks, so the second comparison runs with the dropout
+    modules off, or in eval mode where the forward is random elsewhere. The caller restores the random state and the
+    train/eval flags."""
+    check_jl_same_forward(method, model, loss_fn, x, y, index)
     dropout_off(model)
     with torch.no_grad():
         if not torch.equal(*(loss_fn(model(x), y).nan_to_num(nan=0.0) for _ in range(2))):
             model.eval()  # random outside dropout modules: each example alone would draw other values
+    G = alone_grads(model, loss_fn, x, y)  # (k, d)
+    compare_jl(method, model, loss_fn, x, y, G, index, "computed alone", small_factors=True)
+
+
+def check_jl_same_forward(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
+                          index: list[int] | None = None) -> None:
+    """jl's estimates and release against each example's gradient through the same forward as its projections
+    (per_example_grads: one backward per example through the batch's graph), in the model's own mode with dropout on,
+    the random state restored before each forward so both draw the same values. The comparison with each example
+    alone turns dropout off (or the model to eval mode), and a model keyed to that (a branch on its dropout module's
+    flag, or functional dropout) reached a parameter through a plain list in training only, which forward mode's
+    functional_call does not substitute: 26.1 C under jvp=forward (review 21; 42.7 C in eval mode, review 20)."""
+    state = rng_state(x.device)
+    rows = per_example_grads(model, loss_fn, x, y)
+    G = torch.stack([torch.cat([g.detach().double().flatten() for g in row]) for row in rows])  # (k, d)
+    del rows
+    compare_jl(method, model, loss_fn, x, y, G, index, "computed through the same forward", state=state)
+
+
+def compare_jl(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, G: torch.Tensor,
+               index: list[int] | None, how: str, state=None, small_factors: bool = False) -> None:
+    """jl's estimates (its projections on the check's directions) and release (check_jl_sum) against G (k, d), each
+    example's gradient `how` it was computed; `state`: the random state G's forward started from, restored before
+    each projection forward (the same draws). small_factors: the release again at small clip factors."""
+    from runner.methods.jl import draw_directions, padding_rows
+
     params = trainable(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    G = alone_grads(model, loss_fn, x, y)  # (k, d)
-    finite = torch.isfinite(G).all(1)  # (k,): a row whose gradient alone is not finite (a nan where-branch) is one the
+    finite = torch.isfinite(G).all(1)  # (k,): a row whose gradient is not finite (a nan where-branch) is one the
     if not bool(finite.all()):  # step leaves out (runner/methods/dropped.py): compared, it raised torch's own error
         keep = finite.nonzero()[:, 0]
         x, y, G = x[keep], y[keep], G[keep]
@@ -238,13 +264,19 @@ def check_jl_release(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torc
             return
     V = draw_directions(dict(zip(names, params)), JL_DIRECTIONS, padding_rows(model))  # name -> (r, *p.shape)
     Vf = torch.cat([V[n].double().reshape(JL_DIRECTIONS, -1) for n in names], 1)  # (r, d)
-    for p in params:
-        p.grad = None
-    chunk, method.chunk = method.chunk, 1  # one direction per pass: the least memory (4 examples), no halving
-    try:
-        _, _, P, backward = method._projections(model, loss_fn, x, y, V)  # P (k, r)
-    finally:
-        method.chunk = chunk
+
+    def projections():  # one direction per pass: the least memory (4 examples), no halving; a fresh graph each
+        if state is not None:
+            set_rng_state(state, x.device)
+        for p in params:
+            p.grad = None
+        chunk, method.chunk = method.chunk, 1
+        try:
+            return method._projections(model, loss_fn, x, y, V)[2:]  # P (k, r), backward
+        finally:
+            method.chunk = chunk
+
+    P, backward = projections()
     got = P.double().pow(2).mean(1).sqrt()  # (k,) jl's estimates
     want = (G @ Vf.T).pow(2).mean(1).sqrt()  # (k,) the estimates of each example's own gradient
     scale = float(want.max()) if len(want) else 0.0
@@ -253,24 +285,20 @@ def check_jl_release(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torc
         i = int(off.nonzero()[0])
         raise DprunError(f"method=jl's norm estimate for {batch_row(i, index)} is "
                          f"{float(got[i]):.6g}, but the same directions give {float(want[i]):.6g} for that "
-                         f"example's gradient computed alone: its projections are not those of the gradient it "
-                         f"releases (a custom autograd.Function whose jvp and backward disagree, or a backward that "
-                         f"mixes examples), so the jl accountant's analysis does not hold; use method=nxbp or "
-                         f"multiloss (each example alone)")
+                         f"example's gradient {how}: its projections are not those of the gradient it "
+                         f"releases (a custom autograd.Function whose jvp and backward disagree, a parameter the "
+                         f"forward reaches other than as its module's attribute, or a backward that mixes examples), "
+                         f"so the jl accountant's analysis does not hold; use method=nxbp or multiloss (each example "
+                         f"alone)")
     nu = method.clip_factors(P.pow(2).mean(1).sqrt()).double()  # (k,) jl's own factors, as JL.privatize forms them
     check_jl_sum(backward, nu, G, want)
-    if not bool((got > 0).any()):
+    if not small_factors or not bool((got > 0).any()):
         return
     # and with every factor small and distinct (SMALL_FACTORS): a backward that is not linear in them (a custom
     # autograd.Function lifting a small output-gradient) released 14.7 C where jl's own factor allowed 2.0 (review 14)
     smallest = float(got[got > 0].min())
     for shrink in SMALL_FACTORS:
-        chunk, method.chunk = method.chunk, 1
-        try:
-            _, _, P, backward = method._projections(model, loss_fn, x, y, V)  # a fresh graph for the one backward
-        finally:
-            method.chunk = chunk
-        check_jl_sum(backward, (shrink * smallest / got.clamp_min(smallest)).clamp(max=1.0), G, want)
+        check_jl_sum(projections()[1], (shrink * smallest / got.clamp_min(smallest)).clamp(max=1.0), G, want)
 
 
 def check_jl_sum(backward, nu: torch.Tensor, G: torch.Tensor, want: torch.Tensor) -> None:
