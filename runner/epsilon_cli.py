@@ -17,7 +17,7 @@ import math
 import sys
 import time
 
-from runner.accountants.published import shown_epsilon
+from runner.epsilon_shown import shown_epsilon
 from runner import accountants
 from runner.accountants import SubsampledGaussian, SubsampledJL
 from runner.accountants.published import delta_note

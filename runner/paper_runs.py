@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 import pandas as pd
-from runner.accountants.published import shown_epsilon
+from runner.epsilon_shown import shown_epsilon
 
 OUT = Path("outputs/reference/paper/runs")
 PROBES = Path("outputs/reference/paper/imdb_probes")  # the IMDB setups tried (docs/imdb_reproduction.md)

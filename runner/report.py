@@ -35,7 +35,7 @@ from typing import Any
 
 import pandas as pd
 
-from runner.accountants.published import shown_epsilon
+from runner.epsilon_shown import shown_epsilon
 from runner.audit.columns import audit_columns, audited_text
 from runner.entry import OneLineParser, run_entry
 from runner.errors import DprunError
@@ -384,8 +384,7 @@ def summary_columns(runs: pd.DataFrame) -> pd.DataFrame:
                 view[col] = numbers  # a NaN, printed blank (na_rep)
             else:
                 view[col] = view[col].where(view[col].notna(), "")
-    for col in [c for c in view.columns if c.startswith("epsilon_")]:  # labelled, not guarantees
-        view[col] = view[col].map(lambda v: "" if pd.isna(v) else f"{v:.3g}")
+    view = epsilons_shown(view, 3, skip=("epsilon",))  # the labelled epsilon_* columns rounded up too
     if "epsilon" in view:
         bound = runs["epsilon_lower_bound"] if "epsilon_lower_bound" in runs else pd.Series(math.nan, runs.index)
         view["epsilon"] = [epsilon_text(e, b) for e, b in zip(view["epsilon"], bound)]
@@ -402,6 +401,19 @@ def render(view: pd.DataFrame, wide: bool) -> str:
         shown = shown.assign(folder=shown["folder"].map(lambda f: f if len(str(f)) <= 22 else "…" + str(f)[-21:]))
     return shown.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="",
                                       max_colwidth=None if wide else 22)
+
+
+def epsilons_shown(table: pd.DataFrame, digits: int, skip: tuple = ()) -> pd.DataFrame:
+    """The epsilon columns as text rounded up to `digits` (shown_epsilon), epsilon_lower_bound to nearest (a lower
+    bound rounded up would overstate it); the columns in `skip` as they are."""
+    table = table.copy()
+    for col in [c for c in table.columns if c.startswith("epsilon") and c != "epsilon_certified" and c not in skip]:
+        numbers = pd.to_numeric(table[col], errors="coerce")
+        if col == "epsilon_lower_bound":
+            table[col] = numbers.map(lambda v: "" if pd.isna(v) else f"{v:.{digits}g}")
+        elif numbers.notna().any():
+            table[col] = numbers.map(lambda v: "" if pd.isna(v) else shown_epsilon(float(v), digits))
+    return table
 
 
 def epsilon_text(eps: float, lower_bound: float) -> str:
@@ -457,7 +469,8 @@ def report(argv: list[str] | None = None) -> int:
         return 0
     unfinished = "" if args.epochs else unfinished_view(table)
     if not args.quiet:
-        print(table.to_string(index=False, max_colwidth=24) if args.epochs else summary_view(table, args.wide))
+        print(epsilons_shown(table, 7).to_string(index=False, max_colwidth=24) if args.epochs
+              else summary_view(table, args.wide))
         if unfinished:
             print(unfinished)
     n = table["run_dir"].nunique()

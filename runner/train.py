@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from runner.accountants.published import shown_epsilon
+from runner.epsilon_shown import shown_epsilon
 from runner.norms import tensor_cores
 from runner import checkpoint, distributed, methods, models, randomness, run_lock
 from runner.methods import privacy_check

@@ -8,7 +8,7 @@ from decimal import Decimal
 import numpy as np
 import pytest
 
-from runner.accountants.published import shown_epsilon
+from runner.epsilon_shown import shown_epsilon
 from runner.report import epsilon_text
 
 

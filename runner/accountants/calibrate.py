@@ -24,6 +24,7 @@ import logging
 import math
 from typing import Any, Callable
 
+from runner.epsilon_shown import shown_epsilon
 from runner.accountants.base import ACCOUNTANTS
 from runner.accountants.mechanisms import Mechanism
 from runner.accountants.pld import CompositionTooLarge
@@ -67,7 +68,7 @@ def calibrate_sigma(accountant_name: str, mechanism_for: Callable[[float], Mecha
         while eps(hi) > target_epsilon:
             if hi >= SIGMA_MAX:  # SIGMA_MAX itself was tried (a target only sigma in (256, 1000] meets is met)
                 best = eps(SIGMA_MAX)
-                reach = "no finite epsilon" if math.isinf(best) else f"epsilon={best:.4g} at best"
+                reach = "no finite epsilon" if math.isinf(best) else f"epsilon={shown_epsilon(best)} at best"
                 more = (f", or a larger r (JL dimension, now {template.r}: the estimates' heavy tail does not "
                         f"shrink with sigma)" if hasattr(template, "r") else "")
                 raise DprunError(f"target_epsilon={target_epsilon} is unreachable with {where}: sigma={SIGMA_MAX:g} "
@@ -104,7 +105,7 @@ def check_target(accountant_name: str, calibrator: str, mechanism: Mechanism, st
     met = planned <= target_epsilon
     if not met:
         log.warning("target_epsilon=%g is not met: sigma=%.4g, calibrated with accountant=%s, gives a certified "
-                    "epsilon=%.4g after the run's %d steps (accountant=%s, the one published); calibrate with a "
+                    "epsilon=%s after the run's %d steps (accountant=%s, the one published); calibrate with a "
                     "certified accountant (calibration_accountant=null) to meet it", target_epsilon,
-                    mechanism.noise_multiplier, calibrator, planned, steps, publisher)
+                    mechanism.noise_multiplier, calibrator, shown_epsilon(planned), steps, publisher)
     return {"calibration_accountant": calibrator, "planned_epsilon": planned, "target_epsilon_met": met}

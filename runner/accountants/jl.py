@@ -21,6 +21,7 @@ from functools import lru_cache
 
 from scipy import optimize
 
+from runner.epsilon_shown import shown_epsilon
 from runner.accountants import jl_pld
 from runner.accountants.base import ACCOUNTANTS, Accountant
 from runner.accountants.mechanisms import SubsampledJL
@@ -142,7 +143,7 @@ class JLAccountant(Accountant):
         r = self.smallest_finite_r(delta)
         if r is None:
             return text + "; no r up to 4096 gives a finite one here"
-        return (text + f". r={r} is the smallest r without that (epsilon {self._with_r(r).epsilon(delta):.4g} with this run's "
+        return (text + f". r={r} is the smallest r without that (epsilon {shown_epsilon(self._with_r(r).epsilon(delta))} with this run's "
                 f"sigma, batch and steps); larger r approaches exact DP-SGD (README, 'JL epsilon')")
 
     def extra_metrics(self, delta: float) -> dict[str, float]:

@@ -15,7 +15,6 @@ The column `epsilon` (metrics.csv, summary.json, the report and the figures) is 
 from __future__ import annotations
 
 import math
-from decimal import ROUND_CEILING, Decimal
 
 from runner.accountants.base import Accountant
 from runner.randomness import guarantee_note
@@ -79,14 +78,3 @@ def delta_note(delta: float | None, n: int) -> str | None:
     return (f"delta={float(delta):g} is not below 1/N = 1/{n} = {1.0 / n:.3g}: an (epsilon, delta) guarantee that "
             f"weak allows publishing a training record outright; use delta < 1/N (e.g. {10 ** -math.ceil(math.log10(n) + 1):g})")
 
-
-def shown_epsilon(eps: float, digits: int = 4) -> str:
-    """An epsilon as a reader sees it (logs, dprun-report, dprun-eps, figure labels): `digits` significant digits,
-    rounded UP, so a shown epsilon is never below the certified one (review 19: 2.2943 was shown as 2.29). The
-    tables (metrics.csv, summary.json) keep the full value."""
-    if not math.isfinite(eps) or eps == 0:
-        return f"{eps:g}"
-    shortest = Decimal(repr(eps))  # the float's shortest decimal (0.1, not 0.1000000000000000055...)
-    step = Decimal(1).scaleb(shortest.adjusted() - digits + 1)
-    # back to a float within an ulp of that decimal, which the format then prints as that decimal: "10", not "1E+1"
-    return f"{float(shortest.quantize(step, rounding=ROUND_CEILING)):.{digits}g}"

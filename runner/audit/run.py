@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runner.epsilon_shown import shown_epsilon
 from runner.audit.canaries import GradientCanaries, inclusion, input_canaries
 from runner.audit.scoring import audit_scores
 from runner.errors import DprunError
@@ -136,7 +137,7 @@ def report(run, audit: Audit) -> None:
         "ceiling": result.ceiling, "ceiling_fdp": result.ceiling_fdp, "ceiling_gdp": result.ceiling_gdp,
         "confidence": audit.confidence, "delta": delta, "epsilon_claimed": claimed, "above_claimed": above,
     }
-    text = "none certified" if claimed is None else f"{claimed:.4g}"
+    text = "none certified" if claimed is None else shown_epsilon(claimed)
     log.info("audit (%s, m=%d): claimed epsilon=%s, audited epsilon >= %.3f (f-DP: >= %.3f; %d/%d guesses correct; "
              "ceiling %.3f) at %.0f%% confidence; Gaussian-shaped estimate %.3f (assumes a Gaussian-shaped privacy "
              "curve: not a bound)", audit.kind, audit.canaries, text, result.epsilon_lower_bound,

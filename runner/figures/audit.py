@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from runner.accountants.published import shown_epsilon
+from runner.epsilon_shown import shown_epsilon
 from runner.figures.style import plt
 
 ARMS = [  # (label, overrides); target_epsilon calibrates sigma

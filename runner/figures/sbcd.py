@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from runner.accountants.published import shown_epsilon
+from runner.epsilon_shown import shown_epsilon
 from runner.figures.spec import FIGURES, Figure
 from runner.figures.style import finish, panels, plain_log_axis
 

@@ -1,0 +1,22 @@
+"""An epsilon as a reader sees it, rounded up: never shown below the certified value (review 19). No heavy
+imports: `dprun --help` and the CLI's printing stay free of torch and the accountants.
+
+    shown_epsilon(2.294312584)      # "2.295"
+    shown_epsilon(2.294312584, 3)   # "2.3"
+"""
+from __future__ import annotations
+
+import math
+from decimal import ROUND_CEILING, Decimal
+
+
+def shown_epsilon(eps: float, digits: int = 4) -> str:
+    """An epsilon as a reader sees it (logs, dprun-report, dprun-eps, figure labels): `digits` significant digits,
+    rounded UP, so a shown epsilon is never below the certified one (review 19: 2.2943 was shown as 2.29). The
+    tables (metrics.csv, summary.json) keep the full value."""
+    if not math.isfinite(eps) or eps == 0:
+        return f"{eps:g}"
+    shortest = Decimal(repr(eps))  # the float's shortest decimal (0.1, not 0.1000000000000000055...)
+    step = Decimal(1).scaleb(shortest.adjusted() - digits + 1)
+    # back to a float within an ulp of that decimal, which the format then prints as that decimal: "10", not "1E+1"
+    return f"{float(shortest.quantize(step, rounding=ROUND_CEILING)):.{digits}g}"
