@@ -371,8 +371,13 @@ def derived_seed(seed: int, purpose: str) -> int:
     directions and the CPU noise. Review 19: the CLI seeded the sampler and torch's global RNG with the same seed, so
     the noise re-used the sampler's words (965,624 of 965,888 uniforms behind the noise of a digits run) and each
     noise value told whether an example joined a later batch."""
-    digest = hashlib.blake2b(f"dprun/{purpose}/{int(seed)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+    for attempt in range(8):  # torch's CPU generator keeps a seed's low 32 bits: those must differ from seed's
+        key = f"dprun/{purpose}/{int(seed)}" + (f"/{attempt}" if attempt else "")
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        derived = int.from_bytes(digest, "little") & (2**63 - 1)
+        if (derived ^ int(seed)) & 0xFFFFFFFF:
+            return derived
+    raise AssertionError("eight 64-bit hashes agreeing with the seed in 32 bits")  # (probability 2^-256)
 
 
 def sampling_generator(rng: str, seed: int, world) -> torch.Generator | SecureRandom:
@@ -390,6 +395,9 @@ def reseeded(secure: SecureRandom) -> SecureRandom:
     under rng=secure a program's own torch.manual_seed must not replay them either (JL's directions known in
     advance let a crafted record's gradient be orthogonal to them all: estimated ~0, released unclipped, 122 C)."""
     torch.manual_seed(shared_secret_seed(secure))
+    # several ranks draw their forwards' dropout from forks seeded by (World.seed, step, rank): a secret too, not the
+    # run's public seed (review 21: rank 1's masks replayed from seed=5 alone, 1000 of 1000)
+    secure.world.seed = shared_secret_seed(secure)
     return secure
 
 
@@ -422,7 +430,7 @@ def api_generator(rng: str, generator: torch.Generator | None, world):
     RNG was (review 19: the same stream twice); 'secure' refuses a generator."""
     if check_rng(rng) == "seeded":
         if isinstance(generator, torch.Generator) and generator.device.type == "cpu" \
-                and generator.initial_seed() == torch.initial_seed():
+                and (generator.initial_seed() ^ torch.initial_seed()) & 0xFFFFFFFF == 0:  # mt19937 keeps 32 bits
             seed = generator.initial_seed()
             raise DprunError(f"generator= is seeded with {seed}, as torch's global RNG is (torch.manual_seed): the "
                              f"batches would be drawn from the very stream that draws the model's initialisation, "

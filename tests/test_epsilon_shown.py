@@ -31,3 +31,20 @@ def test_the_report_and_the_logs_round_up():
     assert shown_epsilon(6.1736) == "6.174" and shown_epsilon(6.1736, 3) == "6.18"
     assert shown_epsilon(2.29) == "2.29" and shown_epsilon(5.0) == "5" and shown_epsilon(9.99951) == "10"
     assert shown_epsilon(math.inf) == "inf" and shown_epsilon(0.0) == "0"
+
+
+@pytest.mark.parametrize("table", [True, False])
+def test_the_clis_last_lines_round_up(tmp_path, capsys, table):
+    """Review 21: the interactive CLI's table (a terminal's default) printed metrics.csv's 1.208330843788459 as
+    1.208; the plain last line already said 1.209."""
+    import pandas as pd
+
+    from runner.cli import print_result
+
+    pd.DataFrame([{"epoch": 1, "train_loss": 0.5, "test_acc": 0.9, "epoch_time_s": 1.0,
+                   "epsilon": 1.208330843788459}]).to_csv(tmp_path / "metrics.csv", index=False)
+    summary = {"method": "reweight", "config": {"dataset": {"name": "digits"}},
+               "final": {"epsilon": 1.208330843788459, "test_acc": 0.9}}
+    print_result(summary, tmp_path, table=table)
+    out = capsys.readouterr().out
+    assert "1.209" in out and "1.208" not in out, out

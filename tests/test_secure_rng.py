@@ -102,17 +102,28 @@ def test_make_private_seeds_its_sampler_apart_and_refuses_a_generator_seeded_as_
                                  batch_size=8, seed=5)
     torch.manual_seed(5)
     assert shared_values(None, torch.Generator().set_state(private.generator.get_state())) == 0
-    torch.manual_seed(6)
-    with pytest.raises(DprunError, match=r"generator= is seeded with 6, as torch's global RNG is.*seed=6"):
-        model = torch.nn.Linear(4, 2)
-        dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="reweight",
-                           batch_size=8, generator=torch.Generator().manual_seed(6))
+    for seed in (6, 6 + 2**32):  # review 21: torch keeps a seed's low 32 bits, so 6 + 2^32 is the same stream
+        torch.manual_seed(6)
+        with pytest.raises(DprunError, match=rf"generator= is seeded with {seed}, as torch's global RNG is"):
+            model = torch.nn.Linear(4, 2)
+            dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="reweight",
+                               batch_size=8, generator=torch.Generator().manual_seed(seed))
 
 
 def test_seeds_derived_for_each_purpose_differ_from_the_seed_and_each_other():
     seeds = {randomness.derived_seed(s, p) for s in range(50) for p in ("sampling", "synthetic-data")}
     assert len(seeds) == 100 and not seeds & set(range(50))
     assert all(0 <= s < 2**63 for s in seeds)
+    assert all((randomness.derived_seed(s, "sampling") ^ s) & 0xFFFFFFFF for s in range(1000))  # torch's 32 bits
+
+
+def test_secure_forks_the_ranks_dropout_from_a_secret_not_the_public_seed():
+    """Review 21: on several ranks each step's dropout comes from a fork seeded by (World.seed, step, rank), and under
+    rng=secure World.seed was still the run's public seed: rank 1's masks replayed from seed=5 alone."""
+    worlds = [distributed.World(seed=5) for _ in range(2)]
+    for w in worlds:
+        randomness.reseeded(SecureRandom(w, ahead=False))
+    assert all(w.seed != 5 for w in worlds) and worlds[0].seed != worlds[1].seed
 
 
 # -- the secure Gaussian and masks -----------------------------------------------------------------------------
