@@ -1556,3 +1556,39 @@ def test_one_pair_of_near_neighbours_swapped_is_refused_whatever_the_os_draws(dr
     y = torch.randint(0, 2, (n,), generator=g)
     refused(("reweight", {"mode": "bk"}), lambda: positions_by(within_clusters), (x, y),
             FED_REORDERED[1:] + "|alone gives|moves")
+
+
+class HiddenAboveEightRows(TrainModeOnlyPath):
+    """Review 22: the plain-list path taken only above 8 rows, more than the first step's probes hold."""
+
+    def forward(self, x):
+        s = self._ref[0] if len(x) > 8 else self.scale
+        return self.fc(x) * 0.01 + s * x[:, :3] * 10
+
+
+@pytest.mark.parametrize("r", [1, 4])
+def test_jl_releases_only_what_its_projections_saw(r):
+    """Forward mode's projections see the parameters functional_call substitutes; its backward released the real
+    parameters' gradient, including a path around functional_call that the first step's probes never took (above
+    their row count, after some forwards, under vmap): 14.6-47 C (review 22). The backward now runs on the
+    substituted leaves: each example's released contribution, projected on the step's directions, stays within C."""
+    from runner.methods.jl import draw_directions, trainable_params
+
+    method = METHODS.build("jl", cfg={"r": r, "jvp": "forward"}, clip=1.0, sigma=0.0)
+    method.privacy_check = False
+    model = method.attach(HiddenAboveEightRows())
+    x, y = features(B=24, seed=3)
+    params = trainable_params(model)
+    method._directions = draw_directions(params, r, generator=torch.Generator().manual_seed(0))
+    V = torch.cat([method._directions[n].reshape(r, -1) for n in params], 1).double()  # (r, d)
+
+    def release(keep):
+        for p in params.values():
+            p.grad = None
+        method.privatize(model, loss_fn, x[keep], y[keep])
+        return torch.cat([p.grad.reshape(-1) for p in params.values()]).double()
+
+    everyone = release(torch.arange(24))
+    for i in range(6):
+        contribution = everyone - release(torch.cat([torch.arange(i), torch.arange(i + 1, 24)]))
+        assert float((V @ contribution).pow(2).mean().sqrt()) <= 1.0 + 1e-3, i

@@ -96,7 +96,12 @@ def forward_projections(model, loss_fn, x, y, directions: Directions, chunk: int
 
 
 def _forward_projections(model, loss_fn, x, y, directions: Directions, chunk: int):
-    named = trainable_params(model)
+    # the projections' tangents and the release's backward both on leaf copies of the parameters (views: no copy),
+    # the tensors functional_call substitutes: a path to a parameter around it (a plain list, a closure) reaches
+    # neither, so what is released is what was projected. With the real parameters the backward released that path's
+    # gradient too, unprojected: a model taking it only above 32 rows, after its 100th forward or under torch.func
+    # (vmap, r >= 2) passed the first step's check and released 14.6-47 C (review 22)
+    named = {n: p.detach().requires_grad_() for n, p in trainable_params(model).items()}
     r = next(iter(directions.values())).shape[0]
     slices = _chunks(r, chunk)
     before = rng_state(x.device)  # replayed for every chunk after the first: the same dropout masks
