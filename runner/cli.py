@@ -17,7 +17,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner.epsilon_shown import shown_epsilon
+from runner.epsilon_shown import shown_epsilon, shown_value
 from runner import run_lock
 from runner.errors import DprunError, RunComplete
 from runner.interrupt import interrupted_exit, sigterm_as_interrupt
@@ -99,9 +99,9 @@ def print_result(summary: dict, out_dir, table: bool = True) -> None:
     table = pd.read_csv(Path(out_dir) / "metrics.csv")
     cols = [c for c in ("epoch", "train_loss", "test_acc", "epoch_time_s", "step_time_s") if c in table]
     cols += [c for c in table.columns if c.startswith("epsilon") and table[c].notna().any()]  # + hsa's baseline
-    for c in cols:  # epsilons rounded up (shown_epsilon): never shown below the certified value
+    for c in cols:  # epsilons rounded up, a lower bound down (shown_value): never shown past the certified value
         if c.startswith("epsilon"):
-            table[c] = table[c].map(lambda v: "" if pd.isna(v) else shown_epsilon(float(v)))
+            table[c] = table[c].map(lambda v, c=c: "" if pd.isna(v) else shown_value(c, float(v)))
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"dprun: {summary['method']} on {summary['config']['dataset']['name']} -> {out_dir}")
     print_guarantee(summary)

@@ -17,7 +17,7 @@ import math
 import sys
 import time
 
-from runner.epsilon_shown import shown_epsilon
+from runner.epsilon_shown import shown_epsilon, shown_lower_bound
 from runner import accountants
 from runner.accountants import SubsampledGaussian, SubsampledJL
 from runner.accountants.published import delta_note
@@ -99,7 +99,7 @@ def epsilon_row(n: int, batch_size: int, sigma: float, epochs: float, delta: flo
     eps = acc.epsilon(delta)
     text = shown_epsilon(eps)  # rounded up: never below the certified value
     if math.isinf(eps) and hasattr(acc, "epsilon_lower_bound"):
-        text = f"inf (> {acc.epsilon_lower_bound(delta):.3g})"
+        text = f"inf (> {shown_lower_bound(acc.epsilon_lower_bound(delta), 3)})"
     elif getattr(acc, "approximate", False):
         text += " (approximate)"
     return eps, time.perf_counter() - start, text

@@ -35,7 +35,7 @@ from typing import Any
 
 import pandas as pd
 
-from runner.epsilon_shown import shown_epsilon
+from runner.epsilon_shown import shown_epsilon, shown_lower_bound, shown_value
 from runner.audit.columns import audit_columns, audited_text
 from runner.entry import OneLineParser, run_entry
 from runner.errors import DprunError
@@ -404,15 +404,13 @@ def render(view: pd.DataFrame, wide: bool) -> str:
 
 
 def epsilons_shown(table: pd.DataFrame, digits: int, skip: tuple = ()) -> pd.DataFrame:
-    """The epsilon columns as text rounded up to `digits` (shown_epsilon), epsilon_lower_bound to nearest (a lower
-    bound rounded up would overstate it); the columns in `skip` as they are."""
+    """The epsilon columns as text to `digits` (shown_value: rounded up, epsilon_lower_bound down); the columns in
+    `skip` as they are."""
     table = table.copy()
     for col in [c for c in table.columns if c.startswith("epsilon") and c != "epsilon_certified" and c not in skip]:
         numbers = pd.to_numeric(table[col], errors="coerce")
-        if col == "epsilon_lower_bound":
-            table[col] = numbers.map(lambda v: "" if pd.isna(v) else f"{v:.{digits}g}")
-        elif numbers.notna().any():
-            table[col] = numbers.map(lambda v: "" if pd.isna(v) else shown_epsilon(float(v), digits))
+        if numbers.notna().any():
+            table[col] = numbers.map(lambda v, c=col: "" if pd.isna(v) else shown_value(c, float(v), digits))
     return table
 
 
@@ -421,7 +419,7 @@ def epsilon_text(eps: float, lower_bound: float) -> str:
     if pd.isna(eps):
         return ""
     if math.isinf(eps) and not pd.isna(lower_bound) and math.isfinite(lower_bound):  # sigma=0: the bound is inf too
-        return f"inf (> {lower_bound:.3g})"
+        return f"inf (> {shown_lower_bound(lower_bound, 3)})"
     return shown_epsilon(eps, 3)  # rounded up: never below the certified value
 
 
@@ -480,7 +478,7 @@ def report(argv: list[str] | None = None) -> int:
         bound = bound[bound < math.inf]
         print(f"dprun-report: {infinite['run_dir'].nunique()} runs have epsilon=inf: no finite guarantee at their "
               "delta (sigma=0, or JL with small r: the heavy tail of Z_r)" + (f"; certified lower bounds up to "
-              f"{bound.max():.3g} in column epsilon_lower_bound" if len(bound) else "") + ". See docs/privacy.md")
+              f"{shown_lower_bound(float(bound.max()), 3)} in column epsilon_lower_bound" if len(bound) else "") + ". See docs/privacy.md")
     missed = table[table["target_epsilon_met"] == False] if "target_epsilon_met" in table else []  # noqa: E712
     if len(missed):
         print(f"dprun-report: {missed['run_dir'].nunique()} runs missed their target_epsilon (sigma calibrated with "

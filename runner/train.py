@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from runner.epsilon_shown import shown_epsilon
+from runner.epsilon_shown import shown_value
 from runner.norms import tensor_cores
 from runner import checkpoint, distributed, methods, models, randomness, run_lock
 from runner.methods import privacy_check
@@ -478,7 +478,7 @@ def record_epoch(run: Run, row: dict[str, Any], eps: dict[str, Any]) -> None:
     done = [r["epoch_time_s"] for r in run.rows if r["epoch"] > run.start_epoch]
     eta = format_eta(statistics.mean(done) * (int(cfg.epochs) - row["epoch"]))
     no_epsilon = "epsilon=none (accountant=none)" if method.private else "epsilon=none (non-private)"
-    eps_text = " ".join(f"{k}={shown_epsilon(v)}" if isinstance(v, float) else f"{k}={v or 'none'}"  # '': not certified
+    eps_text = " ".join(f"{k}={shown_value(k, v)}" if isinstance(v, float) else f"{k}={v or 'none'}"  # '': not certified
                         for k, v in eps.items())
     log.info("epoch %d/%s: train_loss=%.4f test_acc=%.4f epoch_time=%.2fs %s eta=%s", row["epoch"], cfg.epochs,
              row["train_loss"], row["test_acc"], row["epoch_time_s"], eps_text or no_epsilon, eta,

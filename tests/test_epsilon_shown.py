@@ -48,3 +48,17 @@ def test_the_clis_last_lines_round_up(tmp_path, capsys, table):
     print_result(summary, tmp_path, table=table)
     out = capsys.readouterr().out
     assert "1.209" in out and "1.208" not in out, out
+
+
+def test_a_lower_bound_is_shown_rounded_down():
+    """Review 22: the epoch line and the CLI's table rounded epsilon_lower_bound up (1.0584e8 as 1.059e+08) and the
+    jl note to nearest (> 1.06e+08): a lower bound shown must not exceed itself."""
+    from runner.epsilon_shown import shown_lower_bound, shown_value
+
+    assert shown_lower_bound(1.0584e8, 3) == "1.05e+08" and shown_lower_bound(2.0, 3) == "2"
+    assert shown_value("epsilon_lower_bound", 1.0584e8) == "1.058e+08"
+    assert shown_value("epsilon", 1.0584e8) == "1.059e+08"
+    assert epsilon_text(math.inf, 1.0584e8) == "inf (> 1.05e+08)"
+    rng = np.random.default_rng(1)
+    for v in map(float, 10.0 ** rng.uniform(-3, 12, 5000)):
+        assert Decimal(shown_lower_bound(v, 3)) <= Decimal(repr(v)), v

@@ -12,8 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 FLOORS = [
-    # 0: the package, the one error type and the registry every family uses
-    ["runner", "runner.errors", "runner.registry"],
+    # 0: the package, the one error type, the registry every family uses, and how an epsilon is printed (rounded up)
+    ["runner", "runner.errors", "runner.registry", "runner.epsilon_shown"],
     # 1: the pieces of a step, independent of each other: data, models, norm rules, accountants (and the mechanisms
     #    methods describe their steps with), optimizers, timers and writers, progress lines, signal handling, the
     #    precision policy and float32 math flags, the ranks of a distributed run, test-set evaluation, the C heap's settings, a model's

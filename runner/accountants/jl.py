@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from scipy import optimize
 
-from runner.epsilon_shown import shown_epsilon
+from runner.epsilon_shown import shown_epsilon, shown_lower_bound
 from runner.accountants import jl_pld
 from runner.accountants.base import ACCOUNTANTS, Accountant
 from runner.accountants.mechanisms import SubsampledJL
@@ -138,7 +138,7 @@ class JLAccountant(Accountant):
             return super().why_infinite(delta)  # sigma = 0: no r helps
         rs = sorted({r for _, _, r, _ in self._runs()})
         text = (f"epsilon is inf: accountant=jl certifies no finite epsilon at delta={delta:g} for r={'/'.join(map(str, rs))} "
-                f"(the analysis' epsilon is > {self.epsilon_lower_bound(delta):.3g}): the JL norm estimate's heavy tail "
+                f"(the analysis' epsilon is > {shown_lower_bound(self.epsilon_lower_bound(delta), 3)}): the JL norm estimate's heavy tail "
                 f"(P(Z_r > a) ~ a^-r) leaves more than delta of probability to an unbounded privacy loss")
         r = self.smallest_finite_r(delta)
         if r is None:

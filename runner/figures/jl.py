@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from runner.epsilon_shown import shown_epsilon
 from runner.figures.spec import FIGURES, Figure, newest_per, seconds_per_epoch, threshold
 from runner.figures.style import (INF_EDGE, data_name, finish, jl_label, method_legend, method_style, model_name,
                                   panels, plain_log_axis, table_figure, values)
@@ -550,12 +551,16 @@ def draw_fig7(data, caption, scale):
     ax.plot(curve["alpha"], curve["f"], color=method_style(f"JL({r})")["color"], lw=2, label=f"f (JL({r}))")
     ax.plot([0, 1], [1, 0], color="0.6", ls=":", lw=1, label="no privacy lost (f = 1 - alpha)")
     eps, dl = dual["epsilon"].to_numpy(float), dual["delta"].to_numpy(float)
-    tangents = [float(np.interp(-np.log(t), -np.log(dl), eps)) for t in FIG7_TANGENT_DELTAS if dl.min() < t < dl.max()]
-    for i, e in enumerate(tangents):
+    crossings = [t for t in FIG7_TANGENT_DELTAS if dl.min() < t < dl.max()]
+    for i, t in enumerate(crossings):
+        e = float(np.interp(-np.log(t), -np.log(dl), eps))  # where delta(epsilon) crosses t
         d = float(np.interp(e, eps, dl))
         xs = np.linspace(0, 1, 50)
+        # the pair named: epsilon rounded up, so delta there is at most t (rounded to nearest, (0.69, 0.1) named a
+        # point whose delta is 0.10063: review 22)
+        se = shown_epsilon(e, 2)
         ax.plot(xs, 1 - d - np.exp(e) * xs, color=f"C{i + 1}", lw=0.9, ls="--",
-                label=f"tangent: slope $-e^{{{e:.2g}}}$, intercept 1-{d:.2g}: ($\\epsilon$={e:.2g}, $\\delta$={d:.2g})")
+                label=f"tangent: slope $-e^{{{e:.2g}}}$, intercept 1-{d:.2g}: ($\\epsilon$={se}, $\\delta$={t:g})")
         dax.scatter([e], [d], color=f"C{i + 1}", zorder=3, s=30)
     ax.set(xlim=(0, 1), ylim=(0, 1.02), xlabel=r"type I error $\alpha$", ylabel=r"type II error $f(\alpha)$",
            title="trade-off curve and tangents", aspect="equal")
