@@ -1572,12 +1572,20 @@ def test_jl_releases_only_what_its_projections_saw(r):
     parameters' gradient, including a path around functional_call that the first step's probes never took (above
     their row count, after some forwards, under vmap): 14.6-47 C (review 22). The backward now runs on the
     substituted leaves: each example's released contribution, projected on the step's directions, stays within C."""
+    for estimate in jl_projected_contributions(HiddenAboveEightRows(), r, "forward", range(6)):
+        assert estimate <= 1.0 + 1e-3
+
+
+def jl_projected_contributions(model, r, jvp, rows, x=None, y=None, clip=1.0):
+    """Leave-one-out: each of `rows`' released contribution (the release with it, less the release without it) under
+    jl on a batch of 24 (sigma 0, fixed directions), projected on those directions: sqrt(mean_j <contribution, v_j>^2)
+    / C, which jl's factors hold at <= 1 when its estimates are of the released gradient."""
     from runner.methods.jl import draw_directions, trainable_params
 
-    method = METHODS.build("jl", cfg={"r": r, "jvp": "forward"}, clip=1.0, sigma=0.0)
+    method = METHODS.build("jl", cfg={"r": r, "jvp": jvp}, clip=clip, sigma=0.0)
     method.privacy_check = False
-    model = method.attach(HiddenAboveEightRows())
-    x, y = features(B=24, seed=3)
+    model = method.attach(model)
+    x, y = features(B=24, seed=3) if x is None else (x, y)
     params = trainable_params(model)
     method._directions = draw_directions(params, r, generator=torch.Generator().manual_seed(0))
     V = torch.cat([method._directions[n].reshape(r, -1) for n in params], 1).double()  # (r, d)
@@ -1588,7 +1596,37 @@ def test_jl_releases_only_what_its_projections_saw(r):
         method.privatize(model, loss_fn, x[keep], y[keep])
         return torch.cat([p.grad.reshape(-1) for p in params.values()]).double()
 
-    everyone = release(torch.arange(24))
-    for i in range(6):
-        contribution = everyone - release(torch.cat([torch.arange(i), torch.arange(i + 1, 24)]))
-        assert float((V @ contribution).pow(2).mean().sqrt()) <= 1.0 + 1e-3, i
+    everyone = release(torch.arange(len(y)))
+    return [float((V @ (everyone - release(torch.arange(len(y)) != i))).pow(2).mean().sqrt()) / clip for i in rows]
+
+
+class SlotWrites(nn.Module):
+    """Review 23: features written to slots by `z[rows, slots] = h`; on flagged records every feature to slot 0, so the
+    indices repeat, where forward mode's tangent (the one write that lands) is not the backward's (every duplicate)."""
+
+    def __init__(self, d=4, k=8):
+        super().__init__()
+        self.lin, self.head = nn.Linear(d, k), nn.Linear(k, 3)
+
+    def forward(self, x):
+        h = self.lin(x)  # (B, k)
+        slots = torch.arange(h.shape[1]).expand_as(h).clone()
+        slots[x[:, 1] > 1.5] = 0  # flagged rows: every feature written to slot 0
+        rows = torch.arange(len(x)).unsqueeze(1).expand_as(h)
+        z = torch.zeros_like(h)
+        z[rows, slots] = h
+        return self.head(z)
+
+
+def test_jl_forward_mode_refuses_an_overwrite_and_auto_falls_back_to_double_vjp():
+    """Released 11-58 C under jvp=forward and auto (review 23); now forward mode refuses, in one line, a step whose
+    graph overwrites at indices (IndexPut, Scatter, IndexCopy, Put, ScatterReduce, IndexReduce), and auto switches to
+    double_vjp, whose projections come from the backward itself."""
+    x, y = features(B=24, seed=3)
+    x[3, 1] = x[9, 1] = 2.0  # two flagged records
+    with pytest.raises(DprunError, match=r"^method=jl with method.jvp=forward cannot differentiate this model "
+                                         r"\(IndexPut writes at indices that may repeat") as e:
+        jl_projected_contributions(SlotWrites(), 4, "forward", [3], x, y, clip=0.01)
+    assert "\n" not in str(e.value)
+    for r in (1, 4):
+        assert max(jl_projected_contributions(SlotWrites(), r, "auto", [3, 9, 0], x, y, clip=0.01)) <= 1.0 + 1e-3

@@ -106,6 +106,7 @@ def _forward_projections(model, loss_fn, x, y, directions: Directions, chunk: in
     slices = _chunks(r, chunk)
     before = rng_state(x.device)  # replayed for every chunk after the first: the same dropout masks
     losses, outputs, tangents = _project(model, loss_fn, x, y, named, _rows(directions, slices[0]))
+    check_overwrites(losses)
     rows = [tangents.detach()]  # each (k, B)
     if len(slices) > 1:
         after = rng_state(x.device)
@@ -117,6 +118,35 @@ def _forward_projections(model, loss_fn, x, y, directions: Directions, chunk: in
         set_rng_state(after, x.device)
     P = torch.cat(rows).T  # (B, r)
     return losses.detach(), outputs.detach(), P, _backward_on(losses, named)
+
+
+# torch operators that overwrite at indices that may repeat: their forward-mode tangent follows the one write that
+# lands, their backward gives the output-gradient to every duplicate (an example of 6 values: -0.236 against -1.743),
+# so forward mode's projections are not those of the gradient released (review 23: a slot layout writing all 256
+# features to one slot on rare records released 11-58 C). Seen in the step's graph, forward mode refuses (auto: switches
+# to double_vjp, whose projections come from the backward itself). index_put / put with accumulate=True add: exact.
+OVERWRITES = ("IndexPutBackward0", "PutBackward0", "ScatterBackward0", "IndexCopyBackward0", "ScatterReduceBackward0",
+              "IndexReduceBackward0")
+
+
+class ForwardModeMismatch(NotImplementedError):
+    """The step's graph holds an operator whose forward-mode derivative is not its backward's (OVERWRITES)."""
+
+
+def check_overwrites(losses: torch.Tensor) -> None:
+    """Raise ForwardModeMismatch if the graph that produced `losses` runs an OVERWRITES operator (a walk of its
+    nodes, every step: a model may take that path only on some data)."""
+    seen, stack = set(), [losses.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if name in OVERWRITES and not getattr(node, "_saved_accumulate", False):
+            raise ForwardModeMismatch(f"{name.removesuffix('Backward0')} writes at indices that may repeat, where "
+                                      f"forward mode's derivative is not the backward's")
+        stack.extend(n for n, _ in node.next_functions)
 
 
 def _rows(directions: Directions, s: slice) -> Directions:
