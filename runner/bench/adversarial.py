@@ -42,6 +42,29 @@ class Cancelling(nn.Module):
         return ((h @ self.readout) * self.signs).sum(1, keepdim=True)  # (B, 1)
 
 
+class FieldReadout(nn.Module):
+    """layer -> a fixed random read-out of every output value, centred over each channel's positions (buffer
+    `readout`, as Cancelling's: UNDERFLOW scales it) -> one number per example (B, 1); the layer's trainable norm weights drawn at random and its bias
+    frozen (review 25's GroupNorm: the output-gradient then has no part the weight's gradient cancels exactly)."""
+
+    def __init__(self, layer: nn.Module, probe: torch.Tensor, seed: int = 0):
+        super().__init__()
+        self.layer = layer
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            shape = layer(probe).shape[1:]  # (C, *spatial)
+            for m in layer.modules():
+                if isinstance(m, (nn.GroupNorm, nn.LayerNorm)) and m.weight is not None:
+                    m.weight.copy_(torch.randn(m.weight.shape, generator=g))
+                    if m.bias is not None:
+                        m.bias.requires_grad_(False)
+        field = torch.randn(shape, generator=g).flatten(1)  # (C, positions)
+        self.register_buffer("readout", (field - field.mean(1, keepdim=True)).reshape(-1))
+
+    def forward(self, x):
+        return (self.layer(x).flatten(1) @ self.readout).unsqueeze(1)  # (B, 1)
+
+
 def seq(t):  # (B, T, F) already
     return t
 
@@ -61,6 +84,14 @@ def near_constant(shape, eps, g):
     else:  # (C, *spatial): one value per channel
         a0 = torch.randn(1, shape[0], *([1] * (len(shape) - 1)), generator=g)
     return a0 + eps * torch.randn(1, *shape, generator=g)
+
+
+def large_mean(shape, g, rel: float = 6e-8, mean: float = 1e4):
+    """mean (1 + rel * noise), (1, *shape): near-constant at a large mean, its spread near float32's rounding step
+    there. A norm layer's backward cancels on it (torch's CPU GroupNorm forms dgamma = (sum g x - mean sum g) rstd),
+    and the input-gradient of a GroupNorm sums to rounding noise, which a conv below multiplies by the pixel value:
+    twopass and recompute released 17.6 C and 2.7 C through a second backward of sum_i nu_i loss_i (review 25)."""
+    return mean * (1 + rel * torch.randn(1, *shape, generator=g))
 
 
 def tokens(T, vocab, g):
@@ -105,6 +136,9 @@ CONSTRUCTIONS = {
     nn.LayerNorm: [
         ("layernorm512_T64", lambda s: Cancelling(nn.LayerNorm(512), torch.zeros(1, 64, 512), seq, s),
          lambda g, eps: near_constant((64, 512), eps, g)),
+        ("layernorm4096_T4_large_mean", lambda s: FieldReadout(nn.LayerNorm(4096, eps=1e-12), torch.zeros(1, 4, 4096),
+                                                               s),
+         lambda g, eps: large_mean((4, 4096), g)),
     ],
     nn.RMSNorm: [
         ("rmsnorm512_T64", lambda s: Cancelling(nn.RMSNorm(512), torch.zeros(1, 64, 512), seq, s),
@@ -113,6 +147,12 @@ CONSTRUCTIONS = {
     nn.GroupNorm: [
         ("groupnorm64_16x16", lambda s: Cancelling(nn.GroupNorm(8, 64), torch.zeros(1, 64, 16, 16), channels_last, s),
          lambda g, eps: near_constant((64, 16, 16), eps, g)),
+        ("groupnorm8_64x64_large_mean", lambda s: FieldReadout(nn.GroupNorm(8, 8, eps=1e-12),
+                                                               torch.zeros(1, 8, 64, 64), s),
+         lambda g, eps: large_mean((8, 64, 64), g)),
+        ("conv_groupnorm_large_mean_image", lambda s: FieldReadout(
+            nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(8, 8), nn.Tanh()), torch.zeros(1, 3, 32, 32), s),
+         lambda g, eps: large_mean((3, 32, 32), g, rel=1e-7)),
     ],
 }
 

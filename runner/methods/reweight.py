@@ -6,13 +6,16 @@ sum_i loss_i gives the output-gradients, which are per example because the loss 
 
     method.mode=bk        (default) book-keeping (Bu et al. 2023): each layer's clipped sum sum_i nu_i grad_i
                           is formed directly from the stored inputs and output-gradients; no second backward
-    method.mode=twopass   the paper: a second backward, of sum_i nu_i loss_i (the graph is kept for it); the norms
-                          are formed in the first backward layer by layer (runner/norms/streaming.py), so the
-                          step needs about the non-private step's memory (book-keeping keeps every layer's
-                          output-gradient: ~2x on ResNets)
+    method.mode=twopass   the paper's two backwards: the norms are formed in the first, layer by layer
+                          (runner/norms/streaming.py), then the same backward runs again through the kept graph
+                          and each layer's clipped sum is formed from its output-gradients as they arrive, with
+                          the first pass's clip factors (runner/norms/released.py: not the paper's backward of
+                          sum_i nu_i loss_i, which rounds differently and released 17.6 C through a GroupNorm,
+                          review 25); one layer's records at a time, about the non-private step's memory
+                          (book-keeping keeps every layer's output-gradient: ~2x on ResNets)
     method.mode=recompute twopass without keeping the graph: the first backward frees each activation as it goes
                           (as a non-private backward does), then the forward runs again, with torch's random state
-                          replayed (the same dropout masks), for the re-weighted backward. One more forward per
+                          replayed (the same dropout masks), for the backward that forms the clipped sums. One more forward per
                           step buys the non-private step's memory on small CNNs too, where keeping the graph costs
                           the early frees of the backward (twopass 1.4x on bu_cnn)
     method.norm=auto|direct|ghost   per layer, for sequence and conv inputs: the cheaper of materialising the
@@ -27,6 +30,7 @@ import torch
 
 from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized
+from runner.methods.dropped import read
 from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.features import Feature
 from runner.norms import Recorder, plan_model
@@ -34,6 +38,7 @@ from runner.norms.lean import LeanRecorder
 from runner.norms.hooks import install_call_hooks
 from runner.norms.keep_budget import KeepBudget, keep_budget
 from runner.norms.outer import KEEP, Stash
+from runner.norms.released import ReleasedSums
 from runner.norms.streaming import StreamingNorms, summed_terms
 from runner.norms.base import HOW
 from runner.norms import certify
@@ -63,11 +68,6 @@ def keep_ratio(value) -> float:
         raise DprunError(f"method.keep={value!r} is not valid: a number >= 0 (0: keep no per-example gradient, "
                          f"{KEEP}: the default, larger: trade memory for time)")
     return ratio
-
-
-def weighted_loss(nu: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
-    """sum_i nu_i loss_i, with a record whose clip factor is 0 (non-finite norm) left out rather than 0 * nan."""
-    return torch.where(nu > 0, nu * losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
 
 
 @METHODS.register("reweight")
@@ -109,14 +109,15 @@ class ReweightGP(Method):
 
     def exact_under_tf32(self) -> bool:
         """bk: the records carry TF32's rounding, but the norms and the clipped sums are formed from them in float32
-        (exact_float32). twopass/recompute: the second backward's TF32 products would differ from the first's."""
+        (exact_float32). twopass/recompute: their second pass must give the first pass's output-gradients bit for bit
+        (runner/norms/released.py), which cuDNN's choice of TF32 algorithms does not promise (not measured)."""
         return self.mode == "bk"
 
     def unsupported(self, feature: Feature) -> str | None:
         if feature is Feature.BF16 and self.mode != "bk":
-            return (f"method.mode={self.mode}'s second backward rounds differently from the pass that measured the "
-                    f"norms, so an example's contribution could exceed C; use method.mode=bk (it sums the very "
-                    f"tensors whose norms it took)")
+            return (f"method.mode={self.mode} forms its norms from the bf16 records as they are, without "
+                    f"book-keeping's float32 upcasts shared by the norm and the sum (not built for this mode); use "
+                    f"method.mode=bk (it sums the very tensors whose norms it took)")
         return None
 
     def plan(self, model, params: list | None = None):
@@ -135,14 +136,15 @@ class ReweightGP(Method):
         if self.mode == "recompute":
             outputs, losses, norms = self.recomputed(plan, params, model, loss_fn, x, y)
         elif self.mode == "twopass":
-            # the second backward runs through the kept graph: a record that is not finite (nu = 0) would put
-            # 0 * inf there, so Method.clipped_sum forms the chunk again without it (backward_holds_records)
-            with StreamingNorms(plan, self.how) as streaming:
+            # the second pass runs through the kept graph: a record that is not finite (nu = 0) has its rows masked
+            # in the sums, and Method.clipped_sum forms the chunk again without it (backward_holds_records)
+            with StreamingNorms(plan, self.how, remember="calls") as streaming:
                 outputs = model(x)  # (B, classes)
                 losses = loss_fn(outputs, y)  # (B,)
             norms = certified_norms(streaming.backward(losses.sum(), len(y)), streaming.layers)  # (B,); graph kept
             nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
-            self.second_backward(params, weighted_loss(nu, losses))
+            release = ReleasedSums.through_graph(streaming, nu)
+            self.assign(params, release.run(losses.sum(), len(y), graph_kept=True), release)
         else:
             outputs, losses, norms = self.book_kept(plan, params, model, loss_fn, x, y)
         if not plan.matches(model):
@@ -203,7 +205,7 @@ class ReweightGP(Method):
         state = rng_state(x.device)
         for ask_all in (False, True):
             set_rng_state(state, x.device)
-            with StreamingNorms(plan, self.how) as streaming:
+            with StreamingNorms(plan, self.how, remember="prints") as streaming:
                 losses = loss_fn(model(x), y)  # (B,)
             if ask_all:
                 norms_sq = streaming.backward_all(losses.sum(), len(y))
@@ -215,19 +217,27 @@ class ReweightGP(Method):
         norms = certified_norms(norms_sq, streaming.layers)  # (B,)
         nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
         set_rng_state(state, x.device)  # the second forward draws the dropout masks the norms were formed with
-        # a record with nu = 0 adds 0 x its finite gradient; a non-finite one turns the sum into nan, and the chunk is
-        # formed again without it (backward_holds_records, runner/methods/dropped.py)
-        outputs = model(x)  # (B, classes)
-        losses = loss_fn(outputs, y)  # (B,)
-        self.second_backward(params, weighted_loss(nu, losses))
+        # the same forward and backward again, each layer's clipped sum formed from the output-gradients as they
+        # arrive (runner/norms/released.py); a record with nu = 0 has its rows masked there, and the chunk is formed
+        # again without it (backward_holds_records, runner/methods/dropped.py)
+        with ReleasedSums(plan, nu, streaming) as release:
+            outputs = model(x)  # (B, classes)
+            losses = loss_fn(outputs, y)  # (B,)
+        self.assign(params, release.run(losses.sum(), len(y), graph_kept=False, ask_all=ask_all), release)
         return outputs, losses, norms
 
     @staticmethod
-    def second_backward(params, objective):
-        """The paper's second pass: p.grad = d(sum_i nu_i loss_i)/dp = sum_i nu_i grad_i."""
-        grads = torch.autograd.grad(objective, params, allow_unused=True) if params else []
-        for p, g in zip(params, grads):
-            p.grad = torch.zeros_like(p) if g is None else g
+    def assign(params, sums: dict, release: ReleasedSums | None = None) -> None:
+        """p.grad = each parameter's clipped sum (zero for a covered module not called); from ReleasedSums
+        (`release`): refused in one line unless its output-gradients were the first pass's (one read)."""
+        if release is not None and not read(release.agrees()):
+            raise release.refusal()
+        for p in params:
+            p.grad = sums.pop(id(p), None)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if sums:
+            raise RuntimeError("reweight: a rule returned a gradient for a parameter that is not trainable")
 
     @staticmethod
     @torch.no_grad()
@@ -257,12 +267,7 @@ class ReweightGP(Method):
         stashes.clear()
         for _, module, _ in rec.plan.layers:
             rec.release(module)
-        for p in params:  # a covered module that was not called this step contributes zero
-            p.grad = sums.pop(id(p), None)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if sums:
-            raise RuntimeError("reweight: a rule returned a gradient for a parameter that is not trainable")
+        ReweightGP.assign(params, sums)  # a covered module that was not called this step contributes zero
 
     @staticmethod
     def clipped_sums(rec, stashes, nu, keep, all_kept: bool) -> dict:

@@ -193,30 +193,40 @@ def weight_grad(layer: nn.Module, inp: torch.Tensor, grad_out: torch.Tensor) -> 
     return gw
 
 
+def weighted_weight_grad(layer: nn.Module, inp: torch.Tensor, grad: torch.Tensor, nu: torch.Tensor,
+                         keep: torch.Tensor) -> torch.Tensor:
+    """sum_i nu_i (the weight gradient of example i) by the weight-gradient kernel, the smaller of the input
+    (B, C_in, *spatial) and the output-gradient (B, C_out, *spatial) weighted: one copy of that one (memory: the
+    copy of a first conv's output-gradient was the peak of recompute's clipped sums). Rows not kept are zeroed in
+    both (no 0 * inf)."""
+    shape = (-1,) + (1,) * (grad.dim() - 1)
+    if inp.numel() <= grad.numel():
+        return weight_grad(layer, finite_rows(inp * nu.view(shape), keep), finite_rows(grad, keep))
+    return weight_grad(layer, finite_rows(inp, keep), finite_rows(grad * nu.view(shape), keep))
+
+
 def _clipped_sums_calls(self, layer, calls, nu, stash=None):
     """Memory: clipped sums from the raw (input, output-gradient) calls, never the unfolded input: the weight's
-    from a kept per-example gradient when there is one, else by the conv weight-gradient kernel on the
-    nu-weighted output-gradient (the non-private backward's own kernel); the bias's from the per-example sums the
-    norm step kept, else from the weighted gradient. A record with nu = 0 (a non-finite norm) adds nothing: its rows
-    are zeroed first (no 0 * inf)."""
+    from a kept per-example gradient when there is one, else by the conv weight-gradient kernel with the nu weights
+    on the smaller of input and output-gradient (the non-private backward's own kernel); the bias's from the
+    per-example sums the norm step kept, else from the output-gradient's. A record with nu = 0 (a non-finite norm)
+    adds nothing: its rows are zeroed first (no 0 * inf)."""
     sums: dict[str, torch.Tensor] = {}
     B, G = nu.shape[0], layer.groups
     keep = kept(nu)
     stash = stash if stash is not None else {}
-    shape = (-1,) + (1,) * (calls[0][1].dim() - 1) if calls else None  # no calls: stash_only, the stash suffices
-    weighted = None
     if trains(layer.weight) and "weight" in stash:  # per-example (B*G, o_g, k_g) kept
         per_example = stash.pop("weight")
         per_example = finite_rows(per_example.view(B, G, *per_example.shape[1:]), keep)
         sums["weight"] = weight_order(layer, torch.einsum("b,bgok->gok", nu, per_example))
     elif trains(layer.weight):
-        weighted = [finite_rows(grad * nu.view(shape), keep) for _, grad in calls]  # each (B, C_out, *spatial)
-        sums["weight"] = added(weight_grad(layer, finite_rows(inp, keep), wg) for (inp, _), wg in zip(calls, weighted))
-    if trains(layer.bias) and "bias" in stash:
-        sums["bias"] = nu.unsqueeze(0).mm(finite_rows(stash.pop("bias"), keep)).squeeze(0)
-    elif trains(layer.bias):
-        weighted = weighted or [finite_rows(grad * nu.view(shape), keep) for _, grad in calls]
-        sums["bias"] = added(wg.sum([0, *range(2, wg.dim())]) for wg in weighted)
+        sums["weight"] = added(weighted_weight_grad(layer, inp, grad, nu, keep) for inp, grad in calls)
+    if trains(layer.bias):
+        # the per-example sums (B, C_out): book-keeping's kept ones, else each call's over its positions, added
+        per_example = stash.pop("bias", None)
+        if per_example is None:
+            per_example = added(grad.sum(list(range(2, grad.dim()))) for _, grad in calls)
+        sums["bias"] = nu.unsqueeze(0).mm(finite_rows(per_example, keep)).squeeze(0)
     return sums
 
 

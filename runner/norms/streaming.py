@@ -62,12 +62,23 @@ class Pending:
     shapes: list = field(default_factory=list)  # (shape, dtype, device) of each output, to zero-fill unused calls
     grads: list = field(default_factory=list)  # output-gradient per call, None until its hook fires
     waiting: int = 0  # calls whose output-gradient has not arrived
+    edges: list = field(default_factory=list)  # each call's output as a gradient edge (None: no gradient); remember
 
 
 class StreamingNorms(CallHooks):
-    def __init__(self, plan: Plan, how: str = "auto", capture_bytes: int = 0):
+    def __init__(self, plan: Plan, how: str = "auto", capture_bytes: int = 0, remember: str = ""):
         super().__init__(plan)
         self.how = how
+        # for the pass that forms the clipped sums from the same output-gradients (runner/norms/released.py):
+        # remember "prints" (recompute: its second forward records the calls again), a fingerprint of each module's
+        # output-gradients and the backward's targets; "calls" (twopass: through this graph), also each module's
+        # calls (inputs, output edges)
+        if remember not in ("", "prints", "calls"):
+            raise ValueError(f"StreamingNorms remember={remember!r}: '', prints or calls")
+        self.remember = remember
+        self.remembered: dict[int, Pending] = {}
+        self.prints: dict[int, torch.Tensor] = {}
+        self.targets: list[list] = []  # each autograd.grad call's targets, in order (remember)
         self.capture_bytes = capture_bytes  # modules called once, outputs up to this in all: no hook (CAPTURE_BYTES)
         # calls without a hook: (module key, call index, output's gradient edge, its bytes, (output, its version))
         self.captured: list = []
@@ -89,6 +100,8 @@ class StreamingNorms(CallHooks):
         p.versions.append(None if torch.compiler.is_compiling() else inp._version)
         p.shapes.append((out.shape, out.dtype, out.device))
         p.grads.append(None)
+        if self.remember == "calls":
+            p.edges.append(torch.autograd.graph.get_gradient_edge(out) if out.requires_grad else None)
         if not inp.requires_grad and out.requires_grad:
             self.sources.append(torch.autograd.graph.get_gradient_edge(out))
         if out.requires_grad:
@@ -156,6 +169,10 @@ class StreamingNorms(CallHooks):
                                  f"call, so its recorded input is wrong; use inplace=False before this layer")
         grads = [g if g is not None else torch.zeros(shape, dtype=dt, device=dev)  # an unused call: zero
                  for g, (shape, dt, dev) in zip(p.grads, p.shapes)]
+        if self.remember:
+            self.prints[key] = fingerprint(grads)
+        if self.remember == "calls":
+            self.remembered[key] = Pending(p.inputs, p.versions, p.shapes, [None] * len(p.grads), 0, p.edges)
         return path, module, rule, p.inputs, grads
 
     def _add(self, key: int) -> None:
@@ -199,6 +216,8 @@ class StreamingNorms(CallHooks):
             # no norm is ever silently left at zero (which would skip clipping). Layers done already ignore it.
             params = [p for m in waiting for p in m.parameters(recurse=False) if p.requires_grad]
             if params:
+                if self.remember:
+                    self.targets.append(params)
                 torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
         return self._finish(batch_size, loss)
 
@@ -216,6 +235,8 @@ class StreamingNorms(CallHooks):
         captured, self.captured = [(key, index, edge) for key, index, edge, _, _ in self.captured], []  # outputs freed
         if not targets and not captured:
             return
+        if self.remember:
+            self.targets.append(list(targets) + [edge for _, _, edge in captured])
         grads = list(torch.autograd.grad(loss, list(targets) + [edge for _, _, edge in captured],
                                          retain_graph=keep_graph, allow_unused=True))[len(targets):]
         # last call first, as the backward meets them (method.keep_mb's first step ranks layers in that order); each
@@ -237,6 +258,12 @@ class StreamingNorms(CallHooks):
         for key in list(self.pending):  # calls whose output never reached the loss: a zero gradient
             self._add(key)
         return summed_terms(self.terms, loss.new_zeros(batch_size).detach())
+
+
+def fingerprint(grads: list[torch.Tensor]) -> torch.Tensor:
+    """(2 x calls,) the sum and the sum of squares of each output-gradient, float32, compared bit for bit
+    (released.py): the pass that forms the clipped sums must see the very output-gradients whose norms were taken."""
+    return torch.stack([t for g in grads for t in (g.sum(), g.square().sum())]).float()
 
 
 def summed_terms(terms: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:

@@ -341,29 +341,27 @@ def gradient_hooks(model) -> list[str]:
 
 
 def check_no_user_function(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Methods that release the backward of sum_i nu_i loss_i (reweight twopass and recompute, jl) release sum_i nu_i
-    grad_i only where every backward is linear in its incoming gradient, which torch's operators are and a user's
-    autograd.Function, tensor hook or module backward hook need not be. A Function lifting output-gradients only in a
-    band of norms between the factors the oracle comparison tries (measured.py SMALL_FACTORS) released 66-74 C
-    (twopass, recompute) and 65-72 C (jl) (review 16), and the same lift as a tensor hook, a module backward hook or a
-    Function claiming to be torch's, 65-66 C (review 17); no finite set of factors closes that, so such a model is
-    refused. Book-keeping sums the recorded output-gradients of the unweighted loss (factor 1 everywhere a hook runs)
-    and stays exact. A hook registered on a graph node (grad_fn.register_hook) is not seen."""
-    if not (method.name == "jl" or getattr(method, "mode", None) in ("twopass", "recompute")):
+    """A method that releases the backward of sum_i nu_i loss_i (jl) releases sum_i nu_i grad_i only where every
+    backward is linear in its incoming gradient, which torch's operators are and a user's autograd.Function, tensor
+    hook or module backward hook need not be. A Function lifting output-gradients only in a band of norms between the
+    factors the oracle comparison tries (measured.py SMALL_FACTORS) released 66-74 C (reweight twopass and recompute,
+    which released such a backward until review 25) and 65-72 C (jl) (review 16), and the same lift as a tensor hook,
+    a module backward hook or a Function claiming to be torch's, 65-66 C (review 17); no finite set of factors closes
+    that, so such a model is refused. reweight, in every mode, sums the recorded output-gradients of the unweighted
+    loss (factor 1 everywhere a hook runs) and stays exact. A hook registered on a graph node
+    (grad_fn.register_hook) is not seen."""
+    if method.name != "jl":
         return
     names = gradient_hooks(model)
     with torch.enable_grad(), method.autocast(x), tensor_hooks_seen(names):
         losses = loss_fn(model(x), y)
     names += user_functions(losses) if torch.is_tensor(losses) and losses.grad_fn is not None else []
     if names:
-        mode = f" method.mode={method.mode}" if method.name == "reweight" else ""
-        alternative = "method=reweight method.mode=bk (it sums the recorded gradients of the unweighted loss), or " \
-            if method.name == "reweight" else ""
-        raise DprunError(f"method={method.name}{mode} releases the backward of sum_i nu_i loss_i, which is sum_i nu_i "
+        raise DprunError(f"method={method.name} releases the backward of sum_i nu_i loss_i, which is sum_i nu_i "
                          f"grad_i only where every backward is linear in its incoming gradient, and the model's "
                          f"backward runs code of its own that need not be ({', '.join(dict.fromkeys(names))}: a custom "
-                         f"torch.autograd.Function or a gradient hook); use {alternative}method=nxbp or multiloss "
-                         f"(each example alone)")
+                         f"torch.autograd.Function or a gradient hook); use method=reweight (it sums the recorded "
+                         f"gradients of the unweighted loss), or method=nxbp or multiloss (each example alone)")
 
 
 def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -116,9 +116,10 @@ def check_against_oracle(method, model: nn.Module, loss_fn, x: torch.Tensor, y: 
     check_release(method, params, names, out.norms.detach(), rows, kept, got, want, rtol)
     if method.name != "reweight" or not bool((kept & (got > 0)).any()):
         return
-    # the release is the backward of sum_i nu_i loss_i (twopass, recompute): linear in nu only where the model's
-    # backward is. A custom autograd.Function that lifts a small output-gradient (review 14: 15.5 C) agrees with the
-    # oracle at the probe's factors of 1, so the release is compared again with every factor small and distinct
+    # a second line: a release linear in nu (reweight sums recorded output-gradients of the unweighted loss in every
+    # mode; twopass and recompute released the backward of sum_i nu_i loss_i until review 25, where a custom
+    # autograd.Function lifting a small output-gradient released 15.5 C, review 14) agrees with the oracle at every
+    # factor, so the release is compared again with every factor small and distinct
     smallest = float(got[kept & (got > 0)].min())
     clip = method._clip  # set underneath the property: its range check is for what is released, and nothing here is
     try:

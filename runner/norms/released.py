@@ -1,0 +1,131 @@
+"""The clipped sums of twopass and recompute: formed from the output-gradients whose norms were taken.
+
+twopass and recompute measure each example's norm in a first backward that keeps one layer's output-gradient at a
+time (streaming.py). They used to release a second backward of sum_i nu_i loss_i. That backward is another
+computation: its output-gradients round differently from the first's, and where a layer's backward cancels, the
+difference is far above the rounding the norm's certificate covers. Review 25 measured 17.6 C from one example
+through a GroupNorm (torch's CPU kernel forms dgamma = (sum g x - mean sum g) rstd, which cancels at a large mean)
+and 2.7 C through the conv below one (a constant image: the GroupNorm's input-gradient sums to rounding noise, which
+the conv's weight gradient multiplies by the pixel value).
+
+So the second pass repeats the FIRST backward, unweighted (sum_i loss_i, the same targets, the same graph or the same
+forward replayed), and each layer's clipped sum is formed from the output-gradients it delivers, with the first
+pass's clip factors, by the rule's own clipped_sums: book-keeping's sums, one layer at a time. On a deterministic
+backend they are bit for bit the first pass's output-gradients; each layer's are checked against the first pass's
+fingerprint (their sum and sum of squares) and a difference refuses the step in one line. The certificate is then
+the one book-keeping has: for the exact per-example gradient of the tensors the sum is formed from.
+
+    with StreamingNorms(plan, how, remember=True) as first:      # twopass: the graph kept
+        losses = loss_fn(model(x), y)
+    nu = clip_factors(certified_norms(first.backward(losses.sum(), B), first.layers))
+    sums = ReleasedSums.through_graph(first, nu).run(losses.sum(), B)   # {id(parameter): clipped sum}
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from runner.errors import DprunError
+from runner.norms.certify import exact_float32
+from runner.norms.streaming import Pending, StreamingNorms, fingerprint
+
+
+class ReleasedSums(StreamingNorms):
+    """A second pass through the first's output-gradients: each module's clipped sum as its calls' gradients arrive
+    (the records freed at once, as the first pass's norms freed them)."""
+
+    def __init__(self, plan, nu: torch.Tensor, first: StreamingNorms):
+        super().__init__(plan)
+        self.nu = nu  # (B,) the first pass's clip factors
+        self.first = first  # its fingerprints and backward targets
+        self.sums: dict[int, torch.Tensor] = {}  # id(parameter) -> its clipped sum
+        self.node_hooks: list = []
+        self.edge_calls: dict[tuple, tuple] = {}  # (id(node), output_nr) -> (module key, call index)
+        self.agreed: list[tuple[str, torch.Tensor]] = []  # (module path, 0-dim bool: its fingerprints agree)
+
+    @classmethod
+    def through_graph(cls, first: StreamingNorms, nu: torch.Tensor) -> "ReleasedSums":
+        """twopass: the first pass's graph is kept; its calls' records are taken over and each call's output is
+        reached by a hook on the graph node that made it (the output tensor itself was not kept)."""
+        self = cls(first.plan, nu, first)
+        for key, p in first.remembered.items():
+            self.pending[key] = Pending(p.inputs, p.versions, p.shapes, [None] * len(p.shapes), 0, p.edges)
+            for index, edge in enumerate(p.edges):
+                if edge is not None:
+                    self.pending[key].waiting += 1
+                    self.edge_calls[(id(edge.node), edge.output_nr)] = (key, index)
+                    self.node_hooks.append(edge.node.register_prehook(
+                        partial(self._on_node, key, index, edge.output_nr)))
+        first.remembered = {}
+        return self
+
+    def _on_node(self, key: int, index: int, output_nr: int, grad_outputs):
+        # the gradient of the node's output `output_nr`: the layer's own output, before any in-place change after it
+        # (a tensor hook's semantics); None where that output got no gradient (zeros, as the first pass had)
+        p = self.pending.get(key)
+        if p is not None and p.grads[index] is None:
+            grad = grad_outputs[output_nr]
+            if grad is None:
+                shape, dtype, device = p.shapes[index]
+                grad = torch.zeros(shape, dtype=dtype, device=device)
+            self._on_grad(key, index, grad)
+        return None
+
+    def run(self, loss: torch.Tensor, batch_size: int, graph_kept: bool, ask_all: bool = False) -> dict:
+        """The first pass's backward again, unweighted: through its kept graph (graph_kept: twopass; the same
+        targets in the same order), or through a second forward's graph, whose calls this recorded (recompute:
+        the source calls' outputs, or every covered layer's parameters where the first pass asked for them).
+        Returns {id(parameter): clipped sum}."""
+        try:
+            if graph_kept:
+                targets = self.first.targets
+                for i, wanted in enumerate(targets if loss.requires_grad else []):
+                    grads = torch.autograd.grad(loss, wanted, retain_graph=i < len(targets) - 1, allow_unused=True)
+                    self._targets_reached(wanted, grads)
+                self._finish(batch_size, loss)
+            elif ask_all:
+                self.backward_all(loss, batch_size)
+            elif self.backward(loss, batch_size, keep_graph=False) is None:
+                raise DprunError("method.mode=recompute: the second forward reached layers the first did not; its "
+                                 "clipped sums cannot be formed from the certified output-gradients")
+        finally:
+            for h in self.node_hooks:
+                h.remove()
+            self.node_hooks.clear()
+        return self.sums
+
+    def agrees(self) -> torch.Tensor:
+        """0-dim bool: every layer's output-gradients were the first pass's, bit for bit (read once by the caller)."""
+        flags = [flag for _, flag in self.agreed]
+        return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
+
+    def refusal(self) -> DprunError:
+        """The one line when agrees() is False, naming the first layer that differs."""
+        where = next((path for path, flag in self.agreed if not bool(flag)), "a layer")
+        return DprunError(f"{where}: the second pass's output-gradients differ from the first pass's, whose norms were "
+                          f"certified (a nondeterministic kernel?); use method.mode=bk, which sums the very records "
+                          f"it measured")
+
+    def _targets_reached(self, wanted: list, grads) -> None:
+        """A call whose output is itself a target of the backward (a source: the first layer of a chain) gets its
+        gradient as autograd's return value, not through its node, which the backward stops at."""
+        for target, grad in zip(wanted, grads):
+            if isinstance(target, torch.Tensor):
+                continue
+            call = self.edge_calls.get((id(target.node), target.output_nr))
+            if call is not None:
+                self._on_node(call[0], call[1], 0, (grad,))
+
+    def _add(self, key: int) -> None:
+        path, module, rule, inputs, grads = self._calls(key)
+        expected, seen = self.first.prints.get(key), fingerprint(grads)
+        if expected is None or expected.shape != seen.shape:
+            agrees = torch.zeros((), dtype=torch.bool, device=seen.device)
+        else:  # bit for bit (a nan compares equal to itself): no value read here (agrees: one read for the step)
+            agrees = (expected.view(torch.int32) == seen.view(torch.int32)).all()
+        self.agreed.append((f"{path} ({type(module).__name__})", agrees))
+        with exact_float32(seen.device), torch.no_grad():
+            sums = rule.clipped_sums_calls(module, list(zip(inputs, grads)), self.nu, None)
+        for name, s in sums.items():
+            self.sums[id(getattr(module, name))] = s
