@@ -35,6 +35,7 @@ from torch.func import functional_call, jvp, vmap
 from torch.utils.checkpoint import CheckpointError
 
 from runner.accountants.mechanisms import Mechanism, SubsampledJL
+from runner.methods.centred_norms import centre_spatial_norms
 from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized
 from runner.methods.rng import rng_state, set_rng_state
@@ -266,6 +267,7 @@ class JL(Method):
                                  f"neither a forward-mode derivative nor a double backward for embedding_bag, and "
                                  f"jl's projections need one; use method=multiloss or nxbp (exact on it: each "
                                  f"example's gradient alone), or freeze its weight")
+        centre_spatial_norms(model)  # its estimates and its release through the same centred values (review 25)
         return model
 
     def unsupported(self, feature: Feature) -> str | None:

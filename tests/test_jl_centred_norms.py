@@ -1,0 +1,48 @@
+"""jl's estimates and its release through the same centred GroupNorm / InstanceNorm (runner/methods/centred_norms.py).
+
+torch's CPU GroupNorm backward forms its gradients from the raw input (b x + c, and (sum g x - mean sum g) rstd),
+which cancel on a group whose mean is large next to its spread, while jl's forward-mode tangents are formed from the
+centred values. With the kernel, one crafted example under jl (r = 64, C = 1% of its gradient norm) released 227 C
+through a conv under a GroupNorm (1e5 C at a spread of 1e-7) and 15.7 C through a GroupNorm's weight alone (review 25
+and its follow-up). Fails without centre_spatial_norms.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.bench.adversarial import CONSTRUCTIONS, FieldReadout, large_mean, measured
+from runner.methods.centred_norms import centred_group_norm
+
+
+def test_the_centred_layer_is_the_kernels_function():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, 5, 7, generator=g) * 3 + 1
+    w, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    torch.testing.assert_close(centred_group_norm(x, 3, w, b, 1e-5), F.group_norm(x, 3, w, b, 1e-5))
+    torch.testing.assert_close(centred_group_norm(x, 6, None, None, 1e-5), F.instance_norm(x, eps=1e-5))
+    cl = x.contiguous(memory_format=torch.channels_last)  # the CPU CNNs' layout under jl
+    torch.testing.assert_close(centred_group_norm(cl, 2, w, None, 1e-5), F.group_norm(x, 2, w, None, 1e-5))
+
+
+@pytest.mark.parametrize("jvp", ["forward", "double_vjp"])
+def test_jl_releases_about_c_through_a_groupnorm_at_a_large_mean(jvp):
+    """Within JL's own spread at r = 64 (its estimate of a norm is off by a factor of 1/sqrt(chi2_64 / 64), above
+    1.5 with probability ~1e-6), where the kernel released 227 C (a conv below, forward mode) and 11-15.7 C (the
+    GroupNorm's weight)."""
+    by_name = {case: (build, example) for cases in CONSTRUCTIONS.values() for case, build, example in cases}
+    for case, rel in (("groupnorm8_64x64_large_mean", 6e-8), ("conv_groupnorm_large_mean_image", 1e-5)):
+        build, _ = by_name[case]
+        torch.manual_seed(0)
+        model = build(0)
+        shape = (8, 64, 64) if case.startswith("groupnorm") else (3, 32, 32)
+        x = large_mean(shape, torch.Generator().manual_seed(1), rel=rel)
+        released = measured("jl", {"r": 64, "jvp": jvp}, model, x, 0.01)
+        assert released <= 1.5, (case, jvp, released)
+
+
+def test_an_instancenorm_under_jl_is_centred_too():
+    torch.manual_seed(0)
+    model = FieldReadout(nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8), nn.Tanh()), torch.zeros(1, 3, 32, 32))
+    x = large_mean((3, 32, 32), torch.Generator().manual_seed(1), rel=1e-5)
+    assert measured("jl", {"r": 64, "jvp": "forward"}, model, x, 0.01) <= 1.5
