@@ -25,7 +25,6 @@ import inspect
 import math
 import warnings
 import weakref
-from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
@@ -38,6 +37,7 @@ from runner.assembly import API_NAMES, PrivateRun, Request, assemble
 from runner.data.base import DataInfo, Dataset
 from runner.data.sampler import Sampler
 from runner.accountants.published import delta_note
+from runner.collated import batch_size_of
 from runner.errors import DprunError
 from runner.methods.base import StepOutput
 from runner.methods.privacy_check.probe_rows import attach_probes
@@ -98,7 +98,20 @@ def poisson_loader(data: TorchDataset | DataLoader, batch_size: int | None = Non
         raise DprunError("poisson_loader needs batch_size (the expected batch size)")
     collate = loader_kwargs.pop("collate_fn", None) or default_collate
     empty = _empty_like_batch(data, collate)
-    safe_collate = lambda batch: collate(batch) if len(batch) else empty
+
+    def safe_collate(batch: list) -> Any:
+        if not len(batch):
+            return empty
+        collated = collate(batch)
+        rows = batch_size_of(collated)
+        if rows >= 0 and rows != len(batch):  # (no shared size: step() refuses the batch itself)
+            raise DprunError(f"collate_fn returned {rows} rows for the {len(batch)} examples it was given: each "
+                             f"example must be one row, since the accountant bounds one record's contribution by one "
+                             f"clipped gradient (views of an example in rows of their own add one C each; review 24: "
+                             f"2 views released 2 C); build the views inside the model or the loss, averaged per "
+                             f"example")
+        return collated
+
     loader = DataLoader(data, batch_sampler=PoissonBatchSampler(len(data), int(batch_size), generator),
                         collate_fn=safe_collate, **loader_kwargs)
     loader.per_example_collate = collate  # the caller's own (make_private checks it builds rows per example)
@@ -116,25 +129,6 @@ class _NoStep:
 
     def step(self, *_: Any, **__: Any) -> None:
         pass
-
-
-def tensor_leaves(batch, depth: int = 4) -> list[torch.Tensor]:
-    """The tensors in a batch: itself, or inside tuples, lists, namedtuples and dicts (a Hugging Face style record)."""
-    if torch.is_tensor(batch):
-        return [batch]
-    if depth == 0:
-        return []
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    return [t for item in items for t in tensor_leaves(item, depth - 1)]
-
-
-def batch_size_of(batch) -> int:
-    """The number of examples in a DataLoader's batch: the first dimension its tensors share ((x, y): len(y); a dict's
-    or a namedtuple's values alike); -1 where they share none (a structure step() cannot take either). Before review
-    9 only a tuple's or list's last item was read: a dict batch skipped the size check, and hand-made accumulation of
-    two yielded batches in one step (released at rate ~2q, accounted at q) passed."""
-    sizes = {len(t) for t in tensor_leaves(batch) if t.dim() > 0}
-    return sizes.pop() if len(sizes) == 1 else -1
 
 
 class PrivateTraining:
@@ -354,6 +348,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       target_epsilon=target_epsilon, delta=delta, names=API_NAMES)
     params_before = [p for g in optimizer.param_groups for p in g["params"]]
     _check_optimizer_in_model(optimizer, params_before, model)
+    for p in [*model.parameters(), *params_before]:  # review 26: a gradient left from a non-private backward on a
+        p.grad = None  # parameter frozen since was applied by the user's optimizer.step() at every private step
     _check_optimizer_step(optimizer)
     private = assemble(request, model, source.dataset, world, source.sampler)  # runner/assembly.py, as the CLI's
     private.method.privacy_check = bool(validate)  # the first step's check (runner/methods/privacy_check/)
@@ -361,7 +357,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         attach_probes(private.method, source.loader.dataset, source.loader.per_example_collate)  # collated
     if source.loader is not None and validate and private.method.private:  # rows built from their example alone
         privacy_check.check_collate(source.loader.dataset, source.loader.per_example_collate, private.method.name)
-    privacy_check.check_ranks(world, *(source.tensors or (None, None)), private.sampler)  # same data, same batches
+    records = (source.loader.dataset, source.loader.per_example_collate) if source.loader is not None else None
+    privacy_check.check_ranks(world, *(source.tensors or (None, None)), private.sampler, records)  # same data, batches
     training = _training(private, optimizer, params_before, source, delta, generator, rng, validate, world)
     training._record = record if record is not None else {"steps": 0}
     training._record["owner"] = id(training)  # an earlier wrapper of this model (no step taken) is superseded
@@ -478,6 +475,10 @@ def _training(private: PrivateRun, optimizer: torch.optim.Optimizer, params_befo
     trainable = [p for p in model.parameters() if p.requires_grad]
     if {id(p) for p in trainable} != {id(p) for p in params_before} and not m.updates_model:
         # the method trains different parameter tensors than the optimizer holds: rebuild it on them
+        warnings.warn(f"make_private: the optimizer holds {len(params_before)} tensors and the method trains "
+                      f"{len(trainable)} (frozen or replaced parameters): private.step() uses a new "
+                      f"{type(optimizer).__name__} over the trained ones with the optimizer's defaults (its param "
+                      f"groups' own settings and its state are not kept; private.optimizer is it)", stacklevel=3)
         optimizer = type(optimizer)(trainable, **optimizer.defaults)
     if sampler.kind != "poisson" and m.private and not m.sampling:
         warnings.warn("poisson=False: no accountant here analyses shuffled batches; get_epsilon() raises and "

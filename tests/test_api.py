@@ -417,6 +417,84 @@ def test_a_collate_fn_that_couples_the_batch_is_refused():
         assert next(iter(unchecked.batches()))[0].shape[0] == len(varied)
 
 
+class Records(torch.utils.data.Dataset):
+    """A plain map-style Dataset (not a TensorDataset: make_private does not read its records up front)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_a_collate_fn_that_gives_an_example_several_rows_is_refused():
+    """Review 24: a collate_fn returning each example twice (the batch and its flipped copy) or four times (three
+    augmented views, not averaged) had every row clipped to C on its own: one record released 2 C and 4 C per step,
+    accounted as one C. Each example must be one row: refused in one line at the first batch, for a plain Dataset
+    and a TensorDataset (whose probe crashed on the extra rows with an IndexError)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = torch.zeros(40, 8), torch.zeros(40, dtype=torch.long)
+    x[0] = torch.tensor([3.0, 1.0, 4.0, 1.0, 1.0, 4.0, 1.0, 3.0])
+
+    def views(k):
+        def collate(batch):
+            xs, ys = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
+            return torch.cat([xs] + [xs.flip(-1)] * (k - 1)), ys.repeat(k)
+        return collate
+
+    for data in (Records(x, y), TensorDataset(x, y)):
+        for k in (2, 4):
+            model = nn.Linear(8, 3, bias=False)
+            with pytest.raises(DprunError, match=rf"^collate_fn returned {40 * k} rows for the 40 examples it was "
+                                                 rf"given: each example must be one row"):
+                private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                                             DataLoader(data, batch_size=40, collate_fn=views(k)), batch_size=40,
+                                             noise_multiplier=0.0, seed=1)
+                for xb, yb in private.batches():
+                    private.step(xb, yb, lambda o, t: F.cross_entropy(o, t, reduction="none"))
+        model = nn.Linear(8, 3, bias=False)  # one view per example: the released contribution is one C
+        private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                                     DataLoader(data, batch_size=40, collate_fn=views(1)), batch_size=40,
+                                     noise_multiplier=0.0, seed=1, max_grad_norm=1.0)
+        xb, yb = next(iter(private.batches()))
+        private.backward(xb, yb, lambda o, t: F.cross_entropy(o, t, reduction="none"))
+        released = float(model.weight.grad.norm()) * private.expected_batch_size
+        assert released <= 1.0 + 1e-6
+
+
+def test_a_gradient_left_on_a_frozen_parameter_is_not_applied_by_the_users_optimizer():
+    """Review 26: a non-private backward left its raw gradient on a backbone frozen afterwards (a linear probe); the
+    user's optimizer still held it, and `private.backward(); opt.step()` (docs/api.md's loop) moved the frozen
+    backbone by -lr x that unclipped, un-noised gradient at every step (||dW|| = 0.31 in 10 steps, epsilon 2.85
+    reported). make_private clears every gradient it finds, and says when it rebuilds the optimizer."""
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone, self.head = nn.Linear(5, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.backbone(x)))
+
+    x, y = blobs()
+    torch.manual_seed(0)
+    model = Probe()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    F.cross_entropy(model(x), y).backward()  # the user's quick check, no zero_grad after it
+    model.backbone.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"make_private: the optimizer holds 4 tensors and the method trains 2"):
+        private = dprun.make_private(model, opt, (x, y), noise_multiplier=1.0, batch_size=20, seed=0)
+    frozen = model.backbone.weight.detach().clone()
+    for xb, yb in private.batches():
+        private.backward(xb, yb, lambda o, t: F.cross_entropy(o, t, reduction="none"))
+        opt.step()
+    assert torch.equal(model.backbone.weight.detach(), frozen)
+    assert not torch.equal(model.head.weight.detach(), torch.zeros_like(model.head.weight))
+
+
 def test_a_clip_or_noise_std_near_float32s_limits_is_refused_in_one_line():
     """C = 1e-44 (subnormal in float32) with sigma 0.05: the noise std was exactly 0 while the accountant certified
     an epsilon; C = 1e-43: contributions of 1.04 C and a noise std of 1.11 sigma C; sigma = C = 1e20: a raw

@@ -149,6 +149,43 @@ def jl_directions(rank):
     return torch.cat([v.flatten() for v in private.method._directions.values()])
 
 
+class Augmented(torch.utils.data.Dataset):
+    """Records with a random augmentation from torch's RNG, seeded per rank (ranks draw their own views)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.01 * torch.rand(self.x.shape[1:]), self.y[i]
+
+
+def loader_ranks(rank, order: str) -> str:
+    """make_private over a DataLoader on each rank: the same records in another order on rank 1 (a per-rank shuffle
+    or Subset) must be refused (review 24: the DataLoader path compared only the dataset's size; a record was then
+    trained at 2.2 q, twice in one step 149 times in 400); the same records with a per-rank random augmentation
+    must not."""
+    import dprun
+
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(40, 4, generator=g), torch.randint(0, 3, (40,), generator=g)
+    torch.manual_seed(100 + rank)  # the augmentation's draws differ by rank
+    if order == "reversed":
+        index = list(range(40)) if rank == 0 else list(range(39, -1, -1))
+        data = torch.utils.data.Subset(torch.utils.data.TensorDataset(x, y), index)
+    else:
+        data = Augmented(x, y)
+    model = torch.nn.Linear(4, 3)
+    try:
+        dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           torch.utils.data.DataLoader(data, batch_size=4), batch_size=4, seed=3)
+        return "accepted"
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+
+
 def _library_worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=__import__("datetime").timedelta(seconds=60))
@@ -161,6 +198,8 @@ def _library_worker(rank, world, init_file, out_dir):
     results["crafted"] = crafted_release(rank)
     results["device_noise"] = noise_off_the_sampling_device(rank)
     results["jl_directions"] = jl_directions(rank)
+    results["loader_reversed"] = loader_ranks(rank, "reversed")
+    results["loader_augmented"] = loader_ranks(rank, "augmented")
     model = torch.nn.Linear(2, 2)  # replicas that differ are caught, on every rank
     with torch.no_grad():
         model.weight.fill_(float(rank))
@@ -263,6 +302,9 @@ def test_two_ranks_give_the_one_process_weights_and_epsilon_for_every_method(tmp
     noise = [ranks[r]["device_noise"] for r in range(2)]
     assert float(noise[0].abs().max()) > 0 and torch.equal(noise[0], noise[1]), "each rank added its own noise draw"
     assert torch.equal(ranks[0]["jl_directions"], ranks[1]["jl_directions"]), "each rank drew its own jl directions"
+    for r in range(2):
+        assert "rank 1 holds other training data than rank 0" in ranks[r]["loader_reversed"], ranks[r]
+        assert ranks[r]["loader_augmented"] == "accepted", ranks[r]["loader_augmented"]
 
 
 def _train_worker(rank, world, init_file, out_dir, overrides, folder):
