@@ -279,6 +279,7 @@ def test_summary_has_the_audit_and_input_canaries_grow_the_training_set(tmp_path
             "confidence", "epsilon_claimed"} <= set(audit)
     assert audit["kind"] == "input" and audit["canaries"] == 200 and audit["confidence"] == 0.95
     assert audit["epsilon_claimed"] == summary["final"]["epsilon"] and not audit["above_claimed"]
+    assert audit["can_refute"] is (audit["epsilon_claimed"] < max(audit["ceiling"], audit["ceiling_fdp"]))
     n_in = int(begin(compose_config(["audit=one_run", "audit.canaries=200"]),
                      SimpleNamespace(train_x=torch.zeros(1), train_y=torch.zeros(1))).included.sum())
     assert summary["sample_rate"] == pytest.approx(64 / (1437 + n_in))  # q = B / N with the canaries in N
@@ -293,6 +294,19 @@ def test_a_run_without_noise_fails_its_audit_loudly(tmp_path, caplog, monkeypatc
     summary = run_audited(tmp_path, "method=reweight", "sigma=4", "epochs=4")
     assert summary["audit"]["above_claimed"] is True
     assert any("PRIVACY AUDIT FAILED" in r.message for r in caplog.records)
+
+
+def test_a_claim_above_the_ceiling_is_said_to_be_beyond_the_audit(tmp_path, caplog, monkeypatch):
+    """Review 26: m canaries cannot certify more than their ceiling, so a claim above it passes even without noise;
+    the run says so (a WARNING, summary.json can_refute false) instead of a silent pass."""
+    import runner.methods.base as base
+    real = base.add_noise_and_scale
+    monkeypatch.setattr(base, "add_noise_and_scale", lambda model, std, b, gen=None, params=None: real(model, 0.0, b, gen, params))
+    summary = run_audited(tmp_path, "method=reweight", "sigma=0.3", "epochs=2")
+    audit = summary["audit"]
+    assert audit["epsilon_claimed"] > audit["ceiling"] and audit["can_refute"] is False
+    assert not audit["above_claimed"]
+    assert any("this audit cannot refute it" in r.message for r in caplog.records)
 
 
 

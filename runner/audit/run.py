@@ -129,6 +129,8 @@ def report(run, audit: Audit) -> None:
     result = audit_scores(audit.scores(run.model), audit.included.numpy(), beta=beta, delta=delta, seed=audit.seed)
     claimed = claimed_epsilon(run)
     above = result.rejects(claimed)
+    # review 26: m canaries cannot give a bound above their ceiling, so a claim there passes even with no noise at all
+    can_refute = claimed is None or claimed < max(result.ceiling, result.ceiling_fdp)
     run.summary["audit"] = {
         "kind": audit.kind, "canaries": audit.canaries, "scored": result.scored, "guesses": result.guesses,
         "correct": result.correct, "epsilon_lower_bound": result.epsilon_lower_bound,
@@ -136,6 +138,7 @@ def report(run, audit: Audit) -> None:
         "correct_fdp": result.correct_fdp, "epsilon_gdp": result.epsilon_gdp, "mu_lower_bound": result.mu_lower_bound,
         "ceiling": result.ceiling, "ceiling_fdp": result.ceiling_fdp, "ceiling_gdp": result.ceiling_gdp,
         "confidence": audit.confidence, "delta": delta, "epsilon_claimed": claimed, "above_claimed": above,
+        "can_refute": can_refute,
     }
     text = "none certified" if claimed is None else shown_epsilon(claimed)
     log.info("audit (%s, m=%d): claimed epsilon=%s, audited epsilon >= %.3f (f-DP: >= %.3f; %d/%d guesses correct; "
@@ -143,6 +146,10 @@ def report(run, audit: Audit) -> None:
              "curve: not a bound)", audit.kind, audit.canaries, text, result.epsilon_lower_bound,
              result.epsilon_lower_bound_fdp, result.correct, result.guesses, result.ceiling, 100 * audit.confidence,
              result.epsilon_gdp)
+    if not can_refute:
+        log.warning("audit: the claimed epsilon %s is at or above the largest bound %d canaries can give (%.3f): this "
+                    "audit cannot refute it, whatever the run does (a run without noise passes too); more canaries "
+                    "(audit.canaries) raise the ceiling", text, audit.canaries, max(result.ceiling, result.ceiling_fdp))
     if above:
         found = max(result.epsilon_lower_bound, result.epsilon_lower_bound_fdp)
         log.warning("WARNING: PRIVACY AUDIT FAILED: the audited lower bound %.3f is above the claimed epsilon %s: "
