@@ -46,3 +46,27 @@ def test_an_instancenorm_under_jl_is_centred_too():
     model = FieldReadout(nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8), nn.Tanh()), torch.zeros(1, 3, 32, 32))
     x = large_mean((3, 32, 32), torch.Generator().manual_seed(1), rel=1e-5)
     assert measured("jl", {"r": 64, "jvp": "forward"}, model, x, 0.01) <= 1.5
+
+
+class FunctionalGroupNorm(torch.nn.Module):
+    """A GroupNorm called functionally in the forward, on parameters of its own: no nn.GroupNorm module to centre."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.weight, self.bias = nn.Parameter(torch.ones(8)), nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):
+        return torch.tanh(F.group_norm(self.conv(x), 8, self.weight, self.bias))
+
+
+@pytest.mark.parametrize("jvp", ["forward", "double_vjp", "auto"])
+def test_a_functional_group_norm_is_refused_under_jl_in_one_line(jvp):
+    from runner.errors import DprunError
+
+    torch.manual_seed(0)
+    model = FieldReadout(FunctionalGroupNorm(), torch.zeros(1, 3, 32, 32))
+    x = large_mean((3, 32, 32), torch.Generator().manual_seed(1), rel=1e-5)
+    with pytest.raises(DprunError, match=r"^method=jl: the model runs a normalisation kernel \(NativeGroupNorm\) "
+                                         r"outside an nn.GroupNorm or nn.InstanceNorm module"):
+        measured("jl", {"r": 4, "jvp": jvp}, model, x, 0.01)

@@ -107,7 +107,7 @@ def _forward_projections(model, loss_fn, x, y, directions: Directions, chunk: in
     slices = _chunks(r, chunk)
     before = rng_state(x.device)  # replayed for every chunk after the first: the same dropout masks
     losses, outputs, tangents = _project(model, loss_fn, x, y, named, _rows(directions, slices[0]))
-    check_overwrites(losses)
+    check_graph(losses, forward=True)
     rows = [tangents.detach()]  # each (k, B)
     if len(slices) > 1:
         after = rng_state(x.device)
@@ -134,9 +134,17 @@ class ForwardModeMismatch(NotImplementedError):
     """The step's graph holds an operator whose forward-mode derivative is not its backward's (OVERWRITES)."""
 
 
-def check_overwrites(losses: torch.Tensor) -> None:
-    """Raise ForwardModeMismatch if the graph that produced `losses` runs an OVERWRITES operator (a walk of its
-    nodes, every step: a model may take that path only on some data)."""
+# group and instance normalisation kernels (instance_norm runs batch_norm's): their CPU backward forms the gradients
+# from the raw input and cancels at a large mean, where the tangents do not (runner/methods/centred_norms.py). jl centres
+# the nn modules' outputs; the kernel still in the graph is a functional call outside them (F.group_norm in a forward)
+UNCENTRED = ("NativeGroupNormBackward0", "NativeBatchNormBackward0", "CudnnBatchNormBackward0",
+             "MiopenBatchNormBackward0")
+
+
+def check_graph(losses: torch.Tensor, forward: bool) -> None:
+    """A walk of the nodes of the graph that produced `losses`, every step (a model may take a path only on some
+    data): DprunError on an UNCENTRED kernel (either mode); forward mode: ForwardModeMismatch on an OVERWRITES
+    operator."""
     seen, stack = set(), [losses.grad_fn]
     while stack:
         node = stack.pop()
@@ -144,9 +152,14 @@ def check_overwrites(losses: torch.Tensor) -> None:
             continue
         seen.add(node)
         name = type(node).__name__
-        if name in OVERWRITES and not getattr(node, "_saved_accumulate", False):
+        if forward and name in OVERWRITES and not getattr(node, "_saved_accumulate", False):
             raise ForwardModeMismatch(f"{name.removesuffix('Backward0')} writes at indices that may repeat, where "
                                       f"forward mode's derivative is not the backward's")
+        if name in UNCENTRED:
+            raise DprunError(f"method=jl: the model runs a normalisation kernel ({name.removesuffix('Backward0')}) "
+                             f"outside an nn.GroupNorm or nn.InstanceNorm module (a functional call in its forward), "
+                             f"whose backward cancels at a large mean where jl's estimates do not (227 C released: "
+                             f"docs/jl.md); use the nn modules (jl centres them), or method=reweight, nxbp or multiloss")
         stack.extend(n for n, _ in node.next_functions)
 
 
@@ -206,6 +219,7 @@ def _double_vjp_projections(model, loss_fn, x, y, directions: Directions, chunk:
     names, params = list(named), list(named.values())
     out = model(x)  # (B, classes), one forward with the graph
     losses = loss_fn(out, y)  # (B,)
+    check_graph(losses, forward=False)
     u = torch.ones_like(losses, requires_grad=True)  # (B,)
     g = torch.autograd.grad(losses, params, grad_outputs=u, create_graph=True, allow_unused=True)
     used = [i for i, gi in enumerate(g) if gi is not None and gi.requires_grad]
