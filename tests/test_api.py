@@ -430,6 +430,38 @@ class Records(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
+class Jittered(Records):
+    """A random augmentation in __getitem__ (noise from torch's global RNG), as image pipelines do."""
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(self.x.shape[1:]), self.y[i]
+
+
+def test_a_random_augmentation_is_not_taken_for_a_collate_that_couples_the_batch():
+    """A Dataset drawing a random augmentation per record was refused as "collate_fn is not per-example" (the record
+    alone and in the batch drew other noise). The probe now fetches each record seeded by its index, alone and for
+    the batch alike, and on the loader's first batch skips a record that is random alone; a batch-coupling collate
+    over the same Dataset is still refused."""
+    from torch.utils.data import DataLoader
+
+    x, y = blobs(80)
+    model = nn.Linear(5, 3)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 DataLoader(Jittered(x, y), batch_size=20), batch_size=20, seed=0)
+    for xb, yb in private.batches():
+        private.step(xb, yb, lambda o, t: F.cross_entropy(o, t, reduction="none"))
+    assert private.steps == 4
+
+    def centred(batch):  # the batch's mean subtracted: couples the rows
+        xs = torch.stack([b[0] for b in batch])
+        return xs - xs.mean(0), torch.stack([b[1] for b in batch])
+
+    fresh = nn.Linear(5, 3)
+    with pytest.raises(DprunError, match=r"^collate_fn is not per-example"):
+        dprun.make_private(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1),
+                           DataLoader(Jittered(x, y), batch_size=20, collate_fn=centred), batch_size=20, seed=0)
+
+
 def test_a_collate_fn_that_gives_an_example_several_rows_is_refused():
     """Review 24: a collate_fn returning each example twice (the batch and its flipped copy) or four times (three
     augmented views, not averaged) had every row clipped to C on its own: one record released 2 C and 4 C per step,

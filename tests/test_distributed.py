@@ -526,3 +526,24 @@ def test_ranks_that_finished_leave_together_and_a_failed_one_at_once(monkeypatch
     calls.clear()
     distributed.leave(wait=False)
     assert calls == ["destroy"]
+
+
+def test_the_records_fingerprint_sees_their_order_and_not_a_seeded_augmentation():
+    """Review 28: the ranks' Dataset fingerprint added the records' sums, so two records swapped (or all shuffled
+    but a few) matched; each record's sums are now weighted by a number of its index."""
+    from torch.utils.data import Subset, TensorDataset
+    from torch.utils.data.dataloader import default_collate
+
+    from runner.methods.privacy_check.ranks import record_fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(1000, 3, generator=g), torch.randint(0, 3, (1000,), generator=g))
+    base = record_fingerprint((data, default_collate))
+    for i, j in ((0, 1), (10, 11), (500, 750)):
+        order = list(range(1000))
+        order[i], order[j] = j, i
+        assert record_fingerprint((Subset(data, order), default_collate)) != base, (i, j)
+    assert record_fingerprint((Subset(data, list(range(1000))), default_collate)) == base
+    torch.manual_seed(5)  # a random augmentation draws alike for the fingerprint, whatever the global state
+    assert record_fingerprint((Augmented(data.tensors[0], data.tensors[1]), default_collate)) == \
+        record_fingerprint((Augmented(data.tensors[0], data.tensors[1]), default_collate))

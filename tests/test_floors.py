@@ -17,11 +17,12 @@ FLOORS = [
     # 1: the pieces of a step, independent of each other: data, models, norm rules, accountants (and the mechanisms
     #    methods describe their steps with), optimizers, timers and writers, progress lines, signal handling, the
     #    precision policy and float32 math flags, the ranks of a distributed run, test-set evaluation, the C heap's settings, a model's
-    #    trainable parameters, its activations' memory format, the thread a CUDA backward runs in
+    #    trainable parameters, its activations' memory format, the thread a CUDA backward runs in, a collated batch's
+    #    tensors and size
     ["runner.data", "runner.models", "runner.norms", "runner.accountants", "runner.optimizers", "runner.metrics",
      "runner.progress", "runner.interrupt", "runner.precision", "runner.fp32_mode", "runner.distributed",
      "runner.evaluation", "runner.randomness", "runner.heap", "runner.launcher_env", "runner.data_dir", "runner.trainable",
-     "runner.memory_format", "runner.backward_thread"],
+     "runner.memory_format", "runner.backward_thread", "runner.collated"],
     # 2: the clipping methods (Method.attach / Method.step: norms, clipping, noise, the optimizer step)
     ["runner.methods"],
     # 3: one run's surroundings: where conf/ is and its resolvers, knob checks, run folders, overrides, checkpoints,

@@ -291,14 +291,20 @@ def test_float32_estimates_on_crafted_inputs_stay_near_the_projections_of_the_re
     projections (forward mode, or a double vjp) and the released gradient (a backward) round differently; on the
     certified-clipping constructions (runner/bench/adversarial.py: per-position gradients that cancel, the inputs
     built to break a float32 norm) the estimate M stays within 2% below the estimate of the release's own
-    projections (measured: >= 0.9936; deeper cancellation only over-estimates, i.e. clips harder: docs/jl.md)."""
+    projections (measured: >= 0.9936; deeper cancellation only over-estimates, i.e. clips harder: docs/jl.md).
+    The known exception (docs/privacy.md, "Review 25"): an image constant to float32's resolution under a conv and a
+    GroupNorm or a LayerNorm over positions, whose exact gradient cancels below float32's rounding, so estimate and
+    release keep different residues (0.26 and 0.66-0.70 measured, with the layers centred as jl.prepare does; 4e-6
+    before they were: 1e5 C released)."""
     from runner.bench.adversarial import CONSTRUCTIONS, loss_fn
+    from runner.methods.centred_norms import centre_spatial_norms
 
-    worst = (float("inf"), None)
+    worst, residue = (float("inf"), None), (float("inf"), None)
     for cases in CONSTRUCTIONS.values():
         for case, build, example in cases:
             torch.manual_seed(0)
             model = build(0)
+            centre_spatial_norms(model)  # as jl's prepare
             x = example(torch.Generator().manual_seed(1), eps)
             y = torch.zeros(len(x), dtype=torch.long)
             torch.manual_seed(3)
@@ -307,8 +313,15 @@ def test_float32_estimates_on_crafted_inputs_stay_near_the_projections_of_the_re
             g = backward(torch.ones(len(x)))  # what the step sums for the example at nu = 1
             released = torch.stack([sum((g[n].double() * v[n][j].double()).sum() for n in g) for j in range(32)])
             ratio = float(P[0].double().pow(2).mean().sqrt() / released.pow(2).mean().sqrt())
-            worst = min(worst, (ratio, case))
-    assert worst[0] >= 0.98, f"{worst[1]}: the estimate is {worst[0]:.4f} x the release's own"
+            if case.startswith("conv_") and case.endswith("_large_mean_image"):
+                residue = min(residue, (ratio, case))
+            else:
+                worst = min(worst, (ratio, case))
+    # double_vjp: 0.94 on layernorm512_T64 at eps 1e-6 since jl centres LayerNorm (the kernel's rounding gave >= 0.98):
+    # its weight's gradient sums 64 nearly equal terms of opposite sign to a few roundings, formed in another order
+    floor = 0.98 if project is forward_projections else 0.94
+    assert worst[0] >= floor, f"{worst[1]}: the estimate is {worst[0]:.4f} x the release's own"
+    assert residue[0] >= 0.2, f"{residue[1]}: the estimate is {residue[0]:.4f} x the release's own"
 
 
 class PaddedBag(nn.Module):

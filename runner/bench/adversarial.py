@@ -139,6 +139,11 @@ CONSTRUCTIONS = {
         ("layernorm4096_T4_large_mean", lambda s: FieldReadout(nn.LayerNorm(4096, eps=1e-12), torch.zeros(1, 4, 4096),
                                                                s),
          lambda g, eps: large_mean((4, 4096), g)),
+        # a LayerNorm over a conv's positions: its CPU backward forms the input-gradient from the raw input, which
+        # cancels at a large mean (jl released 1.6e6 C through it before jl centred LayerNorm, review 28)
+        ("conv_layernorm_hw_large_mean_image", lambda s: FieldReadout(
+            nn.Sequential(nn.Conv2d(3, 8, 3), nn.LayerNorm([30, 30]), nn.Tanh()), torch.zeros(1, 3, 32, 32), s),
+         lambda g, eps: large_mean((3, 32, 32), g, rel=1e-7)),
     ],
     nn.RMSNorm: [
         ("rmsnorm512_T64", lambda s: Cancelling(nn.RMSNorm(512), torch.zeros(1, 64, 512), seq, s),

@@ -134,11 +134,11 @@ class ForwardModeMismatch(NotImplementedError):
     """The step's graph holds an operator whose forward-mode derivative is not its backward's (OVERWRITES)."""
 
 
-# group and instance normalisation kernels (instance_norm runs batch_norm's): their CPU backward forms the gradients
-# from the raw input and cancels at a large mean, where the tangents do not (runner/methods/centred_norms.py). jl centres
-# the nn modules' outputs; the kernel still in the graph is a functional call outside them (F.group_norm in a forward)
-UNCENTRED = ("NativeGroupNormBackward0", "NativeBatchNormBackward0", "CudnnBatchNormBackward0",
-             "MiopenBatchNormBackward0")
+# normalisation kernels (instance_norm runs batch_norm's), by a part of their graph node's name (any overload:
+# _native_batch_norm_legit's node passed an exact-name list, review 28): their CPU backward forms the gradients from
+# the raw input and cancels at a large mean, where the tangents do not (runner/methods/centred_norms.py). jl centres
+# the nn modules' outputs; a kernel still in the graph is a functional call outside them (F.group_norm in a forward)
+UNCENTRED = ("GroupNorm", "BatchNorm", "LayerNorm")
 
 
 def check_graph(losses: torch.Tensor, forward: bool) -> None:
@@ -155,11 +155,12 @@ def check_graph(losses: torch.Tensor, forward: bool) -> None:
         if forward and name in OVERWRITES and not getattr(node, "_saved_accumulate", False):
             raise ForwardModeMismatch(f"{name.removesuffix('Backward0')} writes at indices that may repeat, where "
                                       f"forward mode's derivative is not the backward's")
-        if name in UNCENTRED:
+        if any(kernel in name for kernel in UNCENTRED):
             raise DprunError(f"method=jl: the model runs a normalisation kernel ({name.removesuffix('Backward0')}) "
-                             f"outside an nn.GroupNorm or nn.InstanceNorm module (a functional call in its forward), "
-                             f"whose backward cancels at a large mean where jl's estimates do not (227 C released: "
-                             f"docs/jl.md); use the nn modules (jl centres them), or method=reweight, nxbp or multiloss")
+                             f"outside an nn.GroupNorm, nn.InstanceNorm or nn.LayerNorm module (a functional call in "
+                             f"its forward), whose backward cancels at a large mean where jl's estimates do not (1e6 C "
+                             f"released: docs/jl.md); use the nn modules (jl centres them), or method=reweight, nxbp or "
+                             f"multiloss")
         stack.extend(n for n, _ in node.next_functions)
 
 

@@ -205,7 +205,7 @@ class ReweightGP(Method):
         state = rng_state(x.device)
         for ask_all in (False, True):
             set_rng_state(state, x.device)
-            with StreamingNorms(plan, self.how, remember="prints") as streaming:
+            with StreamingNorms(plan, self.how, remember="terms") as streaming:
                 losses = loss_fn(model(x), y)  # (B,)
             if ask_all:
                 norms_sq = streaming.backward_all(losses.sum(), len(y))

@@ -9,13 +9,19 @@ and 2.7 C through the conv below one (a constant image: the GroupNorm's input-gr
 the conv's weight gradient multiplies by the pixel value).
 
 So the second pass repeats the FIRST backward, unweighted (sum_i loss_i, the same targets, the same graph or the same
-forward replayed), and each layer's clipped sum is formed from the output-gradients it delivers, with the first
-pass's clip factors, by the rule's own clipped_sums: book-keeping's sums, one layer at a time. On a deterministic
-backend they are bit for bit the first pass's output-gradients; each layer's are checked against the first pass's
-fingerprint (their sum and sum of squares) and a difference refuses the step in one line. The certificate is then
-the one book-keeping has: for the exact per-example gradient of the tensors the sum is formed from.
+forward replayed), and each layer's clipped sum is formed from the records it delivers (inputs, output-gradients),
+with the first pass's clip factors, by the rule's own clipped_sums: book-keeping's sums, one layer at a time. The
+same records' certified per-example squared norms are formed again and must be at most the first pass's, layer by
+layer, for every example kept (one read a step): then each example's released contribution, nu_i times the exact
+norm of what is summed for it, is at most C, as book-keeping's. On a deterministic backend the two passes' records
+are equal bit for bit. Where they are not, the step is refused in one line: a backward or a forward that changes
+between the passes (a user's autograd.Function counting its calls, a forward drawing from its own generator under
+recompute, a user's gradient hook read before it in the first pass and after it in the second). A fingerprint of the
+output-gradients (their sum and sum of squares) was the check at first: review 27 got a permutation of +-1 values
+past it (1414 C), an input changed by the second forward (8602 C; 2.08 C from an honest model's own noise
+generator) and a hook read at two points (1414 C).
 
-    with StreamingNorms(plan, how, remember=True) as first:      # twopass: the graph kept
+    with StreamingNorms(plan, how, remember="calls") as first:   # twopass: the graph kept
         losses = loss_fn(model(x), y)
     nu = clip_factors(certified_norms(first.backward(losses.sum(), B), first.layers))
     sums = ReleasedSums.through_graph(first, nu).run(losses.sum(), B)   # {id(parameter): clipped sum}
@@ -28,7 +34,7 @@ import torch
 
 from runner.errors import DprunError
 from runner.norms.certify import exact_float32
-from runner.norms.streaming import Pending, StreamingNorms, fingerprint
+from runner.norms.streaming import Pending, StreamingNorms
 
 
 class ReleasedSums(StreamingNorms):
@@ -36,13 +42,13 @@ class ReleasedSums(StreamingNorms):
     (the records freed at once, as the first pass's norms freed them)."""
 
     def __init__(self, plan, nu: torch.Tensor, first: StreamingNorms):
-        super().__init__(plan)
+        super().__init__(plan, first.how)
         self.nu = nu  # (B,) the first pass's clip factors
-        self.first = first  # its fingerprints and backward targets
+        self.first = first  # its per-layer terms and backward targets
         self.sums: dict[int, torch.Tensor] = {}  # id(parameter) -> its clipped sum
         self.node_hooks: list = []
         self.edge_calls: dict[tuple, tuple] = {}  # (id(node), output_nr) -> (module key, call index)
-        self.agreed: list[tuple[str, torch.Tensor]] = []  # (module path, 0-dim bool: its fingerprints agree)
+        self.agreed: list[tuple[str, torch.Tensor]] = []  # (module path, 0-dim bool: its norms are within the first's)
 
     @classmethod
     def through_graph(cls, first: StreamingNorms, nu: torch.Tensor) -> "ReleasedSums":
@@ -96,16 +102,20 @@ class ReleasedSums(StreamingNorms):
         return self.sums
 
     def agrees(self) -> torch.Tensor:
-        """0-dim bool: every layer's output-gradients were the first pass's, bit for bit (read once by the caller)."""
+        """0-dim bool: every layer's certified norms of what it summed were at most the first pass's, for every example
+        kept (read once by the caller)."""
         flags = [flag for _, flag in self.agreed]
         return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
 
     def refusal(self) -> DprunError:
         """The one line when agrees() is False, naming the first layer that differs."""
         where = next((path for path, flag in self.agreed if not bool(flag)), "a layer")
-        return DprunError(f"{where}: the second pass's output-gradients differ from the first pass's, whose norms were "
-                          f"certified (a nondeterministic kernel?); use method.mode=bk, which sums the very records "
-                          f"it measured")
+        return DprunError(f"{where}: its records in the second pass (the backward repeated to form the clipped sums) "
+                          f"have a larger per-example norm than in the first, whose norms set the clip factors: the "
+                          f"model's forward or backward changes between the passes (randomness not from torch's "
+                          f"global RNG, state the forward updates, a custom autograd.Function or gradient hook that "
+                          f"does, a nondeterministic kernel); use method.mode=bk, which sums the very records it "
+                          f"measured")
 
     def _targets_reached(self, wanted: list, grads) -> None:
         """A call whose output is itself a target of the backward (a source: the first layer of a chain) gets its
@@ -119,13 +129,14 @@ class ReleasedSums(StreamingNorms):
 
     def _add(self, key: int) -> None:
         path, module, rule, inputs, grads = self._calls(key)
-        expected, seen = self.first.prints.get(key), fingerprint(grads)
-        if expected is None or expected.shape != seen.shape:
-            agrees = torch.zeros((), dtype=torch.bool, device=seen.device)
-        else:  # bit for bit (a nan compares equal to itself): no value read here (agrees: one read for the step)
-            agrees = (expected.view(torch.int32) == seen.view(torch.int32)).all()
+        measured = self.first.layer_terms.get(key)  # (B,) the first pass's certified squared norms of this layer
+        again = self.layer_norm_sq(module, rule, inputs, grads)  # (B,) the same of the records summed below
+        if measured is None or measured.shape != again.shape:
+            agrees = torch.zeros((), dtype=torch.bool, device=again.device)
+        else:  # an example left out (nu = 0: not finite) has its rows masked in the sums; no value read here
+            agrees = ((again <= measured) | (self.nu <= 0)).all()
         self.agreed.append((f"{path} ({type(module).__name__})", agrees))
-        with exact_float32(seen.device), torch.no_grad():
+        with exact_float32(again.device), torch.no_grad():
             sums = rule.clipped_sums_calls(module, list(zip(inputs, grads)), self.nu, None)
         for name, s in sums.items():
             self.sums[id(getattr(module, name))] = s

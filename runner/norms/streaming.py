@@ -69,15 +69,14 @@ class StreamingNorms(CallHooks):
     def __init__(self, plan: Plan, how: str = "auto", capture_bytes: int = 0, remember: str = ""):
         super().__init__(plan)
         self.how = how
-        # for the pass that forms the clipped sums from the same output-gradients (runner/norms/released.py):
-        # remember "prints" (recompute: its second forward records the calls again), a fingerprint of each module's
-        # output-gradients and the backward's targets; "calls" (twopass: through this graph), also each module's
-        # calls (inputs, output edges)
-        if remember not in ("", "prints", "calls"):
-            raise ValueError(f"StreamingNorms remember={remember!r}: '', prints or calls")
+        # for the pass that forms the clipped sums (runner/norms/released.py): remember "terms" (recompute: its second
+        # forward records the calls again), each module's (B,) certified squared norms and the backward's targets;
+        # "calls" (twopass: through this graph), also each module's calls (inputs, output edges)
+        if remember not in ("", "terms", "calls"):
+            raise ValueError(f"StreamingNorms remember={remember!r}: '', terms or calls")
         self.remember = remember
         self.remembered: dict[int, Pending] = {}
-        self.prints: dict[int, torch.Tensor] = {}
+        self.layer_terms: dict[int, torch.Tensor] = {}  # id(module) -> its (B,) term (remember)
         self.targets: list[list] = []  # each autograd.grad call's targets, in order (remember)
         self.capture_bytes = capture_bytes  # modules called once, outputs up to this in all: no hook (CAPTURE_BYTES)
         # calls without a hook: (module key, call index, output's gradient edge, its bytes, (output, its version))
@@ -169,14 +168,20 @@ class StreamingNorms(CallHooks):
                                  f"call, so its recorded input is wrong; use inplace=False before this layer")
         grads = [g if g is not None else torch.zeros(shape, dtype=dt, device=dev)  # an unused call: zero
                  for g, (shape, dt, dev) in zip(p.grads, p.shapes)]
-        if self.remember:
-            self.prints[key] = fingerprint(grads)
         if self.remember == "calls":
             self.remembered[key] = Pending(p.inputs, p.versions, p.shapes, [None] * len(p.grads), 0, p.edges)
         return path, module, rule, p.inputs, grads
 
     def _add(self, key: int) -> None:
         path, module, rule, inputs, grads = self._calls(key)
+        term = self.layer_norm_sq(module, rule, inputs, grads)
+        if self.remember:
+            self.layer_terms[key] = term
+        self._accumulate(term)
+
+    def layer_norm_sq(self, module, rule, inputs: list, grads: list) -> torch.Tensor:
+        """(B,) certified squared norms of one module's per-example gradient from its calls' records, in batch chunks
+        whose transients stay within the layer's own records (chunk_size)."""
         B = inputs[0].shape[0]
         chunk = chunk_size(rule, module, inputs, grads)
         parts = []
@@ -188,7 +193,7 @@ class StreamingNorms(CallHooks):
             with exact_float32(g.device):
                 parts.append(rule.norm_sq(module, a, g, self.how).detach())  # (chunk,) certified upper bounds
             del seq, a, g
-        self._accumulate(torch.cat(parts) if len(parts) > 1 else parts[0])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _accumulate(self, contribution: torch.Tensor) -> None:
         """Add one module's (B,) certified squared norms; `layers` counts the terms (certified_norms' rounding)."""
@@ -258,12 +263,6 @@ class StreamingNorms(CallHooks):
         for key in list(self.pending):  # calls whose output never reached the loss: a zero gradient
             self._add(key)
         return summed_terms(self.terms, loss.new_zeros(batch_size).detach())
-
-
-def fingerprint(grads: list[torch.Tensor]) -> torch.Tensor:
-    """(2 x calls,) the sum and the sum of squares of each output-gradient, float32, compared bit for bit
-    (released.py): the pass that forms the clipped sums must see the very output-gradients whose norms were taken."""
-    return torch.stack([t for g in grads for t in (g.sum(), g.square().sum())]).float()
 
 
 def summed_terms(terms: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:

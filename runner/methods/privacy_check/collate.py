@@ -11,11 +11,17 @@ collator on this data only: one that couples only some records (all of one lengt
 the first batch that holds such a record, if that is the first batch.
 A collator that pads to the batch's longest is refused (pad to a fixed length instead); one whose padding the model
 ignores exactly can be run with make_private(validate=False), and the run's privacy notes then say it is unchecked.
+A random augmentation in the Dataset's __getitem__ draws other values alone and in a batch, which is no coupling: the
+probe over the dataset fetches every example with torch's, numpy's and Python's RNGs seeded by its index (`seeded`),
+alone and for the batch alike; on the loader's first batch, whose draws cannot be replayed, an example that collates
+otherwise twice in a row alone is not compared (until review 28 such a Dataset was refused as "not per-example").
 """
 from __future__ import annotations
 
+import random
 from typing import Any, Callable
 
+import numpy
 import torch
 
 from runner.errors import DprunError
@@ -52,18 +58,36 @@ def first_difference(alone: Any, together: Any, row: int, where: str = "batch") 
                                                        f"{type(together).__name__} in the batch"
 
 
+def seeded(index: int, fetch: Callable[[], Any]) -> Any:
+    """fetch() with torch's, numpy's and Python's global RNGs seeded by `index`, their states restored after: a random
+    augmentation draws alike for the same record wherever it is fetched (and on every rank)."""
+    py_state, np_state = random.getstate(), numpy.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(index), random.seed(index), numpy.random.seed(index)
+            return fetch()
+    finally:
+        random.setstate(py_state)
+        numpy.random.set_state(np_state)
+
+
 def check_collate(dataset, collate: Callable, method: str, indices: list[int] | None = None,
                   together: Any = None) -> None:
     """Each of the examples `indices` collated alone must equal its row of `together`, their collated batch (as
-    the loader yielded it); without them, the first PROBE examples of the dataset and PROBE more spread over it."""
-    if indices is None:
+    the loader yielded it); without them, the first PROBE examples of the dataset and PROBE more spread over it,
+    each fetched seeded by its index (alone and for the batch alike)."""
+    own = indices is None
+    if own:
         n = len(dataset)
         indices = sorted(set(range(min(PROBE, n))) | {i * n // PROBE for i in range(PROBE)})
-        together = collate([dataset[i] for i in indices]) if len(indices) >= 2 else None
+        together = collate([seeded(i, lambda i=i: dataset[i]) for i in indices]) if len(indices) >= 2 else None
     if together is None or len(indices) < 2:
         return
     for row, i in enumerate(indices):
-        found = first_difference(collate([dataset[i]]), together, row)
+        alone = collate([seeded(i, lambda i=i: dataset[i]) if own else dataset[i]])
+        if not own and first_difference(alone, collate([dataset[i]]), 0) is not None:
+            continue  # random alone (an augmentation): the loader's draw for this row cannot be replayed
+        found = first_difference(alone, together, row)
         if found:
             raise DprunError(f"collate_fn is not per-example: example {i} of the dataset collated alone and in a "
                              f"batch of {len(indices)} differs ({found}), so an example's input depends on the "

@@ -1,0 +1,125 @@
+"""reweight twopass / recompute form their clipped sums in a second pass of the first backward (runner/norms/released.py),
+whose records' certified norms must be at most the first pass's. Review 27 got past the first version's fingerprint
+(the sum and sum of squares of the output-gradients) three ways, each armed after the first step's check: a custom
+autograd.Function permuting values in its second backward (1414 C), a user's gradient hook read before it in the
+first pass and after it in the second (1414 C), and an input the second forward changed (8602 C; 2.08 C from an
+honest model's own noise generator under recompute). Each is refused now; the honest models are not.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.errors import DprunError
+from runner.methods import METHODS
+
+REFUSED = r"its records in the second pass .* have a larger per-example norm than in the first"
+
+
+def released(mode, model, loss_fn, x, y, C, arm=None):
+    """||p.grad|| / C after one step (sigma 0, lr 0, expected batch 1), the first-step check on; `arm(model)` after
+    an honest first step, where that check runs."""
+    method = METHODS.build("reweight", cfg={"mode": mode}, clip=C, sigma=0.0)
+    m = method.attach(copy.deepcopy(model))
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    if arm is not None:
+        method.step(m, loss_fn, x, y, opt, sample_rate=1.0, expected_batch_size=1.0)
+        arm(m)
+    method.step(m, loss_fn, x, y, opt, sample_rate=1.0, expected_batch_size=1.0)
+    return float(torch.sqrt(sum(p.grad.double().square().sum() for p in m.parameters()))) / C
+
+
+class Counter(torch.autograd.Function):
+    """Identity; once armed, every second backward swaps position 1's two features (a permutation: the first
+    version's fingerprint agreed bit for bit)."""
+    calls, armed = 0, False
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if not Counter.armed:
+            return g
+        Counter.calls += 1
+        if Counter.calls % 2 == 0:
+            g = g.clone()
+            g[:, 1] = g[:, 1].flip(-1)
+        return g
+
+
+def flip_position_1(g):
+    g = g.clone()
+    g[:, 1] = g[:, 1].flip(-1)
+    return g
+
+
+class Cancelling(nn.Module):
+    """x = (v, -v) at two positions: with the armed read-out each example's fc gradient cancels to 0 in the first
+    pass (clip factor 1); permuted, it does not."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.pre, self.fc = nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False)
+        with torch.no_grad():
+            self.pre.weight.copy_(torch.eye(2))
+            self.fc.weight.copy_(torch.eye(2))
+        self.register_buffer("readout", torch.tensor([[1.0, -1.0], [0.5, 2.0]]))
+        self.how, self.armed = how, False
+
+    def forward(self, x):
+        h = self.fc(self.pre(x))
+        if self.how == "function":
+            Counter.armed = self.armed
+            h = Counter.apply(h)
+        elif self.armed and h.requires_grad:
+            h.register_hook(flip_position_1)
+        return (h * self.readout).sum((1, 2)).unsqueeze(1)
+
+
+def arm(m):
+    m.armed, Counter.calls = True, 0
+    m.readout.copy_(torch.tensor([[1.0, -1.0], [1.0, -1.0]]))
+
+
+V = torch.tensor([[3.0, 4.0], [1.0, 2.0], [0.5, -1.0], [2.0, 2.0]])
+X, Y = torch.stack([V, -V], 1), torch.zeros(4, dtype=torch.long)
+
+
+def readout_loss(out, y):
+    return out[:, 0]
+
+
+@pytest.mark.parametrize("mode,how", [("twopass", "function"), ("recompute", "function"), ("twopass", "hook")])
+def test_a_backward_that_changes_between_the_passes_is_refused(mode, how):
+    with pytest.raises(DprunError, match=REFUSED):
+        released(mode, Cancelling(how), readout_loss, X, Y, C=0.01, arm=arm)
+    assert released("bk", Cancelling(how), readout_loss, X, Y, C=0.01, arm=arm) <= 4 * (1 + 1e-6)
+
+
+class OwnNoise(nn.Module):
+    """Feature noise from the model's own generator (not torch's global RNG, so recompute's second forward draws
+    other values) before a zero-initialised head, whose output-gradient does not depend on its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.head = nn.Linear(8, 2), nn.Linear(2, 3)
+        nn.init.zeros_(self.head.weight)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return self.head(h + torch.randn(h.shape, generator=self.gen) if self.training else h)
+
+
+def test_recompute_refuses_a_forward_that_draws_otherwise_the_second_time_and_twopass_takes_it():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=g) * 0.01, torch.randint(0, 3, (8,), generator=g)
+    ce = lambda out, t: F.cross_entropy(out, t, reduction="none")  # noqa: E731
+    torch.manual_seed(0)
+    with pytest.raises(DprunError, match=REFUSED):
+        released("recompute", OwnNoise(), ce, x, y, C=0.1)
+    assert released("twopass", OwnNoise(), ce, x, y, C=0.1) <= 8 * (1 + 1e-6)
