@@ -110,7 +110,10 @@ def flat(grads: dict[str, torch.Tensor], B: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "papernot_cnn" else n
                                   for n in MODELS])
 def test_projections_equal_inner_products_with_per_example_grads(name, mode):
+    from runner.methods.centred_norms import centre_spatial_norms
+
     model = build(name)
+    centre_spatial_norms(model)  # as jl's prepare: a normalisation kernel left in the graph is refused
     x, y = batch(name)
     torch.manual_seed(3)
     V = draw_directions(trainable_params(model), 3)  # name -> (3, *p.shape)

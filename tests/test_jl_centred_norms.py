@@ -82,3 +82,46 @@ def test_a_functional_normalisation_is_refused_under_jl_in_one_line(jvp, kind):
     with pytest.raises(DprunError, match=r"^method=jl: the model runs a normalisation kernel \(\w+\) "
                                          r"outside an nn.GroupNorm, nn.InstanceNorm or nn.LayerNorm module"):
         measured("jl", {"r": 4, "jvp": jvp}, model, x, 0.01)
+
+
+class ReflectStack(nn.Module):
+    """L x [Conv2d 3x3 (reflect padding) -> InstanceNorm2d(affine) -> Tanh] -> Linear: the style-transfer block. On an
+    image of constant pixels every conv's exact gradient is 0, while float32's backward keeps a residue of ~u times
+    terms grown 1/sqrt(eps) a layer, which jl's tangents do not see (review 30: 374 C at L = 4, 50,390 C at L = 5)."""
+
+    def __init__(self, layers):
+        super().__init__()
+        blocks, c = [], 3
+        for _ in range(layers):
+            blocks += [nn.Conv2d(c, 8, 3, padding=1, padding_mode="reflect"), nn.InstanceNorm2d(8, affine=True), nn.Tanh()]
+            c = 8
+        self.f = nn.Sequential(*blocks, nn.Flatten(), nn.Linear(8 * 16 * 16, 10))
+
+    def forward(self, x):
+        return self.f(x)
+
+
+@pytest.mark.parametrize("jvp", ["forward", "double_vjp"])
+def test_a_release_that_disagrees_with_its_projections_leaves_that_record_out(jvp):
+    """jl compares each chunk's release with its projections (jl.py release_agrees); a record whose release alone
+    disagrees is left out (runner/methods/dropped.py), so the crafted image adds nothing and the others as before."""
+    ce = lambda out, t: F.cross_entropy(out, t, reduction="none")  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+    crafted, label = torch.full((1, 3, 16, 16), 0.5), torch.tensor([3])
+    from runner.methods import METHODS
+
+    def release(xs, ys):
+        torch.manual_seed(0)
+        method = METHODS.build("jl", cfg={"r": 64, "jvp": jvp}, clip=1.0, sigma=0.0)
+        method.privacy_check = False
+        model = method.attach(ReflectStack(4))
+        torch.manual_seed(7)  # the step's directions
+        out = method.step(model, ce, xs, ys, torch.optim.SGD(model.parameters(), lr=0.0), sample_rate=1.0,
+                          expected_batch_size=1.0)
+        return torch.cat([p.grad.flatten() for p in model.parameters()]).double(), out.norms
+
+    with_it, norms = release(torch.cat([x, crafted]), torch.cat([y, label]))
+    without, honest = release(x, y)
+    assert float((with_it - without).norm()) <= 1e-3 and torch.isnan(norms[-1]) and not torch.isnan(norms[:-1]).any()
+    assert not torch.isnan(honest).any()

@@ -60,11 +60,15 @@ class Privatized:
     losses: torch.Tensor  # (B,) detached per-example losses
     outputs: torch.Tensor | None  # (B, classes) detached model outputs, for train accuracy
     norms: torch.Tensor | None  # (B,) per-example gradient norms (estimates for JL); None if not computed
+    # 0-dim bool: the release agrees with what the norms measured (jl: its projections, runner/methods/jl.py
+    # release_agrees); None where the method's release is its norms' own records. False: the chunk is formed again
+    # without the records whose release alone disagrees (runner/methods/dropped.py)
+    consistent: torch.Tensor | None = None
 
 
 @dataclass
 class StepOutput(Privatized):
-    mechanism: Mechanism  # what the accountant is told about this step
+    mechanism: Mechanism | None = None  # what the accountant is told about this step (always given)
 
 
 WEIGHT_DTYPES = (torch.float32, torch.float64)  # what a private method trains (Method.validate says why)
@@ -387,7 +391,7 @@ class Method:
                         expected_batch_size=expected_batch_size, generator=generator)
         finally:
             self._walked = None
-        return StepOutput(out.losses, out.outputs, out.norms, mechanism)
+        return StepOutput(out.losses, out.outputs, out.norms, mechanism=mechanism)
 
     def clipped_sum(self, model, loss_fn: LossFn, x, y, privatize=None) -> Privatized:
         """p.grad = the sum over the whole logical batch (every chunk, every rank) of the clipped per-example

@@ -103,7 +103,7 @@ class GraphOutputs:
         torch.compiler.cudagraph_mark_step_begin()  # a new replay: the previous one's outputs may be overwritten
         out = self.core(model, loss_fn, xp, yp, mask)
         copy = lambda t: None if t is None else t.clone()  # noqa: E731
-        return Privatized(copy(out.losses), copy(out.outputs), copy(out.norms))
+        return Privatized(copy(out.losses), copy(out.outputs), copy(out.norms), copy(out.consistent))
 
 
 class CudagraphSkips(logging.Handler):

@@ -13,7 +13,9 @@ branch's tangent, while its backward forms 0 * inf = nan in the unselected one; 
 nan, revealing its presence with certainty, and ended the run.
 
 Such a method says so (Method.backward_holds_records). After each chunk, Method.clipped_sum reads once whether every
-record's norm and loss, and every parameter's summed gradient, were finite (the chunk's one read: free on the CPU, a
+record's norm and loss, and every parameter's summed gradient, were finite, and whether the release agrees with the
+norms (Privatized.consistent: jl's projections of the release, twopass/recompute's second pass within their first's
+norms; reviews 29 and 30) (the chunk's one read: free on the CPU, a
 sync on a GPU; the sum's check is an aminmax per parameter, NaN-propagating and free of overflow). Where not, the
 chunk's sum is formed again, from the same random state, on the kept records' rows alone (`formed_with`: the chunk
 without the others, as a run without them would form it): first the records whose norm and loss were finite; if
@@ -71,9 +73,18 @@ def kept_rows(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, keep.nonzero()[:, 0].to(t.device))
 
 
+def agrees(part, device) -> torch.Tensor:
+    """0-dim bool on `device`: the chunk's release agrees with what its norms measured (Privatized.consistent; True
+    where the method does not say)."""
+    if part is None or part.consistent is None:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return part.consistent.to(device)
+
+
 def formed_with(method, model, loss_fn, x, y, keep: torch.Tensor, state, params) -> bool:
     """The chunk's clipped sum in p.grad formed again from `state` on the rows of the records in `keep` ((n,) bool)
-    alone. True if that sum is finite. No record kept: the sum is zero, formed without a pass."""
+    alone. True if that sum is finite and agrees with its norms (jl: Privatized.consistent). No record kept: the sum
+    is zero, formed without a pass."""
     for p in params:
         p.grad = None  # the earlier pass's sum is replaced, not added to
     if not read(keep.any()):
@@ -81,11 +92,12 @@ def formed_with(method, model, loss_fn, x, y, keep: torch.Tensor, state, params)
             p.grad = torch.zeros_like(p)
         return True
     set_rng_state(state, x.device)  # jl: the same directions; dropout: masks from the same state
-    method.privatize(model, loss_fn, kept_rows(x, keep), kept_rows(y, keep))
+    part = method.privatize(model, loss_fn, kept_rows(x, keep), kept_rows(y, keep))
     for p in params:
         if p.grad is None:  # a parameter the kept rows' graph did not reach
             p.grad = torch.zeros_like(p)
-    return read(sum_finite(params))
+    finite = sum_finite(params)
+    return read(finite & agrees(part, finite.device))
 
 
 def not_finite(rows: list[int], finite) -> list[int]:
@@ -102,7 +114,7 @@ def without_dropped(method, model, loss_fn, x, y, part, state, params):
     (see the module docstring); `part`: the chunk's Privatized from the first pass, `state`: the random state
     (rng.rng_state) before it. Nothing is done, beyond the one read, when every record and the sum were finite."""
     keep = records_kept(method, part)  # (n,)
-    if certify.every_record_kept(keep.all() & sum_finite(params)):
+    if certify.every_record_kept(keep.all() & sum_finite(params) & agrees(part, keep.device)):
         return part
     if not formed_with(method, model, loss_fn, x, y, keep, state, params):
         keep = keep & ~bisected(method, model, loss_fn, x, y, keep, state, params)
@@ -126,7 +138,8 @@ def bisected(method, model, loss_fn, x, y, keep, state, params) -> torch.Tensor:
 
 
 def refused(method) -> DprunError:
-    return DprunError(f"method={method.name}'s clipped sum is not finite even without the records whose gradient is "
-                      f"not finite: records that are each finite alone are not together (their sum overflows, or the "
-                      f"model couples them), so no record can be left out exactly; use method=nxbp or multiloss "
-                      f"(each example's gradient alone)")
+    return DprunError(f"method={method.name}'s clipped sum is not finite, or does not agree with the norms that set "
+                      f"its clip factors, even without the records for which alone it is not or does not: records that "
+                      f"are each right alone are not together (their sum overflows, the model couples them, or its "
+                      f"forward or backward changes between passes), so no record can be left out exactly; use "
+                      f"method=reweight method.mode=bk, or method=nxbp or multiloss (each example's gradient alone)")

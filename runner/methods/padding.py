@@ -81,7 +81,7 @@ def padded(privatize, physical: int | Sequence[int], core=None):
         if len(mask) == n:
             return out
         return Privatized(out.losses[:n], out.outputs[:n] if out.outputs is not None else None,
-                          out.norms[:n] if out.norms is not None else None)
+                          out.norms[:n] if out.norms is not None else None, out.consistent)
 
     return run
 

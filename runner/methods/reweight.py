@@ -30,7 +30,6 @@ import torch
 
 from runner.errors import DprunError
 from runner.methods.base import METHODS, Method, Privatized
-from runner.methods.dropped import read
 from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.features import Feature
 from runner.norms import Recorder, plan_model
@@ -133,8 +132,9 @@ class ReweightGP(Method):
     def privatize(self, model, loss_fn, x, y) -> Privatized:
         params = self.trainable(model)
         plan = self.plan(model, params)
+        consistent = None  # twopass/recompute: their second pass's records within the first's norms (released.py)
         if self.mode == "recompute":
-            outputs, losses, norms = self.recomputed(plan, params, model, loss_fn, x, y)
+            outputs, losses, norms, consistent = self.recomputed(plan, params, model, loss_fn, x, y)
         elif self.mode == "twopass":
             # the second pass runs through the kept graph: a record that is not finite (nu = 0) has its rows masked
             # in the sums, and Method.clipped_sum forms the chunk again without it (backward_holds_records)
@@ -144,13 +144,14 @@ class ReweightGP(Method):
             norms = certified_norms(streaming.backward(losses.sum(), len(y)), streaming.layers)  # (B,); graph kept
             nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
             release = ReleasedSums.through_graph(streaming, nu)
-            self.assign(params, release.run(losses.sum(), len(y), graph_kept=True), release)
+            self.assign(params, release.run(losses.sum(), len(y), graph_kept=True))
+            consistent = release.agrees()
         else:
             outputs, losses, norms = self.book_kept(plan, params, model, loss_fn, x, y)
         if not plan.matches(model):
             raise DprunError("the model's trainable parameters changed during the step; every trainable "
                              "parameter must be covered by a norm rule")
-        return Privatized(losses.detach(), outputs.detach(), norms)
+        return Privatized(losses.detach(), outputs.detach(), norms, consistent)
 
     def book_kept(self, plan, params, model, loss_fn, x, y):
         """Book-keeping: one forward, one backward, each layer's clipped sum from its records (book_keeping).
@@ -223,15 +224,12 @@ class ReweightGP(Method):
         with ReleasedSums(plan, nu, streaming) as release:
             outputs = model(x)  # (B, classes)
             losses = loss_fn(outputs, y)  # (B,)
-        self.assign(params, release.run(losses.sum(), len(y), graph_kept=False, ask_all=ask_all), release)
-        return outputs, losses, norms
+        self.assign(params, release.run(losses.sum(), len(y), graph_kept=False, ask_all=ask_all))
+        return outputs, losses, norms, release.agrees()
 
     @staticmethod
-    def assign(params, sums: dict, release: ReleasedSums | None = None) -> None:
-        """p.grad = each parameter's clipped sum (zero for a covered module not called); from ReleasedSums
-        (`release`): refused in one line unless its output-gradients were the first pass's (one read)."""
-        if release is not None and not read(release.agrees()):
-            raise release.refusal()
+    def assign(params, sums: dict) -> None:
+        """p.grad = each parameter's clipped sum (zero for a covered module not called)."""
         for p in params:
             p.grad = sums.pop(id(p), None)
             if p.grad is None:

@@ -38,6 +38,16 @@ class Call:
     modified: bool = False  # set by backprops, which then drops `out` (memory)
 
 
+def plain(t):
+    """t as a plain torch.Tensor (a view, no copy) where it is a subclass: the rules' norms and sums on a recorded
+    input or output-gradient run torch's own code, not the subclass's __torch_function__ (review 29: an input whose
+    class answered vector_norm with zeros left a layer out of the norm, 2828 C in every mode). A subclass torch.compile
+    traces with (its fake tensors) is left to it."""
+    if type(t) is torch.Tensor or not isinstance(t, torch.Tensor) or torch.compiler.is_compiling():
+        return t
+    return t.as_subclass(torch.Tensor)
+
+
 _OPEN: list = []  # the open CallHooks, innermost last: where the installed hooks (install_call_hooks) send calls
 INSTALLED = "_dprun_call_hook"  # a module attribute: True once install_call_hooks gave the module its hook
 
@@ -87,7 +97,7 @@ class CallHooks:
         self.handles.clear()
 
     def _hook(self, module, args, kwargs, out):
-        self.on_call(module, args[0] if args else next(iter(kwargs.values())), out)
+        self.on_call(module, plain(args[0] if args else next(iter(kwargs.values()))), out)
 
     def on_call(self, module: torch.nn.Module, inp: torch.Tensor, out: torch.Tensor) -> None:
         raise NotImplementedError
@@ -109,7 +119,7 @@ class Recorder(CallHooks):
         if calls:  # else no covered layer reached the loss: every output-gradient is zero
             grads = torch.autograd.grad(loss, [c.out for c in calls], allow_unused=True, retain_graph=retain_graph)
             for c, g in zip(calls, grads):
-                c.grad = g
+                c.grad = plain(g)
         for cs in self.calls.values():  # memory: check in-place use now and drop the outputs (only grads are needed)
             for c in cs:
                 c.modified = c.versions is not None and (c.inp._version, c.out._version) != c.versions

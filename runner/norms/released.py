@@ -14,9 +14,12 @@ with the first pass's clip factors, by the rule's own clipped_sums: book-keeping
 same records' certified per-example squared norms are formed again and must be at most the first pass's, layer by
 layer, for every example kept (one read a step): then each example's released contribution, nu_i times the exact
 norm of what is summed for it, is at most C, as book-keeping's. On a deterministic backend the two passes' records
-are equal bit for bit. Where they are not, the step is refused in one line: a backward or a forward that changes
-between the passes (a user's autograd.Function counting its calls, a forward drawing from its own generator under
-recompute, a user's gradient hook read before it in the first pass and after it in the second). A fingerprint of the
+are equal bit for bit. Where they are not (a backward or a forward that changes between the passes: a user's
+autograd.Function counting its calls, a forward drawing from its own generator under recompute, a user's gradient hook
+read before it in the first pass and after it in the second), the chunk says so (agrees(), Privatized.consistent) and
+is formed again without the records whose release alone disagrees, each left out as a record that is not finite is
+(runner/methods/dropped.py); a chunk that still disagrees is refused in one line. Ending the run at once instead let
+one record's presence decide the run's outcome (review 29). A fingerprint of the
 output-gradients (their sum and sum of squares) was the check at first: review 27 got a permutation of +-1 values
 past it (1414 C), an input changed by the second forward (8602 C; 2.08 C from an honest model's own noise
 generator) and a hook read at two points (1414 C).
@@ -106,16 +109,6 @@ class ReleasedSums(StreamingNorms):
         kept (read once by the caller)."""
         flags = [flag for _, flag in self.agreed]
         return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
-
-    def refusal(self) -> DprunError:
-        """The one line when agrees() is False, naming the first layer that differs."""
-        where = next((path for path, flag in self.agreed if not bool(flag)), "a layer")
-        return DprunError(f"{where}: its records in the second pass (the backward repeated to form the clipped sums) "
-                          f"have a larger per-example norm than in the first, whose norms set the clip factors: the "
-                          f"model's forward or backward changes between the passes (randomness not from torch's "
-                          f"global RNG, state the forward updates, a custom autograd.Function or gradient hook that "
-                          f"does, a nondeterministic kernel); use method.mode=bk, which sums the very records it "
-                          f"measured")
 
     def _targets_reached(self, wanted: list, grads) -> None:
         """A call whose output is itself a target of the backward (a source: the first layer of a chain) gets its

@@ -35,7 +35,7 @@ from runner.errors import DprunError
 from runner.norms.base import added
 from runner.norms.certify import exact_float32
 from runner.norms.coverage import Plan
-from runner.norms.hooks import CallHooks
+from runner.norms.hooks import CallHooks, plain
 
 
 TRANSIENT_BUDGET = 1.0  # a chunk's norm transients: at most this fraction of the layer's input + output-gradient
@@ -150,9 +150,9 @@ class StreamingNorms(CallHooks):
 
     def _on_grad(self, key: int, index: int, grad: torch.Tensor) -> None:
         p = self.pending.get(key)
-        if p is None:  # the second backward runs through the same graph: the norms are done by then
-            return
-        p.grads[index] = grad
+        if p is None or p.grads[index] is not None:  # the norms are done, or this call's gradient arrived already: a
+            return  # later backward over the same graph fires the hook again (review 29: the count went wrong)
+        p.grads[index] = plain(grad)
         p.waiting -= 1
         if p.waiting == 0:  # every call of the module has its output-gradient: its norm, then free them
             self._add(key)
