@@ -125,3 +125,24 @@ def test_a_release_that_disagrees_with_its_projections_leaves_that_record_out(jv
     without, honest = release(x, y)
     assert float((with_it - without).norm()) <= 1e-3 and torch.isnan(norms[-1]) and not torch.isnan(norms[:-1]).any()
     assert not torch.isnan(honest).any()
+
+
+def test_the_release_check_tolerance_grows_like_a_sums_rounding_not_like_the_batch():
+    """Review 31: a tolerance of 1e-4 sum_i nu_i M_i let one record spend the whole batch's slack (0.58 C of pure
+    residue kept at B = 16384, where it was 1.64 C). It is now 1e-3 C + 1e-4 sqrt(sum_i (nu_i M_i)^2): 0.0138 C at
+    B = 16384 with every record clipped, so a residue of 0.1 C is seen; none is accepted."""
+    from runner.methods.jl import release_agrees
+
+    g = torch.Generator().manual_seed(0)
+    B, r, d = 16384, 64, 50
+    directions = {"w": torch.randn(r, d, generator=g)}
+    G = torch.randn(d, generator=g)  # the release without a residue: what the projections say
+    P = torch.zeros(B, r)
+    P[0] = directions["w"] @ G  # one record's projections carry it all; the others project to 0 ...
+    norms = torch.ones(B)  # ... while every record's estimate is C = 1 (clipped: nu M = C)
+    nu = torch.ones(B)
+    assert bool(release_agrees({"w": G}, directions, P, nu, norms, 1.0))
+    residue = torch.randn(d, generator=g)
+    for size in (0.1, 1.0):
+        bumped = G + size * residue / residue.norm()
+        assert not bool(release_agrees({"w": bumped}, directions, P, nu, norms, 1.0)), size
