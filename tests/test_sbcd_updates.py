@@ -107,3 +107,28 @@ def test_gradients_match_autograd_and_stay_within_the_sensitivity_bound():
     assert max(up.grad_top(theta_top.detach() * 50, x[i:i + 1], y[i:i + 1], 1.0).norm() for i in range(7)) \
         <= top.sensitivity / 2
     assert top.lipschitz_prox == pytest.approx(1 / 1.1) and top.lipschitz_grad == 1.0
+
+
+def test_a_float32_gradient_stays_within_the_sensitivity_the_noise_is_scaled_to():
+    """Review 32: in float32 clip_rows leaves a row up to 2.3e-7 above its radius and spectral_project a top singular
+    value up to 1.85e-6 above 1; an input along a projected weight's top direction, at its radius, with the auxiliary
+    row opposite, gave a gradient of G (1 + 1.3e-6). The sensitivity S_g = 2 G carries a float32 slack of 1e-5."""
+    import math
+
+    from runner.methods.sbcd import updates as up
+    from runner.methods.sbcd.bounds import layer_constants
+
+    torch.manual_seed(0)
+    worst = 0.0
+    for _ in range(60):
+        scale = 10 ** torch.empty(1).uniform_(-0.5, 3).item() / 8
+        theta = up.spectral_project(torch.randn(32, 64, dtype=torch.float32) * scale)
+        top = torch.linalg.svd(theta.double())[2][0]
+        for X, RU, gamma in ((1.0, 1.0, 1.0), (0.37, 2.9, 3.3), (1e3, 1e-2, 1.0)):
+            x = up.clip_rows((top * 1e4).float()[None], X)
+            u = up.clip_rows(-(x @ theta.T) * 1e6, RU)
+            half = layer_constants(top=False, gamma=gamma, x_radius=X, u_radius=RU, eta=1.0, reg="none",
+                                   lam=0.0).sensitivity / 2
+            worst = max(worst, up.grad_middle(theta, x, u, gamma, 1.0).double().norm().item() / half)
+    assert 1.0 < worst * (1 + 1e-5) and worst <= 1.0, worst  # reaches the unslacked G, stays within the slacked one
+    assert math.isfinite(worst)

@@ -37,6 +37,9 @@ class LayerConstants:
     lipschitz_prox: float  # L_T
 
 
+FLOAT32_SLACK = 1e-5  # relative: the float32 clip and projection's rounding (layer_constants), with a margin
+
+
 def layer_constants(*, top: bool, gamma: float, x_radius: float, u_radius: float, eta: float, reg: str,
                     lam: float) -> LayerConstants:
     if top:
@@ -46,7 +49,10 @@ def layer_constants(*, top: bool, gamma: float, x_radius: float, u_radius: float
     m = 0.0
     lf = max(abs(1 - eta * m), abs(1 - eta * L))
     lt = 1.0 / (1.0 + eta * lam) if reg == "l2" else 1.0
-    return LayerConstants(2 * G, L, m, lf, lt)
+    # the float32 step: clip_rows leaves a row at up to its radius (1 + 2.3e-7) and spectral_project a top singular
+    # value at up to 1 + 1.85e-6, so an example's gradient reached G (1 + 1.3e-6) (review 32); the sensitivity the
+    # noise is scaled to covers it
+    return LayerConstants(2 * G * (1 + FLOAT32_SLACK), L, m, lf, lt)
 
 
 def network_constants(*, depth: int, gamma: float, x_radius: list[float], u_radius: list[float], eta: float, reg: str,
