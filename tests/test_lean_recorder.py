@@ -484,7 +484,8 @@ def test_defer_forms_the_norms_of_record_keeping_layers_after_the_backward_exact
     x, y = torch.randn(5, 12, 24, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
     want_norms, want = nxbp_step(model, x, y, clip=0.2)
     for defer, expected in (("on", [(3, 0), (1, 2), (1, 2)]), ("off", [(3, 0)] * 3), ("all", [(0, 3)] * 3)):
-        method = METHODS.build("reweight", cfg={"mode": "bk", "defer": defer}, clip=0.2, sigma=0.0)
+        # method.late=off: the stash-only layer would otherwise go late (no hook either: tests/test_late_layers.py)
+        method = METHODS.build("reweight", cfg={"mode": "bk", "defer": defer, "late": "off"}, clip=0.2, sigma=0.0)
         method.privacy_check = False
         m = method.attach(copy.deepcopy(model))
         counts = []  # (tensor hooks, deferred calls) of each step's backward
@@ -505,7 +506,7 @@ def test_a_deferred_layer_called_again_is_still_exact(monkeypatch):
     torch.manual_seed(5)
     model = SeqNet().double()
     x, y = torch.randn(4, 12, 24, dtype=torch.float64), torch.tensor([0, 1, 2, 1])
-    method = METHODS.build("reweight", cfg={"mode": "bk", "defer": "on"}, clip=0.3, sigma=0.0)
+    method = METHODS.build("reweight", cfg={"mode": "bk", "defer": "on", "late": "off"}, clip=0.3, sigma=0.0)
     method.privacy_check = False
     m = method.attach(copy.deepcopy(model))
     for _ in range(2):
@@ -558,8 +559,8 @@ def test_defer_all_drops_each_output_gradient_once_its_norm_is_formed():
     defer=off."""
     model, x, y = bench_transformer()
     peaks = {}
-    for defer in ("off", "all"):
-        method = METHODS.build("reweight", cfg={"mode": "bk", "defer": defer}, clip=1.0, sigma=0.0)
+    for defer in ("off", "all"):  # late=off: defer alone (late layers: tests/test_late_layers.py)
+        method = METHODS.build("reweight", cfg={"mode": "bk", "defer": defer, "late": "off"}, clip=1.0, sigma=0.0)
         method.privacy_check = False
         m = method.attach(copy.deepcopy(model))
         method.privatize(m, loss_fn, x, y)

@@ -110,6 +110,10 @@ CONSTRUCTIONS = {
          lambda g, eps: near_constant((28, 128), eps, g)),
         ("linear64_T256", lambda s: Cancelling(nn.Linear(64, 64), torch.zeros(1, 256, 64), seq, s),
          lambda g, eps: near_constant((256, 64), eps, g)),
+        # the bench transformer's feed-forward shape: book-keeping keeps a G_i larger than its records, so on the CPU
+        # it goes late and chunked (runner/norms/late.py); linear64_T256 goes late whole
+        ("linear200x800_T150", lambda s: Cancelling(nn.Linear(200, 800), torch.zeros(1, 150, 200), seq, s),
+         lambda g, eps: near_constant((150, 200), eps, g)),
         # one position (T = 1): the weight and the bias bounded together (outer.rank_one_with_bias_sq), no
         # cancellation to exploit, so the bound must be tight: a factor 0.1% short already exceeds C
         ("linear512x256_one_position", lambda s: Cancelling(nn.Linear(512, 256), torch.zeros(1, 512), one_position, s),
@@ -250,6 +254,7 @@ SETTINGS = {  # label -> (method, cfg, precision): the table's columns
     "bk defer on": ("reweight", {"defer": "on"}, "fp32"),  # record-keeping layers' norms after the backward
     "bk defer all": ("reweight", {"defer": "all"}, "fp32"),  # every layer's norm after the backward
     "bk keep 0": ("reweight", {"keep": 0}, "fp32"),  # every clipped sum from the records (no G_i kept)
+    "bk late off": ("reweight", {"late": "off"}, "fp32"),  # kept G_i formed inside the backward (late: the default)
     "twopass": ("reweight", {"mode": "twopass"}, "fp32"),
     "recompute": ("reweight", {"mode": "recompute"}, "fp32"),
     "bk bf16": ("reweight", {}, "bf16"),

@@ -66,13 +66,17 @@ SECURE = ["reweight-bk-secure", "noise-seeded", "noise-secure"]  # rng=secure's 
 # GPU's host-bound step may prefer a backward with no Python between its kernels, and the lean recorder with its
 # record-keeping layers' norms after the backward or inside it whatever the device, or every layer's after it
 # (method.defer=on / off / all; the default, auto, is on on CUDA, off on the CPU) (device-check); bk keeping no
-# per-example gradient (method.keep=0: the least memory) or only those that save memory (method.keep_mb=0)
+# per-example gradient (method.keep=0: the least memory) or only those that save memory (method.keep_mb=0); bk with
+# its kept per-example gradients formed after the backward or inside it whatever the device (method.late=on / off;
+# the default, auto, is on on the CPU, off on CUDA)
 ON_REQUEST = {"reweight-bk-full": ("reweight", {"mode": "bk", "recorder": "full"}),
               "reweight-bk-inline": ("reweight", {"mode": "bk", "defer": "off"}),
               "reweight-bk-defer": ("reweight", {"mode": "bk", "defer": "on"}),
               "reweight-bk-deferall": ("reweight", {"mode": "bk", "defer": "all"}),
               "reweight-bk-keep0": ("reweight", {"mode": "bk", "keep": 0}),
-              "reweight-bk-keepmb0": ("reweight", {"mode": "bk", "keep_mb": 0})}
+              "reweight-bk-keepmb0": ("reweight", {"mode": "bk", "keep_mb": 0}),
+              "reweight-bk-late": ("reweight", {"mode": "bk", "late": "on"}),
+              "reweight-bk-nolate": ("reweight", {"mode": "bk", "late": "off"})}
 DEFAULT_ROWS = list(METHOD_VARIANTS) + SECURE
 ALL = DEFAULT_ROWS + list(ON_REQUEST)
 # the footnote of opacus-ghost's rows: timed as a peer, refused for training (runner/methods/opacus_peer.py)

@@ -54,6 +54,7 @@ RECORDERS = ("lean", "full")
 # (the stash-only layers' records then wait too: Recorder's order, without its kept outputs); auto: on on CUDA, off
 # elsewhere
 DEFERS = ("auto", "on", "off", "all")
+LATES = ("auto", "on", "off")
 
 
 def keep_ratio(value) -> float:
@@ -81,6 +82,7 @@ class ReweightGP(Method):
         self.how = self.choice("norm", "auto", HOW)
         self.recorder = self.choice("recorder", "lean", RECORDERS)  # bk: where each layer's norm is formed
         self.defer = self.choice("defer", "auto", DEFERS)  # bk lean: record-keeping layers' norms after the backward
+        self.late = self.choice("late", "auto", LATES)  # bk lean: kept G_i formed after the backward (late.py)
         budget = keep_budget(self.option("keep_mb", None))  # method.keep_mb replaces method.keep's ratio
         self.keep = budget if budget is not None else keep_ratio(self.option("keep", KEEP))
         self._plan, self._model_id = None, None
@@ -92,6 +94,11 @@ class ReweightGP(Method):
         if self.defer == "auto":
             return "kept" if device.type == "cuda" else "off"
         return {"on": "kept"}.get(self.defer, self.defer)
+
+    def goes_late(self, device: torch.device) -> bool:
+        """method.late for a bk step on `device`: auto is on on the CPU, off on CUDA (each chunk adds kernels, and a
+        GPU step of a small model is bound by its launches: not measured on a GPU yet)."""
+        return self.late == "on" or (self.late == "auto" and device.type != "cuda")
 
     def defers(self, device: torch.device) -> bool:
         """Does a bk step on `device` defer any norm (from its second step on)?"""
@@ -166,16 +173,18 @@ class ReweightGP(Method):
             self.keep.begin_step()
         if self._lean and self.recorder == "lean" and not self.traced and not torch.compiler.is_compiling():
             state = rng_state(x.device)
-            with LeanRecorder(plan, self.how, stashes, self.keep, defer=self.deferral(x.device)) as rec, \
+            with LeanRecorder(plan, self.how, stashes, self.keep, defer=self.deferral(x.device),
+                              late=self.goes_late(x.device)) as rec, \
                     self.autocast(x):
                 outputs = model(x)  # (B, classes)
                 losses = loss_fn(outputs, y)  # (B,)
             norms_sq = rec.backward(losses.sum(), len(y))  # (B,) certified; None: a call it did not reach
             if norms_sq is not None:
-                norms = certified_norms(norms_sq, rec.layers)  # (B,)
-                nu = self.clip_factors(norms)  # (B,); 0 for a record whose norm is not finite
+                # (B,) norms and clip factors (0 for a record whose norm is not finite); the late layers' G_i are
+                # formed here, with their clipped sums (runner/norms/late.py)
+                norms, nu, late_sums = rec.finish(norms_sq, self.clip_factors)
                 with exact_float32(x.device):
-                    self.book_keeping(params, rec, stashes, nu)
+                    self.book_keeping(params, rec, stashes, nu, late_sums)
                 return outputs, losses, norms
             self._lean = False
             set_rng_state(state, x.device)
@@ -239,7 +248,7 @@ class ReweightGP(Method):
 
     @staticmethod
     @torch.no_grad()
-    def book_keeping(params, rec, stashes, nu):
+    def book_keeping(params, rec, stashes, nu, late_sums: dict | None = None):
         """Each layer's clipped sum from its recorded inputs and output-gradients; no second backward. Under no_grad:
         the conv rule calls the weight-gradient kernel with the layer's weight, and recorded history would keep the
         step's records alive in p.grad (and, over the chunks of a logical batch, every chunk's).
@@ -253,7 +262,8 @@ class ReweightGP(Method):
         which the GPU runs while the host goes on. Only if one was not kept are the sums formed again, masked, from
         the same records. Unmasked and masked sums are equal when every example is kept (a row
         with nu = 0 and finite values adds zeros), so the released sum is always the masked one. The records are
-        freed when the sums are final. Compiled: one masked pass, nothing read."""
+        freed when the sums are final. Compiled: one masked pass, nothing read. late_sums: the late layers' clipped
+        sums, final already (runner/norms/late.py)."""
         keep = nu > 0  # (B,)
         if torch.compiler.is_compiling():
             sums = ReweightGP.clipped_sums(rec, stashes, nu, keep, all_kept=False)
@@ -265,6 +275,7 @@ class ReweightGP(Method):
         stashes.clear()
         for _, module, _ in rec.plan.layers:
             rec.release(module)
+        sums.update(late_sums or {})
         ReweightGP.assign(params, sums)  # a covered module that was not called this step contributes zero
 
     @staticmethod

@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import torch
 
-from runner.norms.certify import exact_float32
+from runner.norms.certify import certified_norms, exact_float32
 from runner.norms.coverage import Plan
+from runner.norms.late import LateLayers, goes_late
 from runner.norms.outer import KEEP, Stash
 from runner.norms import streaming
 from runner.norms.streaming import StreamingNorms
@@ -71,7 +72,7 @@ RECORDS_KEPT: dict = {}
 
 class LeanRecorder(StreamingNorms):
     def __init__(self, plan: Plan, how: str, stashes: dict, keep=KEEP, capture_bytes: int | None = None,
-                 defer: str = "off"):
+                 defer: str = "off", late: bool = False):
         # calls whose outputs add up to at most capture_bytes (default streaming.CAPTURE_BYTES) get no tensor hook
         super().__init__(plan, how, streaming.CAPTURE_BYTES if capture_bytes is None else capture_bytes)
         self.stashes = stashes  # id(module) -> the rule's stash (kept per-example gradients or sums)
@@ -83,18 +84,29 @@ class LeanRecorder(StreamingNorms):
         if defer not in ("off", "kept", "all"):
             raise ValueError(f"LeanRecorder defer={defer!r}: off, kept or all")
         self.defer = defer
+        # late: a Linear called once whose G_i the stash would keep gets no hook, and its norm and clipped sum are
+        # formed after the backward, chunk by chunk (runner/norms/late.py): G_i never adds to the backward's peak
+        self.late = LateLayers(how, keep) if late else None
+        self.late_keys: set[int] = set()  # id(module) of the calls sent late (goes_late, at their first call)
 
     def defers(self, module, inp: torch.Tensor, out: torch.Tensor) -> bool:
         """defer "kept": a layer called once that kept its records the last time (RECORDS_KEPT), "all": any layer's
         first call: its norm after the backward, so the backward's kernels are all launched before the norms' (a GPU
         step bound by its host launches them in the order 0c009e4 did; each norm inside the backward runs Python
         between its kernels)."""
+        if self.late is not None and goes_late(module, inp, out, self.how, self.keep):
+            self.late_keys.add(id(module))
+            return True
         if self.defer == "all":
             return True
         return self.defer == "kept" and RECORDS_KEPT.get(signature(module, inp, out), False)
 
     def _add(self, key: int) -> None:
         path, module, rule, inputs, grads = self._calls(key)
+        if key in self.late_keys and len(inputs) == 1:  # its norm and clipped sum after the backward (finish)
+            self.late.add(path, module, rule, inputs[0], grads[0])
+            self.layers += 1
+            return
         stash = self.stashes.setdefault(key, Stash(self.keep, key, defers=self.defer != "off"))
         # bf16: the norm and the clipped sum are formed from the same float32 upcasts (as Recorder), or the same
         # bf16 records on a GPU's tensor cores (a Linear: runner/norms/tensor_cores.py)
@@ -165,6 +177,14 @@ class LeanRecorder(StreamingNorms):
     def backward(self, loss: torch.Tensor, batch_size: int, keep_graph: bool = False) -> torch.Tensor | None:
         """The one backward of book-keeping, graph freed as it goes; (B,) squared norms, or None if incomplete."""
         return super().backward(loss, batch_size, keep_graph=False)
+
+    def finish(self, early_sq: torch.Tensor, clip_factors) -> tuple:
+        """After backward: (B,) certified norms, (B,) clip factors and the late layers' {id(parameter): clipped sum}
+        (runner/norms/late.py); early_sq is backward's (B,) sum of the other layers' bounds."""
+        if self.late is None:
+            norms = certified_norms(early_sq, self.layers)
+            return norms, clip_factors(norms), {}
+        return self.late.finish(early_sq, self.layers, clip_factors)
 
     def raw_layers(self):
         """(path, module, rule, [(input, output-gradient) per call], upcast to float32) per covered module that was
