@@ -123,7 +123,7 @@ def test_bad_input_is_one_line():
                            method="rewieght", batch_size=40)
     with pytest.raises(DprunError, match="data must be"):
         dprun.make_private(model := nn.Linear(5, 3), torch.optim.SGD(model.parameters(), lr=0.1), x, batch_size=4)
-    with pytest.raises(DprunError, match=r"^unknown option method.mdoe for method=reweight; its options: defer, keep, keep_mb, mode, norm, recorder"):
+    with pytest.raises(DprunError, match=r"^unknown option method.mdoe for method=reweight; its options: defer, keep, keep_mb, late, mode, norm, recorder"):
         dprun.make_private(model := nn.Linear(5, 3), torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
                            method="reweight", method_options={"mdoe": "twopass"}, batch_size=40)
 

@@ -179,3 +179,63 @@ def test_late_layers_hold_the_bench_transformer_at_the_non_private_peak():
                                         before=lambda: m.zero_grad(set_to_none=True))
     assert peaks["on"] <= 1.05 * peaks["nonprivate"], peaks
     assert peaks["on"] <= peaks["off"] - 12 * 2**20, peaks
+
+
+class InPlaceAfter(nn.Module):
+    """A Linear on a sequence returns its (B*T, o) product viewed as (B, T, o); nn.ReLU(inplace=True) on that view
+    moves it onto a new autograd node, and the old view node's edge and hooks got no gradient: up's clipped sum was
+    silently zero in late (any B), in bk at B = 1 (its small output captured by edge) and in twopass (review 33)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.head = nn.Linear(28, 84), nn.Linear(84, 28), nn.Linear(28, 3)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):  # (B, 20, 28)
+        return self.head(self.down(self.act(self.up(x))).mean(1))
+
+
+@pytest.mark.parametrize("cfg", [{"mode": "bk", "late": "on"}, {"mode": "bk", "late": "off"},
+                                 {"mode": "twopass"}, {"mode": "recompute"}])
+@pytest.mark.parametrize("B", [1, 8])
+def test_an_in_place_relu_after_a_linear_on_a_sequence_is_exact(cfg, B):
+    torch.manual_seed(4)
+    model = InPlaceAfter().double()
+    x, y = torch.randn(B, 20, 28, dtype=torch.float64), torch.randint(0, 3, (B,))
+    want_norms, want = oracle(model, x, y, clip=0.3)
+    method = METHODS.build("reweight", cfg=cfg, clip=0.3, sigma=0.0)
+    method.privacy_check = False
+    m = method.attach(copy.deepcopy(model))
+    out = method.privatize(m, loss_fn, x, y)
+    torch.testing.assert_close(out.norms, want_norms, rtol=1e-6, atol=0)
+    for g, w in zip([p.grad for p in m.parameters()], want):
+        assert w.abs().sum() > 0
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+
+
+def test_a_float64_loss_over_a_model_whose_only_layer_goes_late():
+    """Every covered layer late: the other layers' norm sum starts from zeros of the records' dtype, not the loss's
+    (a float64 loss made the clip factors float64 and the float32 clipped sum raised: review 33)."""
+
+    class OnlyUp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(28, 84)
+
+        def forward(self, x):
+            return torch.tanh(self.up(x)).mean(1)  # (B, 84)
+
+    torch.manual_seed(5)
+    model = OnlyUp()
+    x, y = torch.randn(5, 20, 28), torch.zeros(5, dtype=torch.long)
+    loss64 = lambda out, y: out.double().sum(1)  # noqa: E731
+    sums = {}
+    for mode in ("on", "off"):
+        method = METHODS.build("reweight", cfg={"mode": "bk", "late": mode}, clip=0.3, sigma=0.0)
+        method.privacy_check = False
+        m = method.attach(copy.deepcopy(model))
+        out = method.privatize(m, loss64, x, y)
+        assert out.norms.dtype == torch.float32
+        sums[mode] = [p.grad for p in m.parameters()]
+    for a, b in zip(sums["on"], sums["off"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

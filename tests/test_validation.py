@@ -207,7 +207,7 @@ def test_adam_knobs_are_refused_before_any_data_is_loaded(tmp_path, no_data, ext
     assert "\n" not in str(err.value) and str(err.value).startswith("optimizer.")
 
 
-@pytest.mark.parametrize("override,valid", [("+method.foo=3", "keep, keep_mb, mode, norm"), ("+optimizer.foo=1", "momentum"),
+@pytest.mark.parametrize("override,valid", [("+method.foo=3", "keep, keep_mb, late, mode, norm"), ("+optimizer.foo=1", "momentum"),
                                             ("+dataset.foo=1", "paper_model")])
 def test_an_unknown_option_of_a_group_is_refused_naming_the_valid_ones(tmp_path, no_data, override, valid):
     """Hydra accepts any `+group.key=` into the config; nothing would read it, so the run would ignore it."""

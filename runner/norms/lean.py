@@ -181,9 +181,11 @@ class LeanRecorder(StreamingNorms):
     def finish(self, early_sq: torch.Tensor, clip_factors) -> tuple:
         """After backward: (B,) certified norms, (B,) clip factors and the late layers' {id(parameter): clipped sum}
         (runner/norms/late.py); early_sq is backward's (B,) sum of the other layers' bounds."""
-        if self.late is None:
+        if self.late is None or not len(self.late):
             norms = certified_norms(early_sq, self.layers)
             return norms, clip_factors(norms), {}
+        if not self.terms:  # every layer late: start from zeros of their records' dtype, not the loss's (float64
+            early_sq = torch.zeros_like(early_sq, dtype=self.late.records[0][3].dtype)  # loss: review 33)
         return self.late.finish(early_sq, self.layers, clip_factors)
 
     def raw_layers(self):

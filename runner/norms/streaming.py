@@ -54,6 +54,20 @@ TRANSIENT_FLOOR_BYTES = 2**20
 CAPTURE_BYTES = 2**21
 
 
+def carrier(out: torch.Tensor) -> torch.Tensor:
+    """The tensor whose gradient edge (or hook) gets a call's output-gradient: `out` itself, or, where `out` is an
+    autograd view that only reshapes a product (a Linear on a sequence returns its (B*T, o) product viewed as
+    (B, T, o)), that product. An in-place op on such a view (nn.ReLU(inplace=True) after the Linear) moves the view
+    onto a new node, and the old view node's edge and hooks then get no gradient at all: the layer's gradient was
+    silently zero (review 33). The product's own node still gets the gradient of the value the layer produced, the
+    same values (the view's backward only reshapes it); _on_grad reshapes it back."""
+    base = out._base
+    if (base is not None and base._base is None and base.requires_grad and base.numel() == out.numel()
+            and base.is_contiguous() and out.is_contiguous()):
+        return base
+    return out
+
+
 @dataclass
 class Pending:
     """One module's calls in this step: the recorded inputs, the output-gradients received so far."""
@@ -99,10 +113,11 @@ class StreamingNorms(CallHooks):
         p.versions.append(None if torch.compiler.is_compiling() else inp._version)
         p.shapes.append((out.shape, out.dtype, out.device))
         p.grads.append(None)
+        node = carrier(out)  # what carries the output's gradient (a Linear's product under its (B, T, o) view)
         if self.remember == "calls":
-            p.edges.append(torch.autograd.graph.get_gradient_edge(out) if out.requires_grad else None)
+            p.edges.append(torch.autograd.graph.get_gradient_edge(node) if out.requires_grad else None)
         if not inp.requires_grad and out.requires_grad:
-            self.sources.append(torch.autograd.graph.get_gradient_edge(out))
+            self.sources.append(torch.autograd.graph.get_gradient_edge(node))
         if out.requires_grad:
             p.waiting += 1
             index = len(p.grads) - 1
@@ -116,12 +131,12 @@ class StreamingNorms(CallHooks):
                 # inplace) does not move it (the gradient is the layer's output's, as a tensor hook's)
                 # (a small output itself is held until the forward ends, at most capture_bytes: _hook_captured_call;
                 # a deferred one's is not: it stays captured even if called again)
-                held = None if deferred else (out, out._version)
-                self.captured.append((id(module), index, torch.autograd.graph.get_gradient_edge(out),
+                held = None if deferred else (node, node._version)
+                self.captured.append((id(module), index, torch.autograd.graph.get_gradient_edge(node),
                                       0 if deferred else nbytes, held))
                 self.captured_bytes += 0 if deferred else nbytes
             else:
-                self.tensor_hooks.append(out.register_hook(partial(self._on_grad, id(module), index)))
+                self.tensor_hooks.append(node.register_hook(partial(self._on_grad, id(module), index)))
 
     def defers(self, module, inp: torch.Tensor, out: torch.Tensor) -> bool:
         """Should this call's norm wait for the backward's end (captured by its gradient edge, no hook, whatever its
@@ -152,7 +167,9 @@ class StreamingNorms(CallHooks):
         p = self.pending.get(key)
         if p is None or p.grads[index] is not None:  # the norms are done, or this call's gradient arrived already: a
             return  # later backward over the same graph fires the hook again (review 29: the count went wrong)
-        p.grads[index] = plain(grad)
+        grad = plain(grad)
+        shape = p.shapes[index][0]
+        p.grads[index] = grad if grad.shape == shape else grad.reshape(shape)  # a carrier's (B*T, o): carrier()
         p.waiting -= 1
         if p.waiting == 0:  # every call of the module has its output-gradient: its norm, then free them
             self._add(key)
