@@ -22,7 +22,9 @@ unused output) gets a second pass that asks for its own layer's parameters, so a
 
 A hook registered before an in-place change of the output (nn.ReLU(inplace=True) after a Linear) still gets the
 gradient of the value the layer produced (PyTorch's tensor-hook semantics), so only an in-place change of a
-recorded INPUT is refused (it would make the recorded input wrong), as in Recorder.
+recorded INPUT is refused (it would make the recorded input wrong), as in Recorder. Where the output is an autograd
+view (a Linear on a sequence), the hook and the edge sit on the product under it (`carrier`): an in-place op on a
+view moves the view itself onto a new node.
 """
 from __future__ import annotations
 
