@@ -123,7 +123,7 @@ class LateLayers:
         else:
             norms = certified_norms(early_sq, layers)
             nu, sums = clip_factors(norms), {}
-        with exact_float32(early_sq.device), clipped_sums_of(nu, kept(nu), all_kept=False):
+        with exact_float32(early_sq.device), clipped_sums_of(nu, kept(nu), all_kept=every_kept(nu)):
             for module, rule, stash in formed:
                 for name, s in rule.clipped_sums(module, None, None, nu, stash).items():
                     sums[id(getattr(module, name))] = s
@@ -145,7 +145,7 @@ class LateLayers:
             total = summed_terms([early_sq[rows]] + [p[3] for p in pieces], early_sq[rows])  # (n,)
             chunk_norms = certified_norms(total, layers)  # (n,)
             nu = clip_factors(chunk_norms)  # (n,); 0 where not finite
-            with exact_float32(early_sq.device), clipped_sums_of(nu, kept(nu), all_kept=False):
+            with exact_float32(early_sq.device), clipped_sums_of(nu, kept(nu), all_kept=every_kept(nu)):
                 for (_, module, rule, _, _), (a, g, stash, _) in zip(chunked, pieces):
                     for name, s in rule.clipped_sums(module, a, g, nu, stash).items():
                         key = id(getattr(module, name))
@@ -154,6 +154,12 @@ class LateLayers:
             norms.append(chunk_norms)
             nus.append(nu)
         return torch.cat(norms), torch.cat(nus), sums
+
+
+def every_kept(nu: torch.Tensor) -> bool:
+    """Is every clip factor positive (no row to mask: certify.finite_rows passes the tensors as they are)? Read once
+    per chunk on the CPU; on a GPU False (the rows masked: no read from the device)."""
+    return nu.device.type == "cpu" and bool((nu > 0).all())
 
 
 def records_device(records: list) -> torch.device:
