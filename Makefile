@@ -202,7 +202,7 @@ device-search: ## the certified-clipping search (bench-search) on a GPU's own ke
 	-mkdir -p $(BENCH_OUT)/check_search && $(PY) -m runner.bench.violation_search --device $(BENCH_DEVICE) \
 	  --minutes $(DEVICE_SEARCH_MINUTES) --settings "$(DEVICE_SEARCH_SETTINGS)" --out $(BENCH_OUT)/check_search $(BENCH_ARGS)
 DEVICE_SEARCH_MINUTES ?= 2
-DEVICE_SEARCH_SETTINGS ?= reweight (defaults: bk, auto),bk tf32,bk bf16,bk bf16 tensor cores split,bk bf16 tensor cores single
+DEVICE_SEARCH_SETTINGS ?= reweight (defaults: bk, auto),bk tf32,bk bf16,bk late on,bk bf16 tensor cores split,bk bf16 tensor cores single
 
 COMPILE_MODE ?= reduce-overhead
 COMPILED_PRECISIONS ?= bf16 fp32

@@ -59,10 +59,13 @@ UNCERTIFIED = ("opacus ghost (timed only)",)  # promises nothing: the search's p
 # from 2 * GRAM_BLOCK_ROWS positions
 SEARCH_SETTINGS = dict(SETTINGS, **{"bk bf16 tensor cores split": ("reweight", {}, "bf16", "split"),
                                     "bk bf16 tensor cores single": ("reweight", {}, "bf16", "single"),
+                                    # late layers (runner/norms/late.py), off by default on CUDA
+                                    "bk late on": ("reweight", {"late": "on"}, "fp32"),
                                     "bk conv rows keep all": ("reweight", {"keep": 1000}, "fp32", "rows"),
                                     "bk ghost blocked Grams": ("reweight", {"norm": "ghost"}, "fp32", "blocks")})
 GRAM_BLOCK_ROWS_SEARCHED = 2  # "blocks": T >= 4 positions form their Grams in min(GRAM_BLOCKS, T // 2) blocks
-GPU_ONLY = ("tf32",)  # the CPU runs precision=tf32 as fp32: those columns are searched on a GPU only
+# searched on a GPU only: the CPU runs precision=tf32 as fp32, and late layers are already the CPU's default
+GPU_ONLY = ("tf32", "late on")
 
 
 # whole stacks as well as single layers: each example's bound is the sum of its layers' (their rounding added too),
