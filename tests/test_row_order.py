@@ -99,3 +99,53 @@ def test_texts_that_open_alike_are_not_a_reorder():
         xb, yb = next(iter(private.batches()))
         private.step(xb, yb, lambda out, t: F.cross_entropy(out, t, reduction="none"))
         assert private.steps == 1, name
+
+
+class Tf32PositionRounding(torch.nn.Module):
+    """precision=tf32's cuDNN convolutions on CUDA, emulated: while TF32 is on, a row's output is rounded by its batch
+    position (stop 62, an H200: ResNet-18's rows 7e-4 of their norm apart at its 20th conv in two batch orders, 0 with
+    float32 products). (n, d) -> (n, d)."""
+
+    def forward(self, x):
+        from runner import fp32_mode
+
+        if fp32_mode.tf32_enabled():
+            return x * (1 + 1e-2 * torch.arange(len(x), dtype=x.dtype)[:, None] / len(x))  # beyond 1e-3 of a norm
+        return x
+
+
+class SortsByFirstFeature(torch.nn.Module):
+    """Feeds the next layer the rows sorted by their first feature, then restores the order (a packing by length)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(16, 16)
+
+    def forward(self, x):  # (n, 16)
+        order = x[:, 0].argsort()
+        return self.inner(x[order])[order.argsort()]
+
+
+def test_tf32_rounding_by_batch_position_is_not_a_reorder_and_a_sort_is_still_one():
+    """The check's forwards run with TF32 off: a sound model whose TF32 kernels round rows by their position (stop 62:
+    ResNet-18 refused on an H200 under precision=tf32) passes, and a forward that sorts the rows is still refused under
+    the same TF32 setting."""
+    import pytest
+
+    from runner import fp32_mode
+    from runner.errors import DprunError
+    from runner.methods import METHODS
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 8, generator=g)  # (n, d)
+    method = METHODS.build("reweight", cfg={}, clip=1.0, sigma=1.0).configure(precision="tf32")
+    torch.manual_seed(0)
+    sound = torch.nn.Sequential(torch.nn.Linear(8, 16), Tf32PositionRounding(), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    sorting = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), SortsByFirstFeature(), torch.nn.Linear(16, 2))
+    with fp32_mode.float32_mode("cuda", tf32=True):  # what precision=tf32 sets for a CUDA step (matmul_precision)
+        assert fp32_mode.tf32_enabled()
+        assert row_order.reordered(sound, x, 1e-7) is not None  # ... a reorder, by rounding alone
+        row_order.check_row_order(method, sound, x)  # passes: the check's forwards take float32 products
+        with pytest.raises(DprunError, match=r"inner \(Linear\) is fed the examples in another order"):
+            row_order.check_row_order(method, sorting, x)
+        assert fp32_mode.tf32_enabled()  # the step's TF32 back after the check

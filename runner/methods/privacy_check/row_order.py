@@ -25,7 +25,7 @@ What it cannot see: a key that is a function of several features (or of a featur
 first batch and the added records tie, differences below the rounding floor, a reorder among identical rows (the
 probe's twin with another label catches that: first_step.py with_twin), and a model that behaves otherwise when
 dropout is off or when it is being checked (a reorder only in training mode of a forward with randomness outside
-dropout modules)."""
+dropout modules, or only while TF32 is on: the check's forwards take float32 products, `check_row_order`)."""
 from __future__ import annotations
 
 import secrets
@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from runner import fp32_mode
 from runner.errors import DprunError
 from runner.methods.privacy_check.modules import dropout_off
 from runner.methods.privacy_check.probe_rows import like_batch
@@ -252,7 +253,12 @@ def check_row_order(method, model: nn.Module, x: torch.Tensor) -> None:
     # norm let near neighbours through: 1.28 C; one of 1e-7 of the raw norm, a constant column of 1e9: review 14)
     rounding = 1e-3 if method.precision == "bf16" else 1e-7
     rows = rows[shuffles(len(rows))[0].to(rows.device)]  # each forward mixes added records and batch rows
-    with method.autocast(rows):
+    # TF32 off for the check's forwards: precision=tf32's cuDNN convolutions round a row by its batch position (stop
+    # 62, an H200: ResNet-18's rows 7e-4 of their norm apart in the two orders at its 20th conv, every run alike; 0 in
+    # float32), and a sound ResNet-18 was refused. Which rows a layer sees is the forward's structure, not its
+    # rounding: float32 products show the same reorder (a forward that reorders only when TF32 is on is code written
+    # to evade the check, docs/privacy.md)
+    with fp32_mode.tf32_paused(), method.autocast(rows):
         for part in rows.split(size):
             found = reordered(model, part, rounding) if len(part) >= 2 else None
             if found is not None and model.training and random_forward(model, part):
