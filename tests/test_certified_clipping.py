@@ -43,7 +43,7 @@ EXCUSED = ("jl", "sbcd")  # see tests/test_clip_contribution.py: estimates / ano
 # bk's other recorders (method.recorder: Recorder from the start) beside the default lean one, and the lean one with
 # method.defer=on (the record-keeping layers' norms after the backward, from the second step on: adversarial.released
 # measures that step), every norm choice
-OTHER_RECORDERS = ([{"mode": "bk", "norm": h, "recorder": r} for h in HOW for r in reweight.RECORDERS if r != "lean"]
+OTHER_RECORDERS = ([{"mode": "bk", "norm": h, "recorder": "full"} for h in HOW]  # (auto is lean on the CPU)
                    + [{"mode": "bk", "norm": h, "defer": d} for h in HOW for d in ("on", "all")]  # deferral on the CPU
                    # every layer's clipped sum from its records (nu scales the smaller side), or from a kept G_i
                    + [{"mode": "bk", "keep": keep} for keep in (0, 1000)])

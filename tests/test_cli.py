@@ -86,8 +86,8 @@ def test_a_sweep_over_a_method_option_reports_one_row_per_value(tmp_path):
     from runner.report import collect, latest
 
     rows = latest(collect(tmp_path / "outputs"))
-    assert sorted(rows["method_options"]) == ["mode=bk norm=auto keep=1.1 recorder=lean defer=auto late=auto",
-                                              "mode=twopass norm=auto keep=1.1 recorder=lean defer=auto late=auto"]
+    assert sorted(rows["method_options"]) == ["mode=bk norm=auto keep=1.1 recorder=auto defer=auto late=auto",
+                                              "mode=twopass norm=auto keep=1.1 recorder=auto defer=auto late=auto"]
     assert rows["config_key"].nunique() == 2
 
 

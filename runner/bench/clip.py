@@ -62,14 +62,16 @@ METHOD_VARIANTS = {
     "opacus-functorch": ("opacus", {"grad_sample_mode": "functorch"}),
 }
 SECURE = ["reweight-bk-secure", "noise-seeded", "noise-secure"]  # rng=secure's cost beside its seeded twin
-# rows timed only when --methods names them: bk with Recorder (method.recorder=full) beside the lean recorder, where a
-# GPU's host-bound step may prefer a backward with no Python between its kernels, and the lean recorder with its
+# rows timed only when --methods names them: bk with Recorder (method.recorder=full, auto's choice on CUDA: a GPU's
+# host-bound step prefers a backward with no Python between its kernels) or the lean recorder (method.recorder=lean,
+# auto's choice on the CPU: the least memory), and the lean recorder with its
 # record-keeping layers' norms after the backward or inside it whatever the device, or every layer's after it
 # (method.defer=on / off / all; the default, auto, is on on CUDA, off on the CPU) (device-check); bk keeping no
 # per-example gradient (method.keep=0: the least memory) or only those that save memory (method.keep_mb=0); bk with
 # its kept per-example gradients formed after the backward or inside it whatever the device (method.late=on / off;
 # the default, auto, is on on the CPU, off on CUDA)
 ON_REQUEST = {"reweight-bk-full": ("reweight", {"mode": "bk", "recorder": "full"}),
+              "reweight-bk-lean": ("reweight", {"mode": "bk", "recorder": "lean"}),
               "reweight-bk-inline": ("reweight", {"mode": "bk", "defer": "off"}),
               "reweight-bk-defer": ("reweight", {"mode": "bk", "defer": "on"}),
               "reweight-bk-deferall": ("reweight", {"mode": "bk", "defer": "all"}),

@@ -46,8 +46,11 @@ from runner.norms.certify import certified_norms, clipped_sums_of, exact_float32
 MODES = ("bk", "twopass", "recompute")
 # bk: lean = each layer's norm inside the backward, only what the clipped sums need kept (runner/norms/lean.py, issue
 # 31's memory); full = Recorder, every output-gradient at the backward's end and the norms after it (the order before
-# issue 31: more memory; on a GPU its backward runs no Python between kernels, docs/bench.md "On an H200 (stop 43)")
-RECORDERS = ("lean", "full")
+# issue 31: more memory; on a GPU its backward runs no Python between kernels); auto = full on CUDA (an H200, stop 62:
+# 0.77-0.93x the uncertified tree's step on bu_cnn, papernot_cnn, ResNet-18 and the transformer, where lean read
+# 0.86-1.07x; docs/bench.md "On an H200 (stop 62)"), unless method.defer or method.late, which only lean has, is set;
+# lean elsewhere
+RECORDERS = ("auto", "lean", "full")
 # bk, lean recorder: the norms of layers whose records the clipped sums keep anyway formed after the backward (on: no
 # record more, and the backward's kernels launched before the norms', the order a GPU's host-bound step wants) or as
 # each output-gradient arrives (off: on the CPU the gradient is still in cache); all: every layer's after the backward
@@ -80,13 +83,20 @@ class ReweightGP(Method):
         super().__init__(*args, **kwargs)
         self.mode = self.choice("mode", "bk", MODES)
         self.how = self.choice("norm", "auto", HOW)
-        self.recorder = self.choice("recorder", "lean", RECORDERS)  # bk: where each layer's norm is formed
+        self.recorder = self.choice("recorder", "auto", RECORDERS)  # bk: where each layer's norm is formed
         self.defer = self.choice("defer", "auto", DEFERS)  # bk lean: record-keeping layers' norms after the backward
         self.late = self.choice("late", "auto", LATES)  # bk lean: kept G_i formed after the backward (late.py)
         budget = keep_budget(self.option("keep_mb", None))  # method.keep_mb replaces method.keep's ratio
         self.keep = budget if budget is not None else keep_ratio(self.option("keep", KEEP))
         self._plan, self._model_id = None, None
         self._lean = True  # book-keeping's lean recorder, until a model needs Recorder (book_kept)
+
+    def lean_on(self, device: torch.device) -> bool:
+        """Does an eager bk step on `device` start with the lean recorder? method.recorder=auto: on the CPU, or where
+        method.defer or method.late (the lean recorder's own settings) is set other than auto; Recorder on CUDA."""
+        if self.recorder != "auto":
+            return self.recorder == "lean"
+        return device.type != "cuda" or self.defer != "auto" or self.late != "auto"
 
     def deferral(self, device: torch.device) -> str:
         """method.defer for a step on `device` as LeanRecorder takes it: off, kept (the record-keeping layers') or
@@ -162,16 +172,16 @@ class ReweightGP(Method):
 
     def book_kept(self, plan, params, model, loss_fn, x, y):
         """Book-keeping: one forward, one backward, each layer's clipped sum from its records (book_keeping).
-        Eager (method.recorder=lean, the default): the lean recorder (runner/norms/lean.py, issue 31) forms each
+        Eager, lean recorder (method.recorder=lean, or auto off CUDA): the lean recorder (runner/norms/lean.py, issue 31) forms each
         layer's norm inside the backward and keeps only what the clipped sums need; a covered call its source-only
         backward did not reach makes the step start again (same random state) with Recorder, which asks autograd for
-        every call's output-gradient, and this model keeps Recorder from then on; method.recorder=full takes
-        Recorder from the start. Compiled (runner/methods/compiled.py, self.traced): Recorder, no tensor hooks in
+        every call's output-gradient, and this model keeps Recorder from then on; method.recorder=full (auto on
+        CUDA) takes Recorder from the start. Compiled (runner/methods/compiled.py, self.traced): Recorder, no tensor hooks in
         the traced graph, which is then one graph with the backward in it."""
         stashes: dict[int, dict] = {}
         if isinstance(self.keep, KeepBudget):
             self.keep.begin_step()
-        if self._lean and self.recorder == "lean" and not self.traced and not torch.compiler.is_compiling():
+        if self._lean and self.lean_on(x.device) and not self.traced and not torch.compiler.is_compiling():
             state = rng_state(x.device)
             with LeanRecorder(plan, self.how, stashes, self.keep, defer=self.deferral(x.device),
                               late=self.goes_late(x.device)) as rec, \
