@@ -253,6 +253,8 @@ def test_keep_mb_keeps_the_layers_saving_most_time_per_byte_within_the_budget():
     assert kept_layers(two) == attention  # then the best per byte, from every layer's shape
     assert kept_layers(KeepBudget(100)) == attention | {"linear1", "linear2"}
     assert_same_sums(model, x, y, [{"keep_mb": mb} for mb in (0, 1.5, 100)])
+    # with Recorder (method.recorder=auto's choice on CUDA): a budget there gives the same sums too
+    assert_same_sums(model, x, y, [{}] + [{"keep_mb": mb, "recorder": "full"} for mb in (0, 1.5, 100)])
 
 
 def test_a_bad_keep_mb_is_one_line():
