@@ -156,23 +156,34 @@ bench-gpu-compiled: ## issue 31's compiled rows: a bk chunk as one graph under C
 	  --out $(BENCH_OUT)/compiled_$$p $(BENCH_ARGS) || exit 1; done
 
 .PHONY: device-check
-device-check: ## what the open issues still need from a GPU, one command (~5 min on an H200), each step's output in $(BENCH_OUT)/check.log: the event read probed once (DPRUN_EVENT_READ=0 for every step if it fails); the conv nets' and the transformer's bk step in one process (bench-clip, tf32): the default (CUDA: method.recorder=auto takes Recorder, stop 62) against the lean recorder (reweight-bk-lean: its record-keeping layers' norms after the backward), with every norm inside the backward (reweight-bk-inline), every norm after it (reweight-bk-deferall) and the kept G_i formed after the backward (reweight-bk-late: method.late, the CPU's default); issue 26's budget vs .base (bench-compare, the conv nets, $(CHECK_PAIRS) pairs); both tables with each step's host_ms, its kernels' gpu_ms (a host-bound step: gpu_ms well below the step) and its allocator calls into the driver (mallocs); papernot_cnn's bk step, default and lean, by the host's time per operator (bench-profile --host); issue 31's eager fp32 GPT-2-small steps, the default and the lean recorder, then T=128's by the device time of each operator's kernels -> $(BENCH_OUT)/check_* (a step that fails does not stop the next). The compiled bf16 step (unchanged since stop 43): make device-check-compiled
-	test -d "$(BASE_TREE)/runner" || { echo "device-check: no $(BASE_TREE)/runner; run make base-tree here and carry $(BASE_TREE)"; exit 2; }
+device-check: ## issue 31's GPU readings in one bounded call (~9 min on an H200; each step under its own timeout, so a step cut or failed keeps what it measured and does not stop the next; each step's output in $(BENCH_OUT)/check.log, at most 8 files under $(BENCH_OUT)): the event read probed once; the certified-clipping search on the GPU's kernels (device-search, 1 min); GPT-2-small's eager step in fp32 at T=128 and T=512 and in bf16 at T=128, the default (CUDA: Recorder, method.recorder=auto) beside the lean recorder, each with host_ms, its kernels' gpu_ms and mallocs; the compiled bf16 step (the tensor-core route's single sum). Issue 26's conv-net readings (met at stop 62): make device-check-conv
 	mkdir -p $(BENCH_OUT) && { $(PY) -c "$$EVENT_READ_PROBE" $(BENCH_DEVICE) && echo 1 || echo 0; } | tail -1 > $(BENCH_OUT)/event_read \
 	  && echo "device-check: DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read)" | tee -a $(BENCH_OUT)/check.log
+	-timeout -s INT -k 10 100 $(MAKE) --no-print-directory device-search DEVICE_SEARCH_MINUTES=1 BENCH_ARGS= 2>&1 | tee -a $(BENCH_OUT)/check.log
+	-$(MAKE) --no-print-directory gpt2-rows T=128 P=fp32 SECONDS=140
+	-$(MAKE) --no-print-directory gpt2-rows T=512 P=fp32 SECONDS=100
+	-$(MAKE) --no-print-directory gpt2-rows T=128 P=bf16 SECONDS=80
+	-timeout -s INT -k 10 150 $(MAKE) --no-print-directory compiled-bf16-row TC=1 TC_SUM=single
+
+.PHONY: gpt2-rows
+gpt2-rows: ## (device-check) GPT-2-small's eager rows at T=$(T) in precision $(P), the default and the lean recorder, under a $(SECONDS) s limit
+	mkdir -p $(BENCH_OUT)/check_gpt2_t$(T)_$(P) && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) timeout -s INT -k 10 $(SECONDS) \
+	  $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu --precision $(P) --workloads gpt2small_t$(T) \
+	  --methods nonprivate,reweight-bk,reweight-bk-lean --repeats 10 --warmup 3 --out $(BENCH_OUT)/check_gpt2_t$(T)_$(P) \
+	  $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
+
+.PHONY: device-check-conv
+device-check-conv: ## issue 26's GPU readings (stop 62: met): the conv nets' and the transformer's bk step in one process (bench-clip, tf32), the default (Recorder on CUDA) against the lean recorder and its variants (every norm inside the backward, every norm after it, the kept G_i formed after it); the compare against .base (bench-compare, $(CHECK_PAIRS) pairs); papernot_cnn's bk step, default and lean, by the host's time per operator (bench-profile --host) -> $(BENCH_OUT)/check_*
+	test -d "$(BASE_TREE)/runner" || { echo "device-check-conv: no $(BASE_TREE)/runner; run make base-tree here and carry $(BASE_TREE)"; exit 2; }
+	mkdir -p $(BENCH_OUT) && { $(PY) -c "$$EVENT_READ_PROBE" $(BENCH_DEVICE) && echo 1 || echo 0; } | tail -1 > $(BENCH_OUT)/event_read
 	-mkdir -p $(BENCH_OUT)/check_recorders && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu --precision tf32 \
 	  --workloads $(CHECK_CONV_NETS),transformer_imdb --methods nonprivate,reweight-bk,reweight-bk-lean,reweight-bk-inline,reweight-bk-deferall,reweight-bk-late --repeats 30 --warmup 3 \
 	  --out $(BENCH_OUT)/check_recorders $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
 	-mkdir -p $(BENCH_OUT)/check_compare_tf32 && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) $(PY) -m runner.bench.compare \
-	  --device $(BENCH_DEVICE) --suite gpu --base $(BASE_TREE) --precision tf32 --workloads $(CHECK_CONV_NETS) --methods nonprivate,reweight-bk \
+	  --device $(BENCH_DEVICE) --suite gpu --base $(BASE_TREE) --precision tf32 --workloads $(CHECK_CONV_NETS) --methods nonprivate,reweight-bk,reweight-bk-lean \
 	  --pairs $(CHECK_PAIRS) --repeats 20 --warmup 3 --out $(BENCH_OUT)/check_compare_tf32 $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
 	-mkdir -p $(BENCH_OUT)/check_host && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) $(PY) -m runner.bench.profile --device $(BENCH_DEVICE) --suite gpu --precision tf32 \
 	  --workloads papernot_cifar10 --methods reweight-bk,reweight-bk-lean --host --top 25 --out $(BENCH_OUT)/check_host $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
-	-mkdir -p $(BENCH_OUT)/check_gpt2_fp32 && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu --precision fp32 \
-	  --workloads gpt2small_t128,gpt2small_t512 --methods nonprivate,reweight-bk,reweight-bk-lean --repeats 10 --warmup 3 \
-	  --out $(BENCH_OUT)/check_gpt2_fp32 $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
-	-mkdir -p $(BENCH_OUT)/check_gpt2_profile && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) $(PY) -m runner.bench.profile --device $(BENCH_DEVICE) --suite gpu --precision fp32 \
-	  --workloads gpt2small_t128 --methods nonprivate,reweight-bk --top 25 --out $(BENCH_OUT)/check_gpt2_profile $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
 
 .PHONY: device-check-compiled
 device-check-compiled: ## issue 31's compiled GPT-2-small bk step in bf16, with the tensor-core route's single clipped sum and without the route, on one card (~3 min on an H200; stop 43 read 1.43x with the single sum, the route-off row was cut), each row with its kernels' gpu_ms, both compiled steps' kernels by name with the single sum (bench-profile --by kernel: where the bk step's extra device time goes), then the route-off rows -> $(BENCH_OUT)/check_compiled_*
@@ -202,7 +213,7 @@ device-search: ## the certified-clipping search (bench-search) on a GPU's own ke
 	-mkdir -p $(BENCH_OUT)/check_search && $(PY) -m runner.bench.violation_search --device $(BENCH_DEVICE) \
 	  --minutes $(DEVICE_SEARCH_MINUTES) --settings "$(DEVICE_SEARCH_SETTINGS)" --out $(BENCH_OUT)/check_search $(BENCH_ARGS)
 DEVICE_SEARCH_MINUTES ?= 2
-DEVICE_SEARCH_SETTINGS ?= reweight (defaults: bk, auto),bk tf32,bk bf16,bk late on,bk bf16 tensor cores split,bk bf16 tensor cores single
+DEVICE_SEARCH_SETTINGS ?= reweight (defaults: bk, auto),bk tf32,bk bf16,bk recorder full,bk late on,bk bf16 tensor cores split,bk bf16 tensor cores single
 
 COMPILE_MODE ?= reduce-overhead
 COMPILED_PRECISIONS ?= bf16 fp32
