@@ -53,3 +53,56 @@ def test_the_step_takes_the_recorder_lean_on_names(monkeypatch):
         sums.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*sums):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def cuda_choice(method):
+    """method.lean_on as on CUDA (the CPU's device type aside): Recorder under auto until it ran out of memory."""
+    original = type(method).lean_on
+    return lambda device: original(method, torch.device("cuda"))
+
+
+def test_recorder_out_of_memory_falls_back_to_lean_for_this_step_and_the_next(monkeypatch, caplog):
+    """Under auto on CUDA, Recorder holds every output-gradient at once (more memory than the lean recorder, which
+    was the default before stop 62): where that runs out of memory, the step starts again with the lean recorder
+    (same random state: the same dropout masks, nothing summed twice), says so in one log line, and the method keeps
+    lean; an explicit method.recorder=full still raises."""
+    import logging
+
+    from runner.norms import hooks
+
+    calls = []
+    original = hooks.Recorder.backprops
+
+    def out_of_memory(self, *args, **kwargs):
+        calls.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory (emulated)")
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    loss = lambda out, t: F.cross_entropy(out, t, reduction="none")  # noqa: E731
+
+    def run(cfg, fail):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 3))
+        method = METHODS.build("reweight", cfg={"mode": "bk", **cfg}, clip=0.5, sigma=0.0)
+        method.privacy_check = False
+        monkeypatch.setattr(method, "lean_on", cuda_choice(method))
+        monkeypatch.setattr(hooks.Recorder, "backprops", out_of_memory if fail else original)
+        model = method.attach(model)
+        steps = []
+        for _ in range(2):
+            torch.manual_seed(1)  # each step's dropout masks
+            method.clipped_sum(model, loss, x, y)
+            steps.append([p.grad.clone() for p in model.parameters()])
+        return steps
+
+    lean = run({"recorder": "lean"}, fail=False)
+    with caplog.at_level(logging.WARNING, logger="dprun"):
+        fell_back = run({}, fail=True)
+    assert len(calls) == 1  # Recorder tried once; the second step went lean at once
+    assert sum("out of memory with Recorder" in r.getMessage() for r in caplog.records) == 1
+    for want, got in zip(lean, fell_back):
+        for a, b in zip(want, got):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same step as lean's, dropout masks included
+    with pytest.raises(torch.OutOfMemoryError):
+        run({"recorder": "full"}, fail=True)

@@ -26,6 +26,8 @@ sum_i loss_i gives the output-gradients, which are per example because the loss 
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from runner.errors import DprunError
@@ -57,6 +59,7 @@ RECORDERS = ("auto", "lean", "full")
 # (the stash-only layers' records then wait too: Recorder's order, without its kept outputs); auto: on on CUDA, off
 # elsewhere
 DEFERS = ("auto", "on", "off", "all")
+log = logging.getLogger("dprun")
 LATES = ("auto", "on", "off")
 
 
@@ -90,13 +93,14 @@ class ReweightGP(Method):
         self.keep = budget if budget is not None else keep_ratio(self.option("keep", KEEP))
         self._plan, self._model_id = None, None
         self._lean = True  # book-keeping's lean recorder, until a model needs Recorder (book_kept)
+        self._recorder_fits = True  # False once Recorder, auto's choice on CUDA, ran out of memory (book_kept)
 
     def lean_on(self, device: torch.device) -> bool:
         """Does an eager bk step on `device` start with the lean recorder? method.recorder=auto: on the CPU, or where
         method.defer or method.late (the lean recorder's own settings) is set other than auto; Recorder on CUDA."""
         if self.recorder != "auto":
             return self.recorder == "lean"
-        return device.type != "cuda" or self.defer != "auto" or self.late != "auto"
+        return device.type != "cuda" or self.defer != "auto" or self.late != "auto" or not self._recorder_fits
 
     def deferral(self, device: torch.device) -> str:
         """method.defer for a step on `device` as LeanRecorder takes it: off, kept (the record-keeping layers') or
@@ -176,7 +180,8 @@ class ReweightGP(Method):
         layer's norm inside the backward and keeps only what the clipped sums need; a covered call its source-only
         backward did not reach makes the step start again (same random state) with Recorder, which asks autograd for
         every call's output-gradient, and this model keeps Recorder from then on; method.recorder=full (auto on
-        CUDA) takes Recorder from the start. Compiled (runner/methods/compiled.py, self.traced): Recorder, no tensor hooks in
+        CUDA) takes Recorder from the start; where auto's Recorder runs out of memory, the step starts again (same
+        random state, nothing summed yet) with the lean recorder, which this method keeps from then on. Compiled (runner/methods/compiled.py, self.traced): Recorder, no tensor hooks in
         the traced graph, which is then one graph with the backward in it."""
         stashes: dict[int, dict] = {}
         if isinstance(self.keep, KeepBudget):
@@ -199,10 +204,25 @@ class ReweightGP(Method):
             self._lean = False
             set_rng_state(state, x.device)
             stashes.clear()
-        with Recorder(plan) as rec, self.autocast(x):
-            outputs = model(x)  # (B, classes)
-            losses = loss_fn(outputs, y)  # (B,)
-        rec.backprops(losses.sum(), retain_graph=False)
+        # auto's Recorder (CUDA: faster than lean, more memory) may give way to the lean recorder on running out
+        may_fall_back = (self.recorder == "auto" and self._lean and not self.traced
+                         and not torch.compiler.is_compiling())
+        state = rng_state(x.device) if may_fall_back else None
+        try:
+            with Recorder(plan) as rec, self.autocast(x):
+                outputs = model(x)  # (B, classes)
+                losses = loss_fn(outputs, y)  # (B,)
+            rec.backprops(losses.sum(), retain_graph=False)  # every output-gradient at once: Recorder's peak
+        except torch.OutOfMemoryError:
+            if not may_fall_back:
+                raise
+            self._recorder_fits = False
+        if not self._recorder_fits and may_fall_back:  # out of the handler: its traceback's tensors are freed
+            log.warning("method=reweight: out of memory with Recorder (method.recorder=auto's choice on CUDA, the "
+                        "faster); this step again and every later one with the lean recorder, which holds less "
+                        "(method.recorder=lean from the start skips the attempt)")
+            set_rng_state(state, x.device)
+            return self.book_kept(plan, params, model, loss_fn, x, y)
         # Memory (issue 12): one layer at a time. Its (a, g) (a conv's unfolded input) and any ghost Gram
         # matrices are freed before the next layer; only a per-example gradient small enough to keep
         # (norms/outer.py) waits for the clipped sums, which use the raw records and free each layer's as
