@@ -166,10 +166,10 @@ device-check: ## issue 31's GPU readings in one bounded call (~9 min on an H200;
 	-timeout -s INT -k 10 150 $(MAKE) --no-print-directory compiled-bf16-row TC=1 TC_SUM=single
 
 .PHONY: gpt2-rows
-gpt2-rows: ## (device-check) GPT-2-small's eager rows at T=$(T) in precision $(P), the default and the lean recorder, under a $(SECONDS) s limit
+gpt2-rows: ## (device-check) GPT-2-small's eager rows at T=$(T) in precision $(P), the default, the lean recorder and no kept per-example gradient (keep=0: ghost norms and one GEMM per clipped sum, less memory traffic than kept G_i), under a $(SECONDS) s limit
 	mkdir -p $(BENCH_OUT)/check_gpt2_t$(T)_$(P) && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) timeout -s INT -k 10 $(SECONDS) \
 	  $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu --precision $(P) --workloads gpt2small_t$(T) \
-	  --methods nonprivate,reweight-bk,reweight-bk-lean --repeats 10 --warmup 3 --out $(BENCH_OUT)/check_gpt2_t$(T)_$(P) \
+	  --methods nonprivate,reweight-bk,reweight-bk-lean,reweight-bk-keep0 --repeats 10 --warmup 3 --out $(BENCH_OUT)/check_gpt2_t$(T)_$(P) \
 	  $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
 
 .PHONY: device-check-conv
