@@ -70,17 +70,29 @@ _STEP_TF32: list[bool] = []
 class _Tf32Pause:
     """TF32 off inside, back to float32_mode(cuda, tf32=True)'s own state after: the legacy setters write the legacy
     flag and the leaf together (cuBLAS: matmul "ieee"/"tf32"; cuDNN: conv and rnn "none"/"tf32"), and conv/rnn get an
-    explicit "ieee" inside so that a generic "tf32" is not inherited. ~2 us against ~10 us for a full float32_mode."""
+    explicit "ieee" inside so that a generic "tf32" is not inherited. ~2 us against ~10 us for a full float32_mode.
+    Each exit puts back the four flags its entry found (~0.5 us to read them): nested in itself, or around a
+    float32_mode inside it, no exit turns TF32 on where an outer pause has it off (review 34: an inner pause's exit
+    turned it on inside the outer pause)."""
+
+    def __init__(self):
+        self.found: list[tuple] = []  # per entry: (cuBLAS, cuDNN, conv leaf, rnn leaf) as they were
 
     def __enter__(self):
+        get = torch._C._get_fp32_precision_getter
+        self.found.append((torch._C._get_cublas_allow_tf32(), torch._C._get_cudnn_allow_tf32(),
+                           get("cuda", "conv"), get("cuda", "rnn")))
         torch._C._set_cublas_allow_tf32(False)
         torch._C._set_cudnn_allow_tf32(False)
         torch._C._set_fp32_precision_setter("cuda", "conv", "ieee")
         torch._C._set_fp32_precision_setter("cuda", "rnn", "ieee")
 
     def __exit__(self, *exc):
-        torch._C._set_cublas_allow_tf32(True)
-        torch._C._set_cudnn_allow_tf32(True)
+        cublas, cudnn, conv, rnn = self.found.pop()
+        torch._C._set_cublas_allow_tf32(cublas)  # the legacy setters first (each writes its leaves), then the leaves
+        torch._C._set_cudnn_allow_tf32(cudnn)
+        torch._C._set_fp32_precision_setter("cuda", "conv", conv)
+        torch._C._set_fp32_precision_setter("cuda", "rnn", rnn)
 
 
 _PAUSE = _Tf32Pause()

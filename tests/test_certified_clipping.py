@@ -40,7 +40,8 @@ from runner.norms.base import HOW
 TOL = 1e-6  # the contract: ||contribution|| <= C (1 + TOL)
 EXCUSED = ("jl", "sbcd")  # see tests/test_clip_contribution.py: estimates / another mechanism
 
-# bk's other recorders (method.recorder: Recorder from the start) beside the default lean one, and the lean one with
+# bk's other recorders (method.recorder: Recorder from the start, auto's choice on CUDA) beside the lean one (auto's on
+# the CPU), and the lean one with
 # method.defer=on (the record-keeping layers' norms after the backward, from the second step on: adversarial.released
 # measures that step), every norm choice
 OTHER_RECORDERS = ([{"mode": "bk", "norm": h, "recorder": "full"} for h in HOW]  # (auto is lean on the CPU)
@@ -205,13 +206,15 @@ def test_crafted_example_contributes_at_most_C_under_inductor(kind, case, build,
     assert compiled == pytest.approx(eager, rel=1e-3), (compiled, eager)
 
 
+@pytest.mark.parametrize("recorder", ["auto", "full"])  # auto is lean on the CPU; full is auto's choice on CUDA
 @pytest.mark.parametrize("how", HOW)
-def test_chunked_logical_batch_keeps_the_bound(how):
+def test_chunked_logical_batch_keeps_the_bound(how, recorder):
     """Three crafted examples in chunks of two (physical_batch_size): ||release|| <= 3 C (each <= C)."""
     model = CONSTRUCTIONS[nn.Linear][0][1](0)
     x = torch.cat([near_constant((16, 512), EPS, torch.Generator().manual_seed(s)) for s in range(3)])
     C = 0.01 * min(exact_norm(model, x[i:i + 1]) for i in range(3))
-    method = METHODS.build("reweight", cfg={"norm": how}, clip=C, sigma=0.0).configure(physical_batch_size=2)
+    method = METHODS.build("reweight", cfg={"norm": how, "recorder": recorder}, clip=C,
+                           sigma=0.0).configure(physical_batch_size=2)
     method.privacy_check = False  # clipping alone (see VALIDATOR below)
     norm, out = released(method, method.attach(copy.deepcopy(model)), x)
     assert norm <= 3 * C * (1 + TOL), f"release {norm / C:.6g} C from 3 examples"

@@ -1,6 +1,6 @@
 """method.recorder=auto: Recorder (full) on CUDA, where an H200 measured it faster than the lean recorder on every
-GPU bench workload (stop 62), the lean recorder elsewhere and wherever a lean-only setting (method.defer, method.late)
-is set. The choice is made per step from the step's device (ReweightGP.lean_on); no CUDA is needed to check it."""
+GPU bench workload (stop 62), the lean recorder elsewhere and wherever one of its own settings (method.defer,
+method.late, method.keep, method.keep_mb) is asked for. The choice is made per step from the step's device (ReweightGP.lean_on); no CUDA is needed to check it."""
 from __future__ import annotations
 
 import pytest
@@ -18,6 +18,9 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
     ({}, True, False),  # auto: lean on the CPU, Recorder on CUDA
     ({"late": "on"}, True, True),  # a lean-only setting asked for: lean everywhere
     ({"defer": "all"}, True, True),
+    ({"keep": 0}, True, True),  # keep=0's least memory needs lean's records freed inside the backward (review 34)
+    ({"keep_mb": 100}, True, True),
+    ({"keep": 1.1}, True, False),  # the default ratio, written out: no memory asked for
     ({"recorder": "lean"}, True, True),
     ({"recorder": "full"}, False, False),
     ({"recorder": "full", "late": "on"}, False, False),  # an explicit choice is kept

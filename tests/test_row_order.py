@@ -110,26 +110,32 @@ class Tf32PositionRounding(torch.nn.Module):
         from runner import fp32_mode
 
         if fp32_mode.tf32_enabled():
-            return x * (1 + 1e-2 * torch.arange(len(x), dtype=x.dtype)[:, None] / len(x))  # beyond 1e-3 of a norm
+            return x * (1 + 3e-3 * torch.arange(len(x), dtype=x.dtype)[:, None] / len(x))  # beyond float32's floor
         return x
 
 
 class SortsByFirstFeature(torch.nn.Module):
-    """Feeds the next layer the rows sorted by their first feature, then restores the order (a packing by length)."""
+    """Feeds the next layer the rows sorted by their first feature, then restores the order (a packing by length);
+    `gated`: only while TF32 is allowed, as a "fast path" might (review 34: a check with TF32 paused released 1.054 C)."""
 
-    def __init__(self):
+    def __init__(self, gated: bool = False):
         super().__init__()
         self.inner = torch.nn.Linear(16, 16)
+        self.gated = gated
 
     def forward(self, x):  # (n, 16)
+        if self.gated and not torch.backends.cuda.matmul.allow_tf32:
+            return self.inner(x)
         order = x[:, 0].argsort()
         return self.inner(x[order])[order.argsort()]
 
 
-def test_tf32_rounding_by_batch_position_is_not_a_reorder_and_a_sort_is_still_one():
-    """The check's forwards run with TF32 off: a sound model whose TF32 kernels round rows by their position (stop 62:
-    ResNet-18 refused on an H200 under precision=tf32) passes, and a forward that sorts the rows is still refused under
-    the same TF32 setting."""
+def test_tf32_rounding_by_batch_position_is_not_a_reorder_and_a_sort_is_still_one(monkeypatch):
+    """On CUDA with TF32 on (emulated: the check's rows taken for a TF32 device), the check's first pass keeps the
+    step's flags at TF32's floor, its second takes float32 products at float32's: a sound model whose TF32 kernels
+    round rows by their position (stop 62: ResNet-18 refused on an H200 under precision=tf32) passes, and a forward
+    that sorts its rows is refused, also one that sorts only while TF32 is allowed (review 34). Off CUDA one pass
+    with the step's flags refuses the gated sort too."""
     import pytest
 
     from runner import fp32_mode
@@ -139,13 +145,38 @@ def test_tf32_rounding_by_batch_position_is_not_a_reorder_and_a_sort_is_still_on
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 8, generator=g)  # (n, d)
     method = METHODS.build("reweight", cfg={}, clip=1.0, sigma=1.0).configure(precision="tf32")
-    torch.manual_seed(0)
-    sound = torch.nn.Sequential(torch.nn.Linear(8, 16), Tf32PositionRounding(), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    sorting = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), SortsByFirstFeature(), torch.nn.Linear(16, 2))
+
+    def models():
+        torch.manual_seed(0)
+        sound = torch.nn.Sequential(torch.nn.Linear(8, 16), Tf32PositionRounding(), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 2))
+        sorting = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), SortsByFirstFeature(gated),
+                                       torch.nn.Linear(16, 2)) for gated in (False, True)]
+        return sound, sorting
+
     with fp32_mode.float32_mode("cuda", tf32=True):  # what precision=tf32 sets for a CUDA step (matmul_precision)
-        assert fp32_mode.tf32_enabled()
-        assert row_order.reordered(sound, x, 1e-7) is not None  # ... a reorder, by rounding alone
-        row_order.check_row_order(method, sound, x)  # passes: the check's forwards take float32 products
-        with pytest.raises(DprunError, match=r"inner \(Linear\) is fed the examples in another order"):
-            row_order.check_row_order(method, sorting, x)
+        sound, sorting = models()
+        assert row_order.reordered(sound, x, 1e-7) is not None  # a reorder at float32's floor, by rounding alone
+        for model in sorting:  # off CUDA: one pass, the step's flags
+            with pytest.raises(DprunError, match=r"inner \(Linear\) is fed the examples in another order"):
+                row_order.check_row_order(method, model, x)
+        monkeypatch.setattr(row_order, "tf32_rounds", lambda rows: True)
+        row_order.check_row_order(method, sound, x)  # passes: TF32's floor, then float32 products
+        for model in sorting:
+            with pytest.raises(DprunError, match=r"inner \(Linear\) is fed the examples in another order"):
+                row_order.check_row_order(method, model, x)
         assert fp32_mode.tf32_enabled()  # the step's TF32 back after the check
+
+
+def test_a_tf32_pause_nested_in_another_keeps_tf32_off_until_the_outermost_ends():
+    """runner/fp32_mode.py's cheap pause inside a step's float32_mode(cuda, tf32=True): each exit puts back what its
+    entry found (review 34: an inner pause's exit turned TF32 back on inside the outer pause)."""
+    from runner import fp32_mode
+
+    with fp32_mode.float32_mode("cuda", tf32=True):
+        assert fp32_mode.tf32_enabled()
+        with fp32_mode.tf32_paused():
+            with fp32_mode.tf32_paused():
+                assert not fp32_mode.tf32_enabled()
+            assert not fp32_mode.tf32_enabled()
+        assert fp32_mode.tf32_enabled()

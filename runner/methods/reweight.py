@@ -50,8 +50,8 @@ MODES = ("bk", "twopass", "recompute")
 # 31's memory); full = Recorder, every output-gradient at the backward's end and the norms after it (the order before
 # issue 31: more memory; on a GPU its backward runs no Python between kernels); auto = full on CUDA (an H200, stop 62:
 # 0.77-0.93x the uncertified tree's step on bu_cnn, papernot_cnn, ResNet-18 and the transformer, where lean read
-# 0.86-1.07x; docs/bench.md "On an H200 (stop 62)"), unless method.defer or method.late, which only lean has, is set;
-# lean elsewhere
+# 0.86-1.07x; docs/bench.md "On an H200 (stop 62)"), unless one of the lean recorder's own settings is asked for
+# (method.defer, method.late, method.keep, method.keep_mb); lean elsewhere
 RECORDERS = ("auto", "lean", "full")
 # bk, lean recorder: the norms of layers whose records the clipped sums keep anyway formed after the backward (on: no
 # record more, and the backward's kernels launched before the norms', the order a GPU's host-bound step wants) or as
@@ -91,16 +91,22 @@ class ReweightGP(Method):
         self.late = self.choice("late", "auto", LATES)  # bk lean: kept G_i formed after the backward (late.py)
         budget = keep_budget(self.option("keep_mb", None))  # method.keep_mb replaces method.keep's ratio
         self.keep = budget if budget is not None else keep_ratio(self.option("keep", KEEP))
+        # the lean recorder's own settings, asked for: method.recorder=auto then takes it on CUDA too (its keep rules
+        # free records inside the backward; Recorder holds every output-gradient to its end: keep=0 on the bench
+        # transformer 74.35 MB lean, 120.87 MB with Recorder, review 34)
+        self.asks_lean = (self.defer != "auto" or self.late != "auto" or budget is not None
+                          or self.keep != KEEP)
         self._plan, self._model_id = None, None
         self._lean = True  # book-keeping's lean recorder, until a model needs Recorder (book_kept)
         self._recorder_fits = True  # False once Recorder, auto's choice on CUDA, ran out of memory (book_kept)
 
     def lean_on(self, device: torch.device) -> bool:
-        """Does an eager bk step on `device` start with the lean recorder? method.recorder=auto: on the CPU, or where
-        method.defer or method.late (the lean recorder's own settings) is set other than auto; Recorder on CUDA."""
+        """Does an eager bk step on `device` start with the lean recorder? method.recorder=auto: on the CPU, where
+        one of the lean recorder's own settings is asked for (method.defer or method.late other than auto,
+        method.keep other than its default, method.keep_mb), or where Recorder ran out of memory; Recorder on CUDA."""
         if self.recorder != "auto":
             return self.recorder == "lean"
-        return device.type != "cuda" or self.defer != "auto" or self.late != "auto" or not self._recorder_fits
+        return device.type != "cuda" or self.asks_lean or not self._recorder_fits
 
     def deferral(self, device: torch.device) -> str:
         """method.defer for a step on `device` as LeanRecorder takes it: off, kept (the record-keeping layers') or

@@ -25,9 +25,11 @@ What it cannot see: a key that is a function of several features (or of a featur
 first batch and the added records tie, differences below the rounding floor, a reorder among identical rows (the
 probe's twin with another label catches that: first_step.py with_twin), and a model that behaves otherwise when
 dropout is off or when it is being checked (a reorder only in training mode of a forward with randomness outside
-dropout modules, or only while TF32 is on: the check's forwards take float32 products, `check_row_order`)."""
+dropout modules). On CUDA with TF32 on, rows nearer than TF32's rounding (TF32_ROUNDING) reordered only while TF32 is
+on (`check_row_order`'s two passes)."""
 from __future__ import annotations
 
+import contextlib
 import secrets
 from typing import NamedTuple
 
@@ -253,22 +255,39 @@ def check_row_order(method, model: nn.Module, x: torch.Tensor) -> None:
     # norm let near neighbours through: 1.28 C; one of 1e-7 of the raw norm, a constant column of 1e9: review 14)
     rounding = 1e-3 if method.precision == "bf16" else 1e-7
     rows = rows[shuffles(len(rows))[0].to(rows.device)]  # each forward mixes added records and batch rows
-    # TF32 off for the check's forwards: precision=tf32's cuDNN convolutions round a row by its batch position (stop
-    # 62, an H200: ResNet-18's rows 7e-4 of their norm apart in the two orders at its 20th conv, every run alike; 0 in
-    # float32), and a sound ResNet-18 was refused. Which rows a layer sees is the forward's structure, not its
-    # rounding: float32 products show the same reorder (a forward that reorders only when TF32 is on is code written
-    # to evade the check, docs/privacy.md)
-    with fp32_mode.tf32_paused(), method.autocast(rows):
-        for part in rows.split(size):
-            found = reordered(model, part, rounding) if len(part) >= 2 else None
-            if found is not None and model.training and random_forward(model, part):
-                model.eval()  # a forward random outside dropout modules: the two orders compared without it
-                found = reordered(model, part, rounding)
-            if found is not None:
-                path, module = found
-                raise DprunError(f"{path} ({type(module).__name__}) is fed the examples in another order than the "
-                                 f"batch's (the batch shuffled, its input rows are not shuffled alike): the forward "
-                                 f"reorders the examples by their data (e.g. a sort by length before packing); "
-                                 f"method={method.name} takes row i of each call of a layer to be example i, so its "
-                                 f"norms would not bound the released sum; restore the order before the layer, or use "
-                                 f"{BLACK_BOX}")
+    # CUDA with TF32 products (precision=tf32): cuDNN's TF32 convolutions round a row by its batch position (stop 62,
+    # an H200: ResNet-18's rows 7e-4 of their norm apart in the two orders at its 20th conv, every run alike; 0 in
+    # float32), and a sound ResNet-18 was refused at float32's floor. So two passes there: the step's own flags at
+    # TF32's floor (a forward may read the flags: review 34's model packed its rows only while TF32 was allowed, and
+    # a check run with TF32 paused let it release 1.054 C), then float32 products at float32's floor (a reorder among
+    # rows nearer than TF32's floor, in a forward that does not read the flags)
+    tf32 = tf32_rounds(rows)
+    passes = [(contextlib.nullcontext, max(rounding, TF32_ROUNDING) if tf32 else rounding)]
+    if tf32:
+        passes.append((fp32_mode.tf32_paused, rounding))
+    for flags, floor in passes:
+        with flags(), method.autocast(rows):
+            for part in rows.split(size):
+                found = reordered(model, part, floor) if len(part) >= 2 else None
+                if found is not None and model.training and random_forward(model, part):
+                    model.eval()  # a forward random outside dropout modules: the two orders compared without it
+                    found = reordered(model, part, floor)
+                if found is not None:
+                    refuse(method, *found)
+
+
+TF32_ROUNDING = 1e-3  # the row-order floor where TF32 products round (10-bit mantissas: 2^-11 per product), as bf16's
+
+
+def tf32_rounds(rows: torch.Tensor) -> bool:
+    """Do the check's forwards of `rows` take TF32 products (CUDA, with TF32 on: precision=tf32's step)?"""
+    return rows.device.type == "cuda" and fp32_mode.tf32_enabled()
+
+
+def refuse(method, path: str, module: nn.Module) -> None:
+    raise DprunError(f"{path} ({type(module).__name__}) is fed the examples in another order than the "
+                     f"batch's (the batch shuffled, its input rows are not shuffled alike): the forward "
+                     f"reorders the examples by their data (e.g. a sort by length before packing); "
+                     f"method={method.name} takes row i of each call of a layer to be example i, so its "
+                     f"norms would not bound the released sum; restore the order before the layer, or use "
+                     f"{BLACK_BOX}")
