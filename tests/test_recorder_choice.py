@@ -64,21 +64,38 @@ def cuda_choice(method):
     return lambda device: original(method, torch.device("cuda"))
 
 
-def test_recorder_out_of_memory_falls_back_to_lean_for_this_step_and_the_next(monkeypatch, caplog):
+@pytest.mark.parametrize("where", ["backward", "sums"])
+def test_recorder_out_of_memory_falls_back_to_lean_for_this_step_and_the_next(where, monkeypatch, caplog):
     """Under auto on CUDA, Recorder holds every output-gradient at once (more memory than the lean recorder, which
-    was the default before stop 62): where that runs out of memory, the step starts again with the lean recorder
-    (same random state: the same dropout masks, nothing summed twice), says so in one log line, and the method keeps
+    was the default before stop 62): where that runs out of memory, in its backward or in its clipped sums, the step
+    starts again with the lean recorder (same random state: the same dropout masks; nothing summed twice), after the
+    failed attempt's records are freed (review 35: they met the retry), says so in one log line, and the method keeps
     lean; an explicit method.recorder=full still raises."""
     import logging
+    import weakref
 
     from runner.norms import hooks
 
-    calls = []
-    original = hooks.Recorder.backprops
+    attempts, recorders = [], []
+    backprops, clipped_sums, lean_recorder = hooks.Recorder.backprops, reweight.ReweightGP.clipped_sums, \
+        reweight.LeanRecorder
 
-    def out_of_memory(self, *args, **kwargs):
-        calls.append(1)
-        raise torch.OutOfMemoryError("CUDA out of memory (emulated)")
+    def failing_backprops(self, *args, **kwargs):
+        recorders.append(weakref.ref(self))
+        if where == "backward":
+            attempts.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (emulated)")
+        return backprops(self, *args, **kwargs)
+
+    def failing_sums(rec, *args, **kwargs):
+        if where == "sums" and isinstance(rec, hooks.Recorder):
+            attempts.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (emulated)")
+        return clipped_sums(rec, *args, **kwargs)
+
+    def lean_after_the_failed_attempt(*args, **kwargs):
+        assert all(r() is None for r in recorders), "the failed attempt's records are still held"
+        return lean_recorder(*args, **kwargs)
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
@@ -90,7 +107,9 @@ def test_recorder_out_of_memory_falls_back_to_lean_for_this_step_and_the_next(mo
         method = METHODS.build("reweight", cfg={"mode": "bk", **cfg}, clip=0.5, sigma=0.0)
         method.privacy_check = False
         monkeypatch.setattr(method, "lean_on", cuda_choice(method))
-        monkeypatch.setattr(hooks.Recorder, "backprops", out_of_memory if fail else original)
+        monkeypatch.setattr(hooks.Recorder, "backprops", failing_backprops if fail else backprops)
+        monkeypatch.setattr(reweight.ReweightGP, "clipped_sums", staticmethod(failing_sums if fail else clipped_sums))
+        monkeypatch.setattr(reweight, "LeanRecorder", lean_after_the_failed_attempt if fail else lean_recorder)
         model = method.attach(model)
         steps = []
         for _ in range(2):
@@ -102,7 +121,7 @@ def test_recorder_out_of_memory_falls_back_to_lean_for_this_step_and_the_next(mo
     lean = run({"recorder": "lean"}, fail=False)
     with caplog.at_level(logging.WARNING, logger="dprun"):
         fell_back = run({}, fail=True)
-    assert len(calls) == 1  # Recorder tried once; the second step went lean at once
+    assert len(attempts) == 1  # Recorder failed once; the second step went lean at once
     assert sum("out of memory with Recorder" in r.getMessage() for r in caplog.records) == 1
     for want, got in zip(lean, fell_back):
         for a, b in zip(want, got):

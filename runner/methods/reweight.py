@@ -182,13 +182,15 @@ class ReweightGP(Method):
 
     def book_kept(self, plan, params, model, loss_fn, x, y):
         """Book-keeping: one forward, one backward, each layer's clipped sum from its records (book_keeping).
-        Eager, lean recorder (method.recorder=lean, or auto off CUDA): the lean recorder (runner/norms/lean.py, issue 31) forms each
-        layer's norm inside the backward and keeps only what the clipped sums need; a covered call its source-only
+        Eager, lean recorder (method.recorder=lean, or auto off CUDA): the lean recorder (runner/norms/lean.py, issue
+        31) forms each layer's norm inside the backward and keeps only what the clipped sums need; a covered call its source-only
         backward did not reach makes the step start again (same random state) with Recorder, which asks autograd for
         every call's output-gradient, and this model keeps Recorder from then on; method.recorder=full (auto on
-        CUDA) takes Recorder from the start; where auto's Recorder runs out of memory, the step starts again (same
-        random state, nothing summed yet) with the lean recorder, which this method keeps from then on. Compiled (runner/methods/compiled.py, self.traced): Recorder, no tensor hooks in
-        the traced graph, which is then one graph with the backward in it."""
+        CUDA) takes Recorder from the start (recorded); where auto's Recorder runs out of memory, in the forward, the
+        backward, the norms or the sums, the step starts again (same random state; p.grad is assigned only when every
+        sum is formed) with the lean recorder, which this method keeps from then on. Compiled
+        (runner/methods/compiled.py, self.traced): Recorder, no tensor hooks in the traced graph, which is then one
+        graph with the backward in it."""
         stashes: dict[int, dict] = {}
         if isinstance(self.keep, KeepBudget):
             self.keep.begin_step()
@@ -215,20 +217,27 @@ class ReweightGP(Method):
                          and not torch.compiler.is_compiling())
         state = rng_state(x.device) if may_fall_back else None
         try:
-            with Recorder(plan) as rec, self.autocast(x):
-                outputs = model(x)  # (B, classes)
-                losses = loss_fn(outputs, y)  # (B,)
-            rec.backprops(losses.sum(), retain_graph=False)  # every output-gradient at once: Recorder's peak
+            return self.recorded(plan, params, model, loss_fn, x, y, stashes)
         except torch.OutOfMemoryError:
             if not may_fall_back:
                 raise
             self._recorder_fits = False
-        if not self._recorder_fits and may_fall_back:  # out of the handler: its traceback's tensors are freed
-            log.warning("method=reweight: out of memory with Recorder (method.recorder=auto's choice on CUDA, the "
-                        "faster); this step again and every later one with the lean recorder, which holds less "
-                        "(method.recorder=lean from the start skips the attempt)")
-            set_rng_state(state, x.device)
-            return self.book_kept(plan, params, model, loss_fn, x, y)
+        # out of the handler: the failed attempt's records, graph and sums went with recorded()'s frame (review 35:
+        # held by this frame, they met the retry's lean step); p.grad is assigned only once every sum is formed
+        stashes.clear()  # kept per-example gradients of the failed attempt
+        log.warning("method=reweight: out of memory with Recorder (method.recorder=auto's choice on CUDA, the "
+                    "faster); this step again and every later one with the lean recorder, which holds less "
+                    "(method.recorder=lean from the start skips the attempt)")
+        set_rng_state(state, x.device)
+        return self.book_kept(plan, params, model, loss_fn, x, y)
+
+    def recorded(self, plan, params, model, loss_fn, x, y, stashes: dict):
+        """Book-keeping with Recorder: every call's output-gradient at the backward's end, then each layer's norm and
+        clipped sum; p.grad assigned last (book_keeping). -> outputs, losses, norms."""
+        with Recorder(plan) as rec, self.autocast(x):
+            outputs = model(x)  # (B, classes)
+            losses = loss_fn(outputs, y)  # (B,)
+        rec.backprops(losses.sum(), retain_graph=False)  # every output-gradient at once: Recorder's peak
         # Memory (issue 12): one layer at a time. Its (a, g) (a conv's unfolded input) and any ghost Gram
         # matrices are freed before the next layer; only a per-example gradient small enough to keep
         # (norms/outer.py) waits for the clipped sums, which use the raw records and free each layer's as
