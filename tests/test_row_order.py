@@ -180,3 +180,43 @@ def test_a_tf32_pause_nested_in_another_keeps_tf32_off_until_the_outermost_ends(
                 assert not fp32_mode.tf32_enabled()
             assert not fp32_mode.tf32_enabled()
         assert fp32_mode.tf32_enabled()
+
+
+class SortsNearNeighbours(torch.nn.Module):
+    """Review 35's construction: a tanh near saturation makes every row of the next layer's input ~1e-5 of its norm
+    from the others (under bf16's floor of 1e-3), and that layer is fed the rows stably sorted by a rare feature (0.3
+    in most records, 0.4 in a few: bucketing). (n, 32) -> (n, 2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.bucketed = torch.nn.Linear(32, 16), torch.nn.Linear(16, 2)
+        with torch.no_grad():
+            self.l1.weight.mul_(0.05)
+            self.l1.bias.copy_(6 * torch.sign(torch.randn(16, generator=torch.Generator().manual_seed(0))))
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        order = torch.argsort(x[:, 5], stable=True)
+        return self.bucketed(h[order])[order.argsort()]
+
+
+def test_a_reorder_among_near_neighbours_is_refused_under_bf16_by_the_float32_pass():
+    """Under bf16 the check's first pass (the step's autocast, floor 1e-3) cannot see a reorder among rows nearer than
+    its floor (review 35: 2.0 C over three such layers); its second pass, float32 products without autocast at
+    float32's floor, refuses it."""
+    import pytest
+
+    from runner.errors import DprunError
+    from runner.methods import METHODS
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 32, generator=g)
+    x[:, 5] = 0.3
+    x[[7, 30, 51], 5] = 0.4  # three flagged records, moved to the end of the bucketed layer's input
+    torch.manual_seed(0)
+    model = SortsNearNeighbours()
+    method = METHODS.build("reweight", cfg={}, clip=1.0, sigma=1.0).configure(precision="bf16")
+    with method.autocast(x):
+        assert row_order.reordered(model, x, 1e-3) is None  # the gap at bf16's floor
+    with pytest.raises(DprunError, match=r"bucketed \(Linear\) is fed the examples in another order"):
+        row_order.check_row_order(method, model, x)

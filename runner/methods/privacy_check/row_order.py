@@ -25,8 +25,9 @@ What it cannot see: a key that is a function of several features (or of a featur
 first batch and the added records tie, differences below the rounding floor, a reorder among identical rows (the
 probe's twin with another label catches that: first_step.py with_twin), and a model that behaves otherwise when
 dropout is off or when it is being checked (a reorder only in training mode of a forward with randomness outside
-dropout modules). On CUDA with TF32 on, rows nearer than TF32's rounding (TF32_ROUNDING) reordered only while TF32 is
-on (`check_row_order`'s two passes)."""
+dropout modules). Under reduced arithmetic (TF32 on CUDA, bf16), rows nearer than its floor (1e-3 of their norm)
+reordered only under that arithmetic (`check_row_order`'s two passes; about sqrt(M + 1) C over M such layers,
+review 35)."""
 from __future__ import annotations
 
 import contextlib
@@ -253,20 +254,23 @@ def check_row_order(method, model: nn.Module, x: torch.Tensor) -> None:
     # rows computed at two batch positions are bitwise equal on the CPU (review 11: Linear, fp32 and bf16); the floor
     # is ~1 ulp per coordinate (sketch's units) for kernels elsewhere that are not (a floor of 1e-3 of the centred
     # norm let near neighbours through: 1.28 C; one of 1e-7 of the raw norm, a constant column of 1e9: review 14)
-    rounding = 1e-3 if method.precision == "bf16" else 1e-7
+    rounding = 1e-3 if method.precision == "bf16" else FLOAT32_ROUNDING
     rows = rows[shuffles(len(rows))[0].to(rows.device)]  # each forward mixes added records and batch rows
     # CUDA with TF32 products (precision=tf32): cuDNN's TF32 convolutions round a row by its batch position (stop 62,
     # an H200: ResNet-18's rows 7e-4 of their norm apart in the two orders at its 20th conv, every run alike; 0 in
-    # float32), and a sound ResNet-18 was refused at float32's floor. So two passes there: the step's own flags at
-    # TF32's floor (a forward may read the flags: review 34's model packed its rows only while TF32 was allowed, and
-    # a check run with TF32 paused let it release 1.054 C), then float32 products at float32's floor (a reorder among
-    # rows nearer than TF32's floor, in a forward that does not read the flags)
+    # float32), and a sound ResNet-18 was refused at float32's floor. So where the step's arithmetic is reduced (TF32
+    # there, or bf16 autocast anywhere), two passes: the step's own arithmetic and flags at its floor (a forward may
+    # read them: review 34's model packed its rows only while TF32 was allowed, and a check with TF32 paused let it
+    # release 1.054 C), then float32 products, no autocast, at float32's floor: a reorder among rows nearer than the
+    # reduced floor, in a forward that does not depend on the arithmetic (review 35: rows ~1e-5 apart sorted by a rare
+    # feature at 3 layers released 2.0 C under bf16, which had the one pass at 1e-3)
     tf32 = tf32_rounds(rows)
-    passes = [(contextlib.nullcontext, max(rounding, TF32_ROUNDING) if tf32 else rounding)]
-    if tf32:
-        passes.append((fp32_mode.tf32_paused, rounding))
-    for flags, floor in passes:
-        with flags(), method.autocast(rows):
+    reduced = tf32 or method.precision == "bf16"
+    passes = [(lambda: method.autocast(rows), max(rounding, TF32_ROUNDING) if tf32 else rounding)]
+    if reduced:
+        passes.append((lambda: float32_products(rows), FLOAT32_ROUNDING))
+    for arithmetic, floor in passes:
+        with arithmetic():
             for part in rows.split(size):
                 found = reordered(model, part, floor) if len(part) >= 2 else None
                 if found is not None and model.training and random_forward(model, part):
@@ -277,6 +281,12 @@ def check_row_order(method, model: nn.Module, x: torch.Tensor) -> None:
 
 
 TF32_ROUNDING = 1e-3  # the row-order floor where TF32 products round (10-bit mantissas: 2^-11 per product), as bf16's
+FLOAT32_ROUNDING = 1e-7  # float32's: ~1 ulp per coordinate in the sketch's units
+
+
+def float32_products(rows: torch.Tensor):
+    """The check's second pass: float32 products (TF32 paused where it rounds the rows), no autocast."""
+    return fp32_mode.tf32_paused() if tf32_rounds(rows) else contextlib.nullcontext()
 
 
 def tf32_rounds(rows: torch.Tensor) -> bool:
