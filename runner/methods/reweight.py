@@ -59,8 +59,8 @@ RECORDERS = ("auto", "lean", "full")
 # (the stash-only layers' records then wait too: Recorder's order, without its kept outputs); auto: on on CUDA, off
 # elsewhere
 DEFERS = ("auto", "on", "off", "all")
-log = logging.getLogger("dprun")
 LATES = ("auto", "on", "off")
+log = logging.getLogger("dprun")
 
 
 def keep_ratio(value) -> float:
