@@ -407,3 +407,31 @@ def test_a_graph_inductor_does_not_capture_is_named_in_one_line(caplog, monkeypa
     c, note = contender("reweight", {"mode": "bk"}, model, x, y, lambda ps: torch.optim.SGD(ps, lr=0.1), 0.01, 8.0,
                         compile_mode="reduce-overhead")
     assert c is not None and note == "no CUDA graph: " + reason.splitlines()[0]
+
+
+def test_a_failure_after_the_noise_is_not_retried(caplog):
+    """An exception once the update began (noise added, the optimizer stepping) is raised, not retried eagerly: a
+    retry would release the same Poisson batch with fresh noise a second time, and the step is accounted once
+    (review 37). One noise draw, no fallback to eager."""
+    model, method, _ = setup("reweight", {"mode": "bk"})
+    step = CompiledStep(method, "default", CPU, physical=8)
+    step.validated = True
+    step.compiled = method.privatize  # the compiled chunk stands in for itself: only what follows it matters here
+
+    class Failing(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("out of memory in the optimizer's state")
+
+    draws = []
+    real = method.update
+
+    def update(*args, **kwargs):
+        draws.append(1)
+        return real(*args, **kwargs)
+
+    method.update = update
+    x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+    with caplog.at_level(logging.WARNING, logger="dprun"), pytest.raises(RuntimeError, match="optimizer's state"):
+        step(model, loss_fn, x, y, Failing(model.parameters(), lr=0.1), sample_rate=0.01, expected_batch_size=5.0)
+    assert draws == [1] and method.released
+    assert step.mode == "default" and "running the eager step" not in caplog.text

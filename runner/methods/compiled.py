@@ -234,6 +234,8 @@ class CompiledStep:
         except DprunError:
             raise
         except Exception as e:  # the chunk's compilation failed: eager from now on, logged once
+            if self.method.released:  # raised after the noise (the optimizer's step): the batch is released; the
+                raise  # eager retry would release it a second time, accounted once (review 37)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             log.warning("compile=%s failed for method=%s (%s: %s); running the eager step from now on",
                         self.mode, self.method.name, type(e).__name__, first)
