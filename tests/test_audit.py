@@ -357,3 +357,27 @@ def test_input_canaries_do_not_depend_on_the_training_records():
         lo, hi = info.input_range
         assert lo == pytest.approx(-0.1307 / 0.3081) and hi == pytest.approx(0.8693 / 0.3081)
         assert a.min() >= lo and a.max() <= hi
+
+
+def test_audited_bounds_are_shown_rounded_down(caplog, monkeypatch):
+    """Review 36: the log line and dprun-report's column showed the audited lower bounds rounded to nearest
+    (%.3f / .3g: 0.8646 as ">= 0.865", above itself); a lower bound is shown rounded down, like epsilon_lower_bound."""
+    from types import SimpleNamespace
+
+    import runner.audit.run as audit_run
+    from runner.audit.columns import audited_text
+
+    assert audited_text(0.8646, 0.8999, False) == ">= 0.864 (f-DP 0.899)"
+    result = SimpleNamespace(epsilon_lower_bound=0.8646, epsilon_lower_bound_fdp=0.91251, ceiling=4.3339,
+                             ceiling_fdp=4.0, correct=7, guesses=8, scored=100, epsilon_gdp=1.0, mu_lower_bound=0.5,
+                             ceiling_gdp=3.0, guesses_fdp=8, correct_fdp=7, rejects=lambda claimed: True)
+    monkeypatch.setattr(audit_run, "audit_scores", lambda *a, **k: result)
+    audit = SimpleNamespace(confidence=0.95, kind="input", canaries=200, seed=0, scores=lambda model: None,
+                            included=torch.zeros(3))
+    run = SimpleNamespace(cfg=SimpleNamespace(delta=1e-5), model=None, summary={},
+                          method=SimpleNamespace(private=True), rows=[{"epsilon": 0.5}])
+    caplog.set_level("INFO", logger="dprun")
+    audit_run.report(run, audit)
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "audited epsilon >= 0.864 (f-DP: >= 0.912" in text and "ceiling 4.33)" in text
+    assert "the audited lower bound 0.912 is above" in text

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from runner.epsilon_shown import shown_lower_bound
+
 COLUMNS = ("audit_kind", "audited_epsilon", "audited_epsilon_fdp", "audit_ceiling", "audit_above_claimed")
 
 
@@ -17,8 +19,10 @@ def audit_columns(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def audited_text(bound: Any, bound_fdp: Any, above: Any) -> str:
-    """">= 0.32 (f-DP 0.39)"; "AUDIT FAILED >= 9.1 ..." when a bound is above the claimed epsilon; "" unaudited."""
+    """">= 0.32 (f-DP 0.39)", each bound rounded down; "AUDIT FAILED >= 9.1 ..." when a bound is above the claimed
+    epsilon; "" unaudited."""
     if bound is None or (isinstance(bound, float) and math.isnan(bound)):
         return ""
-    text = f">= {bound:.3g} (f-DP {bound_fdp:.3g})"
+    # lower bounds rounded down (review 36: .3g rounded them to nearest, up to half a unit above themselves)
+    text = f">= {shown_lower_bound(float(bound), 3)} (f-DP {shown_lower_bound(float(bound_fdp), 3)})"
     return f"AUDIT FAILED {text}" if above is True else text

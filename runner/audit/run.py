@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runner.epsilon_shown import shown_epsilon
+from runner.epsilon_shown import shown_epsilon, shown_lower_bound
 from runner.audit.canaries import GradientCanaries, inclusion, input_canaries
 from runner.audit.scoring import audit_scores
 from runner.errors import DprunError
@@ -141,17 +141,20 @@ def report(run, audit: Audit) -> None:
         "can_refute": can_refute,
     }
     text = "none certified" if claimed is None else shown_epsilon(claimed)
-    log.info("audit (%s, m=%d): claimed epsilon=%s, audited epsilon >= %.3f (f-DP: >= %.3f; %d/%d guesses correct; "
-             "ceiling %.3f) at %.0f%% confidence; Gaussian-shaped estimate %.3f (assumes a Gaussian-shaped privacy "
-             "curve: not a bound)", audit.kind, audit.canaries, text, result.epsilon_lower_bound,
-             result.epsilon_lower_bound_fdp, result.correct, result.guesses, result.ceiling, 100 * audit.confidence,
-             result.epsilon_gdp)
+    # the audited lower bounds and the ceiling (the largest they can reach) rounded down, never shown above themselves
+    # (review 36: %.3f showed a bound of 0.8646 as ">= 0.865")
+    low = lambda value: shown_lower_bound(value, 3)  # noqa: E731
+    log.info("audit (%s, m=%d): claimed epsilon=%s, audited epsilon >= %s (f-DP: >= %s; %d/%d guesses correct; "
+             "ceiling %s) at %.0f%% confidence; Gaussian-shaped estimate %.3f (assumes a Gaussian-shaped privacy "
+             "curve: not a bound)", audit.kind, audit.canaries, text, low(result.epsilon_lower_bound),
+             low(result.epsilon_lower_bound_fdp), result.correct, result.guesses, low(result.ceiling),
+             100 * audit.confidence, result.epsilon_gdp)
     if not can_refute:
-        log.warning("audit: the claimed epsilon %s is at or above the largest bound %d canaries can give (%.3f): this "
+        log.warning("audit: the claimed epsilon %s is at or above the largest bound %d canaries can give (%s): this "
                     "audit cannot refute it, whatever the run does (a run without noise passes too); more canaries "
-                    "(audit.canaries) raise the ceiling", text, audit.canaries, max(result.ceiling, result.ceiling_fdp))
+                    "(audit.canaries) raise the ceiling", text, audit.canaries, low(max(result.ceiling, result.ceiling_fdp)))
     if above:
         found = max(result.epsilon_lower_bound, result.epsilon_lower_bound_fdp)
-        log.warning("WARNING: PRIVACY AUDIT FAILED: the audited lower bound %.3f is above the claimed epsilon %s: "
+        log.warning("WARNING: PRIVACY AUDIT FAILED: the audited lower bound %s is above the claimed epsilon %s: "
                     "the run does not have the privacy it claims (a bug in sampling, clipping, noise or accounting; "
-                    "a run that has it is flagged with probability <= %.2g)", found, text, 2 * beta)
+                    "a run that has it is flagged with probability <= %.2g)", low(found), text, 2 * beta)
