@@ -154,6 +154,13 @@ def saved_summary(run_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
+def finished(run_dir: str | Path) -> bool:
+    """summary.json says the run finished. A run stopped after publishing its last epoch (its checkpoint's epoch,
+    published as it stopped: train.publish_saved_epoch) has every epoch but not its end (status finished, the
+    audit): a resume trains nothing and finishes it."""
+    return saved_summary(run_dir).get("status") == "finished"
+
+
 def published_epochs(run_dir: str | Path) -> int:
     """The epochs the run has published: metrics.csv's rows or summary.json's epochs_completed, whichever is more
     (a SIGKILLed resume leaves a summary.json without epochs_completed; metrics.csv is replaced atomically)."""
@@ -303,7 +310,8 @@ def resumed_config(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
         raise DprunError(f"resume={run_dir}: {METHODS.get(method).not_resumable}")
     done = int(load(run_dir, mmap=True)["epoch"])  # a damaged file is refused here, before Hydra starts
     published = check_published(run_dir, done)  # what metrics.csv and summary.json say, not the checkpoint
-    if nothing_to_train(run_dir, done, int(cfg["epochs"])) and published == done:  # behind: publish, then finish
+    # behind: publish, then finish; every epoch published but the run stopped before its end: finish it
+    if nothing_to_train(run_dir, done, int(cfg["epochs"])) and published == done and finished(run_dir):
         raise RunComplete(f"resume={run_dir}: the run is already complete ({done} epochs, epochs={cfg['epochs']}); "
                           f"nothing to train (epochs=N with N > {done} trains on)")
     return cfg

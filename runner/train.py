@@ -271,7 +271,8 @@ def resume(run: Run, run_config: dict[str, Any]) -> None:
     # The checkpoint is saved before metrics.csv (record_epoch): a signal between the two leaves the csv and
     # summary.json one epoch behind it; that epoch is published here from the checkpoint's rows, never trained again
     behind = checkpoint.check_published(cfg.resume, int(state["epoch"])) < int(state["epoch"])
-    if checkpoint.nothing_to_train(cfg.resume, state["epoch"], int(cfg.epochs)) and not behind:  # refuses fewer
+    if checkpoint.nothing_to_train(cfg.resume, state["epoch"], int(cfg.epochs)) and not behind \
+            and checkpoint.finished(cfg.resume):  # refuses fewer; an unfinished run with every epoch: finished here
         raise checkpoint.RunComplete(f"resume={cfg.resume}: the run already has {state['epoch']} epochs")
     run.start_epoch, run.rows = checkpoint.restore(state, model=run.model, optimizer=run.optimizer,
                                                    sampler=run.sampler, method=run.method, accountant=run.accountant)
@@ -520,11 +521,40 @@ def published_accountant(run: Run):
     return copy
 
 
+def publish_saved_epoch(run: Run) -> None:
+    """A run that stops inside record_epoch after the epoch's checkpoint was saved and before metrics.csv and
+    rows_on_disk took it (a signal, a failed write) publishes that epoch now: checkpoint.pt holds the run's model,
+    and summary.json must not describe fewer steps than it took (review 38: a SIGTERM there left epsilon 1.171
+    published for 3 steps beside a 6-step model, which needs 1.349). The checkpoint on disk decides (mapped, not
+    read: a cheap look at its epoch), so a save that did not complete publishes nothing. No step was taken after the
+    save (the next epoch starts only once record_epoch returns), so the accountant holds exactly the saved steps."""
+    if not run.world.main or run.rows_on_disk >= len(run.rows) or not (run.out_dir / checkpoint.FILE).is_file():
+        return
+    try:
+        saved_epoch = int(checkpoint.load(run.out_dir, mmap=True)["epoch"])
+    except DprunError:  # damaged: it holds no epoch to publish
+        return
+    upto = sum(1 for r in run.rows if r["epoch"] <= saved_epoch)
+    if upto <= run.rows_on_disk:
+        return
+    try:
+        write_csv(run.out_dir / "metrics.csv", run.rows[:upto])
+    except OSError as e:  # a full disk: the run's own error says why it ended; this says what the folder holds
+        log.error("%s holds epoch %d, which metrics.csv and summary.json could not publish (%s): its epsilon is "
+                  "the checkpoint's accountant's, not summary.json's", checkpoint.FILE, saved_epoch, e)
+        return
+    run.rows_on_disk = upto
+    publish_state(run)
+    log.warning("the run stopped after epoch %d's checkpoint was saved: that epoch is published with it "
+                "(metrics.csv, summary.json)", saved_epoch)
+
+
 def finish(run: Run) -> None:
     """summary.json's final state (rank 0): status, the last complete epoch and the mechanisms told to the accountant
     by its end (publish_state). Replaced atomically: a full disk leaves the previous summary.json (status running,
     whole) and the error propagates; a partial file would lose the run's config (no resume, no report)."""
     audit_run.finish(run)  # audit=one_run: summary["audit"], claimed vs audited epsilon
+    publish_saved_epoch(run)
     summary, rows = run.summary, run.rows[:run.rows_on_disk]
     summary["epochs_completed"], summary["final"] = len(rows), final_row(rows)
     if rows and rows[-1]["epsilon"] == float("inf") and run.accountant is not None:

@@ -379,8 +379,8 @@ def test_published_epochs_are_never_trained_again(tmp_path, case):
 
 def test_a_run_stopped_after_its_last_checkpoint_publishes_it_on_resume(tmp_path, monkeypatch):
     """SIGTERM right after the last epoch's checkpoint.save, before its metrics.csv row: `dprun resume=` said
-    "already complete (3 epochs)" (judged by the checkpoint) and epoch 3 was never published. Now the resume
-    publishes it from the checkpoint's rows, without training it again, and the run is finished."""
+    "already complete (3 epochs)" (judged by the checkpoint) and epoch 3 was never published. Now the stopping run
+    publishes it (review 38), and the resume finishes the run without training it again."""
     import runner.checkpoint as checkpoint_module
     import runner.train as train_module
     from runner.interrupt import Terminated
@@ -396,9 +396,10 @@ def test_a_run_stopped_after_its_last_checkpoint_publishes_it_on_resume(tmp_path
         m.setattr(checkpoint_module, "save", terminated_after)
         proc = dprun_in_process(*SECURE, "epochs=3", f"out_dir={run}", cwd=tmp_path)
     assert proc.returncode == 143, proc.stderr
-    assert pd.read_csv(run / "metrics.csv").epoch.tolist() == [1, 2] and load(run)["epoch"] == 3
+    # review 38: the stop publishes the saved epoch (checkpoint.pt is the run's model); the run is not finished
+    assert pd.read_csv(run / "metrics.csv").epoch.tolist() == [1, 2, 3] and load(run)["epoch"] == 3
     stopped = json.loads((run / "summary.json").read_text())
-    assert (stopped["status"], stopped["epochs_completed"]) == ("interrupted", 2)
+    assert (stopped["status"], stopped["epochs_completed"]) == ("interrupted", 3)
 
     def trained_again(*args, **kwargs):
         raise AssertionError("epoch 3 trained again")
@@ -426,3 +427,37 @@ def test_an_interrupted_runs_summary_describes_the_published_epochs(tmp_path, mo
     assert summary["status"] == "interrupted" and summary["epochs_completed"] == len(rows) == 2
     assert sum(m["steps"] for m in summary["mechanisms"]) == rows.steps.sum() == 8
     assert summary["final"]["epsilon"] == pytest.approx(rows.epsilon.iloc[-1], rel=1e-12)
+
+
+@pytest.mark.parametrize("where", ["metrics.csv", "rows_on_disk"])
+def test_a_stop_after_an_epochs_checkpoint_publishes_that_epoch(tmp_path, monkeypatch, where):
+    """Review 38: a signal after epoch 2's checkpoint was saved and before metrics.csv (or the count of its rows)
+    took it left summary.json at epoch 1 (epsilon of 4 steps) beside checkpoint.pt, the run's model, at epoch 2 (8
+    steps). The run now publishes the saved epoch as it stops: summary.json, metrics.csv and the checkpoint agree,
+    and a resume goes on from there."""
+    import runner.train as train_module
+
+    real, calls = train_module.write_csv, []
+
+    def stopped(path, rows):
+        calls.append(1)
+        if len(calls) == 2 and where == "metrics.csv":  # epoch 2's write, after its checkpoint
+            raise KeyboardInterrupt
+        real(path, rows)
+        if len(calls) == 2:  # epoch 2's rows written, the count not yet taken
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "write_csv", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            train(compose_config(RUN + ["epochs=3"]), tmp_path)
+    saved = load(tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = pd.read_csv(tmp_path / "metrics.csv")
+    assert saved["epoch"] == 2 and summary["status"] == "interrupted"
+    assert summary["epochs_completed"] == len(rows) == 2
+    assert sum(m["steps"] for m in summary["mechanisms"]) == sum(a["count"] for a in saved["accountant"]) == 8
+    assert summary["final"]["epsilon"] == pytest.approx(rows.epsilon.iloc[-1], rel=1e-12)
+    proc = dprun_in_process(f"resume={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["epochs_completed"] == 3
