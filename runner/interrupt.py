@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +39,30 @@ def sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def signals_held():
+    """Ctrl-C and SIGTERM wait while the block runs: the run's last records (runner/train.py finish: the saved epoch
+    published, summary.json written), which a second Ctrl-C cut short, leaving summary.json an epoch behind
+    checkpoint.pt (review 39). One that arrived is raised as the block ends, unless the run is already ending by an
+    exception (the first Ctrl-C's, whose exit status it keeps). SIGKILL still ends the process."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in held}
+    for s in held:
+        if previous[s] != signal.SIG_IGN:  # an ignored one (a second SIGTERM) stays ignored
+            signal.signal(s, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        for s in held:
+            signal.signal(s, previous[s] if previous[s] is not None else signal.SIG_DFL)
+    if arrived and sys.exc_info()[0] is None:
+        raise Terminated() if arrived[0] == signal.SIGTERM else KeyboardInterrupt()
 
 
 def epochs_kept(out_dir: str | Path) -> int:

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.epsilon_shown import shown_value
 from runner.norms import tensor_cores
-from runner import checkpoint, distributed, methods, models, randomness, run_lock
+from runner import checkpoint, distributed, interrupt, methods, models, randomness, run_lock
 from runner.methods import privacy_check
 from runner.audit import run as audit_run
 from runner.accountants.published import delta_note, epsilon_columns, privacy_notes
@@ -158,7 +158,8 @@ def _train(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                 world.report_failure(run.summary["error"])
             raise
         finally:
-            finish(run)
+            with interrupt.signals_held():  # a second Ctrl-C must not cut the run's last records short
+                finish(run)
         completed = True
     finally:
         distributed.shutdown(world, wait=completed)  # a failed rank must not wait for the others

@@ -461,3 +461,57 @@ def test_a_stop_after_an_epochs_checkpoint_publishes_that_epoch(tmp_path, monkey
     proc = dprun_in_process(f"resume={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["epochs_completed"] == 3
+
+
+def test_a_second_ctrl_c_while_the_run_publishes_its_saved_epoch_waits(tmp_path, monkeypatch):
+    """Review 39: Ctrl-C after epoch 2's checkpoint, then a second Ctrl-C while the stopping run published that epoch
+    (between metrics.csv and summary.json): summary.json stayed at epoch 1 (status running) beside a 2-epoch
+    checkpoint.pt. Signals now wait while the run writes its last records; the first Ctrl-C's exception ends it."""
+    import os
+    import signal
+
+    import runner.train as train_module
+
+    real, calls = train_module.write_csv, []
+
+    def stopped(path, rows):
+        calls.append(1)
+        if len(calls) == 2:  # epoch 2's metrics.csv, after its checkpoint: the first Ctrl-C
+            raise KeyboardInterrupt
+        real(path, rows)
+        if len(calls) == 3:  # the stopping run's publication of epoch 2: a second Ctrl-C, a real SIGINT
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a test worker's)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(train_module, "write_csv", stopped)
+            with pytest.raises(KeyboardInterrupt):
+                train(compose_config(RUN + ["epochs=3"]), tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(calls) == 3 and load(tmp_path)["epoch"] == 2
+    assert (summary["status"], summary["epochs_completed"]) == ("interrupted", 2)
+    assert len(pd.read_csv(tmp_path / "metrics.csv")) == 2
+    assert sum(m["steps"] for m in summary["mechanisms"]) == 8
+
+
+def test_signals_held_raises_a_signal_that_arrived_once_the_block_ends():
+    """A Ctrl-C during a clean end (no exception on its way) is raised after the records are written, not lost."""
+    import os
+    import signal
+
+    from runner.interrupt import Terminated, signals_held
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        written = []
+        with pytest.raises(KeyboardInterrupt) as e:
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGINT)
+                written.append("summary.json")  # the block runs to its end first
+        assert written == ["summary.json"] and not isinstance(e.value, Terminated)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, previous)
