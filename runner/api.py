@@ -488,9 +488,9 @@ def _training(private: PrivateRun, optimizer: torch.optim.Optimizer, params_befo
         # from a draw of the global RNG, rank 0's, so N processes equal one
         drawn = privacy_check.shared_seed(None, None, world) if world.size > 1 else \
             int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
-        seed = randomness.shared_secret_seed(generator) if randomness.is_secure(generator) else \
-            randomness.derived_seed(drawn, "jl-directions")
-        m.direction_generator = randomness.device_generator(model, seed)
+        m.direction_generator = randomness.secret_device_generator(model, generator) \
+            if randomness.is_secure(generator) else \
+            randomness.device_generator(model, randomness.derived_seed(drawn, "jl-directions"))
     noise_gen = randomness.noise_generator(generator, model)
     if noise_gen is None and world.size > 1:
         # torch's global RNG differs between ranks seeded apart (common for augmentation): each rank would add its

@@ -393,12 +393,55 @@ def sampling_generator(rng: str, seed: int, world) -> torch.Generator | SecureRa
 def reseeded(secure: SecureRandom) -> SecureRandom:
     """Reseed torch's global RNG (JL's directions, dropout masks) with a secret from the OS, the same on every rank:
     under rng=secure a program's own torch.manual_seed must not replay them either (JL's directions known in
-    advance let a crafted record's gradient be orthogonal to them all: estimated ~0, released unclipped, 122 C)."""
-    torch.manual_seed(shared_secret_seed(secure))
+    advance let a crafted record's gradient be orthogonal to them all: estimated ~0, released unclipped, 122 C).
+    The CPU generator gets a whole mt19937 state from the keystream (secret_cpu_state), CUDA's Philox a 63-bit seed
+    of its own: torch.manual_seed keeps only a seed's low 32 bits on the CPU (review 40: a 2^32 search of the seeds
+    against a released model's initialisation replayed every later direction)."""
+    torch.manual_seed(shared_secret_seed(secure))  # CUDA's generators: 63 secret bits (Philox keeps 64)
+    torch.set_rng_state(secret_cpu_state(secure))  # the CPU's: 624 secret words, not that seed's low 32 bits
     # several ranks draw their forwards' dropout from forks seeded by (World.seed, step, rank): a secret too, not the
     # run's public seed (review 21: rank 1's masks replayed from seed=5 alone, 1000 of 1000)
     secure.world.seed = shared_secret_seed(secure)
     return secure
+
+
+MT19937_WORDS = 624  # the CPU generator's state: 624 32-bit words (19,968 bits)
+
+
+def secret_cpu_state(secure: SecureRandom) -> torch.Tensor:
+    """A CPU torch.Generator state (uint8 bytes, torch's CPUGeneratorImplState) whose mt19937 words come from the
+    keystream, rank 0's on every rank: torch.manual_seed(seed) sets them from seed's low 32 bits alone, so any
+    manual_seed'ed CPU stream is one of 2^32. The layout (torch's legacy pod, little-endian): the initial seed
+    (u64), left (i32), seeded (i32), next (u64), the 624 words (u64 slots), then the cached normals, which a
+    freshly seeded generator marks invalid; left = 1 makes the first draw twist the words, as after a seed."""
+    words = secure.shared(lambda: torch.from_numpy(secure.words(MT19937_WORDS // 2 + 1).copy()),
+                          (MT19937_WORDS // 2 + 1,), torch.int64, _collective_device(secure)).cpu()
+    raw = words.numpy().view(np.uint32)  # (626,): 624 words, then 64 bits for the seed field (informational)
+    state = bytearray(torch.Generator().manual_seed(1).get_state().numpy().tobytes())  # caches invalid
+    slots = np.zeros(MT19937_WORDS, dtype="<u8")
+    slots[:] = raw[:MT19937_WORDS]
+    slots[0] |= 1 << 31  # never the all-zero state (mt19937's one bad state; 2^-19968 anyway): one bit of 19,968
+    state[0:8] = (int(raw[MT19937_WORDS]) | int(raw[MT19937_WORDS + 1]) << 32).to_bytes(8, "little")
+    state[8:16] = (1).to_bytes(4, "little") + (1).to_bytes(4, "little")  # left = 1, seeded = 1
+    state[16:24] = bytes(8)  # next = 0
+    state[24:24 + 8 * MT19937_WORDS] = slots.tobytes()
+    return torch.frombuffer(state, dtype=torch.uint8).clone()
+
+
+def secret_cpu_generator(secure: SecureRandom) -> torch.Generator:
+    """A CPU torch.Generator with a whole secret mt19937 state (secret_cpu_state), the same on every rank."""
+    generator = torch.Generator()
+    generator.set_state(secret_cpu_state(secure))
+    return generator
+
+
+def secret_device_generator(model: torch.nn.Module, secure: SecureRandom) -> torch.Generator:
+    """A secret torch.Generator on the model's device, the same on every rank: the CPU's with a whole secret state
+    (secret_cpu_generator), a GPU's (Philox, 64-bit seeds) seeded with 63 secret bits."""
+    device = next(model.parameters()).device
+    if device.type == "cpu":
+        return secret_cpu_generator(secure)
+    return torch.Generator(device=device).manual_seed(shared_secret_seed(secure))
 
 
 def shared_secret_seed(secure: SecureRandom) -> int:

@@ -191,10 +191,12 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
                     device.type)
     dtype = {"float32": torch.float32, "float64": torch.float64}[str(cfg.dtype)]
     torch.manual_seed(int(cfg.seed))
-    # the sampler's (the same global batches on every rank) and, rng=secure, the noise's (runner/randomness.py)
-    gen = randomness.sampling_generator(str(cfg.get("rng", "seeded")), int(cfg.seed), world)
     data, audit = load_data(cfg, device, dtype)
-    model, model_kwargs = build_model(cfg, data, device, dtype)
+    model, model_kwargs = build_model(cfg, data, device, dtype)  # its initialisation from `seed`, public
+    # the sampler's (the same global batches on every rank) and, rng=secure, the noise's (runner/randomness.py). After
+    # the model: secure reseeds torch's RNG for JL's directions and dropout, and an initialisation drawn from that
+    # secret state (visible through the released model) would be a window onto it (review 40)
+    gen = randomness.sampling_generator(str(cfg.get("rng", "seeded")), int(cfg.seed), world)
     private = assemble(request_from(cfg), model, data, world,
                        make_sampler=lambda kind: Sampler(kind, data.info.train_size or len(data.train_y),
                                                          int(cfg.batch_size), gen, device))

@@ -444,3 +444,57 @@ def test_make_private_secure_reseeds_torchs_global_rng_so_jls_directions_are_not
             draws[rng, run] = torch.randn(4)  # what JL's next directions would draw from
     assert torch.equal(draws["seeded", 0], draws["seeded", 1])
     assert not torch.equal(draws["secure", 0], draws["secure", 1])
+
+
+def test_secure_cpu_streams_are_not_one_of_2_32_seeds():
+    """Review 40: torch.manual_seed keeps a seed's low 32 bits on the CPU, so the secret 63-bit reseed of torch's
+    global RNG (JL's directions, dropout) and the API's JL direction generator were each one of 2^32 streams, found
+    by a search against the released model's initialisation. Now their mt19937 words come from the keystream: no seed
+    torch.manual_seed accepts (the low 32 bits of the one they report, nor 5 others) starts their stream."""
+    import dprun
+
+    secure = SecureRandom(distributed.World())
+    randomness.reseeded(secure)
+    drawn = torch.randn(64)
+    g = randomness.secret_device_generator(torch.nn.Linear(2, 2), secure)
+    api = torch.randn(64, generator=g)
+    for candidate in [torch.initial_seed(), torch.initial_seed() & 0xFFFFFFFF, g.initial_seed() & 0xFFFFFFFF,
+                      0, 1, 2**31]:
+        replay = torch.randn(64, generator=torch.Generator().manual_seed(candidate))
+        assert not torch.equal(replay, drawn) and not torch.equal(replay, api)
+    assert abs(float(torch.randn(10**5).std()) - 1) < 0.02  # still a working generator
+    # the API's jl directions (a CPU model) come from such a generator; two secure runs of one program differ
+    x, y = torch.randn(60, 5), torch.randint(0, 3, (60,))
+    directions = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(5, 3)
+        private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), method="jl", r=2,
+                                     batch_size=20, rng="secure")
+        gen = private.method.direction_generator
+        directions.append(torch.randn(8, generator=gen))
+        low = torch.randn(8, generator=torch.Generator().manual_seed(gen.initial_seed() & 0xFFFFFFFF))
+        assert not torch.equal(directions[-1], low)
+    assert not torch.equal(*directions)
+
+
+def test_a_secure_cli_run_initialises_its_model_from_seed_before_the_secret_reseed(tmp_path, monkeypatch):
+    """Review 40: the CLI built the model after the secure reseed, so the released weights (which stay near their
+    initialisation) were a window onto the secret state behind JL's directions and dropout. The initialisation now
+    comes from `seed` (public, data-independent), the reseed after it."""
+    import runner.train as train_module
+
+    built = {}
+    real = train_module.build_model
+
+    def build(cfg, data, device, dtype):
+        model, kwargs = real(cfg, data, device, dtype)
+        built[str(cfg.rng)] = [p.detach().clone() for p in model.parameters()]
+        built[str(cfg.rng) + " next draw"] = torch.randn(4)  # what the global RNG gives right after the build
+        return model, kwargs
+
+    monkeypatch.setattr(train_module, "build_model", build)
+    for rng in ("seeded", "secure"):
+        train(compose_config(SHORT + [f"rng={rng}", "epochs=1", "max_steps_per_epoch=1", "seed=3"]), tmp_path / rng)
+    assert all(torch.equal(a, b) for a, b in zip(built["seeded"], built["secure"]))  # the same public init
+    assert torch.equal(built["secure next draw"], built["seeded next draw"])  # both still seed's stream at the build
