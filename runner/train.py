@@ -191,7 +191,7 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
                     device.type)
     dtype = {"float32": torch.float32, "float64": torch.float64}[str(cfg.dtype)]
     torch.manual_seed(int(cfg.seed))
-    data, audit = load_data(cfg, device, dtype)
+    data, audit = load_data(cfg, device, dtype, world)
     model, model_kwargs = build_model(cfg, data, device, dtype)  # its initialisation from `seed`, public
     # the sampler's (the same global batches on every rank) and, rng=secure, the noise's (runner/randomness.py). After
     # the model: secure reseeds torch's RNG for JL's directions and dropout, and an initialisation drawn from that
@@ -223,11 +223,17 @@ def set_up(cfg: DictConfig, out_dir: Path, world: distributed.World) -> Run:
     return run
 
 
-def load_data(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+def load_data(cfg: DictConfig, device: torch.device, dtype: torch.dtype,
+              world: distributed.World | None = None) -> tuple[Any, Any]:
     """The dataset's tensors on the device, loaded once; float features in the run's dtype; and the run's audit
-    (audit=one_run: included input canaries join the training set; None otherwise)."""
+    (audit=one_run: included input canaries join the training set; None otherwise), its draws from a secret seed
+    under rng=secure (review 40: from seed + 7919, anyone holding `seed` predicted which canaries joined each step)."""
     data = load_dataset(cfg.dataset, cfg.data_dir, device)
-    audit = audit_run.begin(cfg, data)
+    secret = None
+    if cfg.get("audit") is not None and str(cfg.audit.get("name", "none")) != "none" \
+            and str(cfg.get("rng", "seeded")) == "secure":
+        secret = randomness.shared_secret_seed(randomness.SecureRandom(world or distributed.World(), ahead=False))
+    audit = audit_run.begin(cfg, data, secret)
     if data.train_x.is_floating_point():
         data.train_x, data.test_x = data.train_x.to(dtype), data.test_x.to(dtype)
     return data, audit

@@ -381,3 +381,29 @@ def test_audited_bounds_are_shown_rounded_down(caplog, monkeypatch):
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "audited epsilon >= 0.864 (f-DP: >= 0.912" in text and "ceiling 4.33)" in text
     assert "the audited lower bound 0.912 is above" in text
+
+
+def test_a_secure_runs_audit_draws_are_not_replayable_from_seed(monkeypatch):
+    """Review 40: under rng=secure the audit's draws (which canaries join, their Poisson draws and directions) came
+    from seed + 7919, so anyone holding summary.json's seed predicted them. Now a secret seed under secure; a seeded
+    run keeps seed + 7919 (replayable, as everything else in it)."""
+    import runner.audit.run as audit_run
+    from runner.train import load_data
+
+    seen = {}
+    real = audit_run.begin
+
+    def begin(cfg, data, secret_seed=None):
+        audit = real(cfg, data, secret_seed)
+        seen.setdefault(str(cfg.rng), []).append((audit.seed, audit.included.clone()))
+        return audit
+
+    monkeypatch.setattr(audit_run, "begin", begin)
+    for rng in ("seeded", "secure"):
+        for _ in range(2):
+            load_data(compose_config(["audit=one_run", "audit.canaries=200", f"rng={rng}", "seed=5"]),
+                      torch.device("cpu"), torch.float32)
+    (s0, inc0), (s1, inc1) = seen["seeded"]
+    assert s0 == s1 == 5 + 7919 and torch.equal(inc0, inc1)
+    (t0, jnc0), (t1, jnc1) = seen["secure"]
+    assert t0 != t1 and 5 + 7919 not in (t0, t1) and not torch.equal(jnc0, jnc1)

@@ -67,14 +67,17 @@ class Audit:
         return (-torch.cat(losses)).double().cpu().numpy()
 
 
-def begin(cfg, data) -> Audit | None:
-    """The run's audit from cfg.audit (None for audit=none); input canaries that are in join data's training set."""
+def begin(cfg, data, secret_seed: int | None = None) -> Audit | None:
+    """The run's audit from cfg.audit (None for audit=none); input canaries that are in join data's training set.
+    secret_seed (rng=secure): the audit's draws from it, not from the run's public seed (never written: summary.json's
+    "audit" holds no seed)."""
     spec = cfg.get("audit")
     if spec is None or str(spec.get("name", "none")) == "none":
         return None
     if cfg.get("resume"):
         raise DprunError("audit=one_run cannot resume a run: the canaries' draws are not checkpointed; start afresh")
-    kind, m, seed = str(spec.canary), int(spec.canaries), int(cfg.seed) + 7919  # apart from the run's own streams
+    kind, m = str(spec.canary), int(spec.canaries)
+    seed = int(cfg.seed) + 7919 if secret_seed is None else int(secret_seed) % 2**62  # apart from the run's streams
     audit = Audit(kind, m, float(spec.confidence), seed, inclusion(m, seed), str(spec.get("direction", "dirac")),
                   str(spec.get("score", "steps")), float(cfg.get("lr", 1.0)) / float(cfg.get("batch_size", 1)))
     if kind != "gradient":
