@@ -498,3 +498,32 @@ def test_a_secure_cli_run_initialises_its_model_from_seed_before_the_secret_rese
         train(compose_config(SHORT + [f"rng={rng}", "epochs=1", "max_steps_per_epoch=1", "seed=3"]), tmp_path / rng)
     assert all(torch.equal(a, b) for a, b in zip(built["seeded"], built["secure"]))  # the same public init
     assert torch.equal(built["secure next draw"], built["seeded next draw"])  # both still seed's stream at the build
+
+
+def test_make_privates_record_probe_leaves_the_gpu_generators_secret(monkeypatch):
+    """Review 41: the collate probe fetched each record under torch.manual_seed(index), which reseeds every CUDA
+    generator as well (fork_rng(devices=[]) restores only the CPU's), after make_private's secret reseed: a GPU
+    run's dropout then came from the last probed index, a function of the dataset's size. Only the secret reseed may
+    seed the CUDA generators now (recorded here on the CPU, where torch still calls manual_seed_all)."""
+    import dprun
+
+    seeds = []
+    real = torch.cuda.manual_seed_all
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: (seeds.append(int(seed)), real(seed))[1])
+
+    class Records(torch.utils.data.Dataset):
+        def __len__(self):
+            return 60
+
+        def __getitem__(self, i):
+            return torch.full((5,), float(i) / 60), i % 3
+
+    torch.manual_seed(0)
+    seeds.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3))
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), Records(), method="reweight",
+                                 batch_size=16, rng="secure", noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)
+    for x, y in private.batches():
+        private.step(x, y, loss_fn)
+        break
+    assert len(seeds) == 1 and seeds[0] not in range(60)  # the secret reseed alone, no record index after it

@@ -59,12 +59,14 @@ def first_difference(alone: Any, together: Any, row: int, where: str = "batch") 
 
 
 def seeded(index: int, fetch: Callable[[], Any]) -> Any:
-    """fetch() with torch's, numpy's and Python's global RNGs seeded by `index`, their states restored after: a random
-    augmentation draws alike for the same record wherever it is fetched (and on every rank)."""
+    """fetch() with torch's CPU, numpy's and Python's global RNGs seeded by `index`, their states restored after: a
+    random augmentation draws alike for the same record wherever it is fetched (and on every rank). The CPU generator
+    alone: torch.manual_seed seeds every CUDA generator too, which fork_rng(devices=[]) does not restore, so after
+    make_private's secret reseed (rng=secure) a GPU run's dropout came from the last probed index (review 41)."""
     py_state, np_state = random.getstate(), numpy.random.get_state()
     try:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(index), random.seed(index), numpy.random.seed(index)
+            torch.default_generator.manual_seed(index), random.seed(index), numpy.random.seed(index)
             return fetch()
     finally:
         random.setstate(py_state)
