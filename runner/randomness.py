@@ -416,7 +416,12 @@ def secret_cpu_state(secure: SecureRandom) -> torch.Tensor:
     freshly seeded generator marks invalid; left = 1 makes the first draw twist the words, as after a seed."""
     words = secure.shared(lambda: torch.from_numpy(secure.words(MT19937_WORDS // 2 + 1).copy()),
                           (MT19937_WORDS // 2 + 1,), torch.int64, _collective_device(secure)).cpu()
-    raw = words.numpy().view(np.uint32)  # (626,): 624 words, then 64 bits for the seed field (informational)
+    return mt19937_state(words.numpy().view(np.uint32))
+
+
+def mt19937_state(raw: np.ndarray) -> torch.Tensor:
+    """A CPU generator state (secret_cpu_state's layout) from 626 uint32: the 624 words, then 64 bits for the seed
+    field (informational)."""
     state = bytearray(torch.Generator().manual_seed(1).get_state().numpy().tobytes())  # caches invalid
     slots = np.zeros(MT19937_WORDS, dtype="<u8")
     slots[:] = raw[:MT19937_WORDS]
@@ -432,6 +437,17 @@ def secret_cpu_generator(secure: SecureRandom) -> torch.Generator:
     """A CPU torch.Generator with a whole secret mt19937 state (secret_cpu_state), the same on every rank."""
     generator = torch.Generator()
     generator.set_state(secret_cpu_state(secure))
+    return generator
+
+
+def expanded_generator(seed: int, purpose: str) -> torch.Generator:
+    """A CPU torch.Generator whose whole mt19937 state (624 words) is SHAKE-256 of (seed, purpose): a function of all of
+    a 63-bit seed's bits, where torch.manual_seed keeps its low 32 on the CPU (review 41: the one-run audit's draws under
+    rng=secure, from a secret seed, were each one of 2^32 streams). Deterministic: a public seed replays it."""
+    words = np.frombuffer(hashlib.shake_256(f"dprun/{purpose}/{int(seed)}".encode()).digest(4 * (MT19937_WORDS + 2)),
+                          dtype="<u4")
+    generator = torch.Generator()
+    generator.set_state(mt19937_state(words))
     return generator
 
 

@@ -407,3 +407,17 @@ def test_a_secure_runs_audit_draws_are_not_replayable_from_seed(monkeypatch):
     assert s0 == s1 == 5 + 7919 and torch.equal(inc0, inc1)
     (t0, jnc0), (t1, jnc1) = seen["secure"]
     assert t0 != t1 and 5 + 7919 not in (t0, t1) and not torch.equal(jnc0, jnc1)
+
+
+def test_the_audits_draws_depend_on_every_bit_of_its_seed():
+    """Review 41: the audit's generators were torch.Generator().manual_seed(seed + k), which keeps 32 bits on the CPU,
+    so its secret seed under rng=secure made each one of 2^32 streams. Seeds 2^32 apart now draw apart."""
+    from runner.audit.canaries import inclusion, input_canaries
+
+    seed = 123_456_789_012
+    assert not torch.equal(inclusion(200, seed), inclusion(200, seed + 2**32))
+    assert torch.equal(inclusion(200, seed), inclusion(200, seed))  # a seed still replays its own draws
+    data = SimpleNamespace(train_x=torch.rand(50, 6), train_y=torch.randint(0, 3, (50,)),
+                           info=DataInfo("random", (6,), 3, train_size=50))
+    a, b = input_canaries("input", 20, data, seed), input_canaries("input", 20, data, seed + 2**32)
+    assert not torch.equal(a[0], b[0])

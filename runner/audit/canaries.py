@@ -21,13 +21,14 @@ import numpy as np
 import torch
 
 from runner.errors import DprunError
+from runner.randomness import expanded_generator
 
 MAX_RANDOM_ENTRIES = 50_000_000  # m x d floats held for random directions (200 MB); beyond: direction=dirac
 
 
 def inclusion(m: int, seed: int) -> torch.Tensor:
     """(m,) bool: which canaries are in, each with probability 1/2 (the audit's own generator)."""
-    return torch.rand(m, generator=torch.Generator().manual_seed(seed)) < 0.5
+    return torch.rand(m, generator=expanded_generator(seed, "audit-inclusion")) < 0.5
 
 
 class GradientCanaries:
@@ -39,7 +40,7 @@ class GradientCanaries:
         self.score, self.step_size = score, float(step_size)  # step_size: lr C / B, one canary's move of a step
         self.d = sum(p.numel() for p in params)
         self.included = inclusion(m, seed)
-        gen = torch.Generator().manual_seed(seed + 1)
+        gen = expanded_generator(seed, "audit-directions")
         device = params[0].device
         if direction == "dirac":
             if self.d < m:
@@ -54,7 +55,7 @@ class GradientCanaries:
             u = torch.randn(m, self.d, generator=gen)
             self.directions = (u / u.norm(dim=1, keepdim=True)).to(device)  # (m, d) unit rows
             self.coords = None
-        self.step_gen = torch.Generator().manual_seed(seed + 2)  # the canaries' Poisson draws, the same on every rank
+        self.step_gen = expanded_generator(seed, "audit-steps")  # the canaries' Poisson draws, the same on every rank
         self.start = self.flat().clone()  # (d,) theta_0
         self.last = self.project(self.start)  # (m,) the projections before the step now running
         self.llr = torch.zeros(m, dtype=torch.float64, device=device)  # score=steps: the summed log-likelihood ratios
@@ -113,7 +114,7 @@ class GradientCanaries:
 
 def input_canaries(kind: str, m: int, data, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) of m crafted canaries shaped like the training set's examples, with uniformly random labels."""
-    gen = torch.Generator().manual_seed(seed + 3)
+    gen = expanded_generator(seed, "audit-inputs")
     x, classes = data.train_x, int(data.info.num_classes)
     shape = (m, *x.shape[1:])
     y = torch.randint(0, classes, (m,), generator=gen)
