@@ -156,20 +156,19 @@ bench-gpu-compiled: ## issue 31's compiled rows: a bk chunk as one graph under C
 	  --out $(BENCH_OUT)/compiled_$$p $(BENCH_ARGS) || exit 1; done
 
 .PHONY: device-check
-device-check: ## issue 31's GPU readings in one bounded call (~9 min on an H200; each step under its own timeout, so a step cut or failed keeps what it measured and does not stop the next; each step's output in $(BENCH_OUT)/check.log, at most 8 files under $(BENCH_OUT)): the event read probed once; the certified-clipping search on the GPU's kernels (device-search, 1 min); GPT-2-small's eager step in fp32 at T=128 and T=512 and in bf16 at T=128, the default (CUDA: Recorder, method.recorder=auto) beside the lean recorder, each with host_ms, its kernels' gpu_ms and mallocs; the compiled bf16 step (the tensor-core route's single sum). Issue 26's conv-net readings (met at stop 62): make device-check-conv
+device-check: ## issue 31's GPU readings in one bounded call (~9 min on an H200; each step under its own timeout, so a step cut or failed keeps what it measured and does not stop the next; each step's output in $(BENCH_OUT)/check.log, at most 8 files under $(BENCH_OUT)): the event read probed once; the certified-clipping search on the GPU's kernels (device-search, 1 min); GPT-2-small's eager step in fp32 at T=128 and T=512 and in bf16 at T=128, the default (CUDA: Recorder, method.recorder=auto) beside the lean recorder, each with host_ms, its kernels' gpu_ms and mallocs (the compiled bf16 step, whose compilation overran 150 s at stop 63: make device-check-compiled). Issue 26's conv-net readings (met at stop 62): make device-check-conv
 	mkdir -p $(BENCH_OUT) && { $(PY) -c "$$EVENT_READ_PROBE" $(BENCH_DEVICE) && echo 1 || echo 0; } | tail -1 > $(BENCH_OUT)/event_read \
 	  && echo "device-check: DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read)" | tee -a $(BENCH_OUT)/check.log
 	-timeout -s INT -k 10 100 $(MAKE) --no-print-directory device-search DEVICE_SEARCH_MINUTES=1 BENCH_ARGS= 2>&1 | tee -a $(BENCH_OUT)/check.log
 	-$(MAKE) --no-print-directory gpt2-rows T=128 P=fp32 SECONDS=140
-	-$(MAKE) --no-print-directory gpt2-rows T=512 P=fp32 SECONDS=100
-	-$(MAKE) --no-print-directory gpt2-rows T=128 P=bf16 SECONDS=80
-	-timeout -s INT -k 10 150 $(MAKE) --no-print-directory compiled-bf16-row TC=1 TC_SUM=single
+	-$(MAKE) --no-print-directory gpt2-rows T=512 P=fp32 SECONDS=130 ROWS=nonprivate,reweight-bk,reweight-bk-lean ROW_REPEATS="--repeats 5 --warmup 2"
+	-$(MAKE) --no-print-directory gpt2-rows T=128 P=bf16 SECONDS=130 ROWS=nonprivate,reweight-bk,reweight-bk-lean ROW_REPEATS="--repeats 5 --warmup 2"
 
 .PHONY: gpt2-rows
 gpt2-rows: ## (device-check) GPT-2-small's eager rows at T=$(T) in precision $(P), the default, the lean recorder and no kept per-example gradient (keep=0: ghost norms and one GEMM per clipped sum, less memory traffic than kept G_i), under a $(SECONDS) s limit
 	mkdir -p $(BENCH_OUT)/check_gpt2_t$(T)_$(P) && DPRUN_EVENT_READ=$$(cat $(BENCH_OUT)/event_read) timeout -s INT -k 10 $(SECONDS) \
 	  $(PY) -m runner.bench.clip --device $(BENCH_DEVICE) --suite gpu --precision $(P) --workloads gpt2small_t$(T) \
-	  --methods nonprivate,reweight-bk,reweight-bk-lean,reweight-bk-keep0 --repeats 10 --warmup 3 --out $(BENCH_OUT)/check_gpt2_t$(T)_$(P) \
+	  --methods $(ROWS) $(ROW_REPEATS) --out $(BENCH_OUT)/check_gpt2_t$(T)_$(P) \
 	  $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
 
 .PHONY: device-check-conv
@@ -201,6 +200,10 @@ compiled-bf16-row: ## (device-check-compiled) the compiled GPT-2-small bf16 rows
 	  --workloads gpt2small_t128 --methods nonprivate,reweight-bk $(OPEN_RUNS) --out $(BENCH_OUT)/check_compiled_bf16_tc$(TC)_$(TC_SUM) \
 	  $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_OUT)/check.log
 CHECK_CONV_NETS ?= cnn_mnist,papernot_cifar10,resnet18_cifar10
+# gpt2-rows' contenders and repeats (stop 63 on an H200: T=512 and bf16 with 10 repeats and keep=0 overran their
+# limits, each first step's checks taking tens of seconds; 5 repeats of three rows took ~70 s)
+ROWS ?= nonprivate,reweight-bk,reweight-bk-lean,reweight-bk-keep0
+ROW_REPEATS ?= --repeats 10 --warmup 3
 # the step's event read (runner/norms/certify.py read_started) tried once on the device: if it fails, the checks run
 # with the plain read (DPRUN_EVENT_READ=0) instead of failing every bk row
 export EVENT_READ_PROBE = import sys, torch; from runner.norms import certify; \
