@@ -29,13 +29,14 @@ import copy
 import dataclasses
 import sys
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, contender, faults_per_step,
+from runner.bench.common import (CIFAR10, IMDB, MNIST, arguments, bench_device, contender,
                                  interleaved_times, median, select_workloads, step_memory_bytes, synthetic_batch,
                                  timing_columns, timed_repeats)
 from runner import memory_format as layout
@@ -240,14 +241,16 @@ def bench_workload(w: Workload, device: torch.device, repeats: int, warmup: int,
             print(f"[bench-clip] {w.name} {label}: {notes[label]}")
     contenders = {k: c for k, c in contenders.items() if c is not None}
     host: dict[str, list[float]] = {}
-    times = interleaved_times({k: c.step for k, c in contenders.items()}, device, repeats, warmup, budget_s, host)
+    timed_faults: dict[str, list[int]] = {}  # the faults inside the timed steps themselves: what the medians include
+    times = interleaved_times({k: c.step for k, c in contenders.items()}, device, repeats, warmup, budget_s, host,
+                              timed_faults)
     gpu = {label: kernel_ms(c.step, device) for label, c in contenders.items()}  # nan off CUDA
     mallocs = {label: mallocs_per_step(c.step, device) for label, c in contenders.items()}  # nan off CUDA
     memory = {label: step_memory_bytes(c.step, device, before=c.zero_grad) for label, c in contenders.items()}
     ops = {label: op_counts(c.step, before=c.zero_grad) for label, c in contenders.items()}
     for label, c in contenders.items():  # eager steps: a compiled one would run op by op under the counting mode
         ops[label]["kernels"] = math.nan if label.endswith("+compile") else kernels(c.step, before=c.zero_grad)
-    faults = {label: faults_per_step(c.step) if device.type == "cpu" else math.nan for label, c in contenders.items()}
+    faults = {label: statistics.fmean(timed_faults[label]) if device.type == "cpu" else math.nan for label in contenders}
     t = {label: median(ts) for label, ts in times.items()}
     opacus = [t[k] for k in t if k.startswith("opacus")]
     for r in rows:

@@ -139,9 +139,11 @@ def timed(step: Callable[[], object], device: torch.device) -> float:
 
 def interleaved_times(contenders: dict[str, Callable[[], object]], device: torch.device, repeats: int,
                       warmup: int = 2, budget_s: float = math.inf,
-                      host: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+                      host: dict[str, list[float]] | None = None,
+                      faults: dict[str, list[int]] | None = None) -> dict[str, list[float]]:
     """name -> the timed steps' seconds. Warm-up steps first (all contenders alike), then interleaved repeats. `host`,
-    if given, gets name -> each timed step's seconds until step() returned (runner/bench/device_time.py)."""
+    if given, gets name -> each timed step's seconds until step() returned (runner/bench/device_time.py); `faults`
+    name -> each timed step's minor page faults (the faults inside the very steps the medians time)."""
     first: dict[str, float] = {}
     for name, step in contenders.items():
         for _ in range(max(1, warmup)):
@@ -151,8 +153,11 @@ def interleaved_times(contenders: dict[str, Callable[[], object]], device: torch
     for r in range(repeats):
         for name, step in contenders.items():
             if r < quota[name]:
+                faults_before = minor_page_faults()
                 returned, finished = host_and_wall(step, device)
                 times[name].append(finished)
+                if faults is not None:
+                    faults.setdefault(name, []).append(minor_page_faults() - faults_before)
                 if host is not None:
                     host.setdefault(name, []).append(returned)
     return times
