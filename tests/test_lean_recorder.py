@@ -522,6 +522,47 @@ def test_a_deferred_layer_called_again_is_still_exact(monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
 
 
+class UnusedCall(nn.Module):
+    """A trainable module called in the forward whose output never reaches the loss: not used at all, used only
+    through argmax (no gradient), or one of two calls detached. Review 44: the lean recorder's backward handed the
+    None gradient of such a call to its hook, which read its shape (AttributeError) instead of a zero gradient."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.fc, self.aux, self.head = how, nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):  # (B, 6)
+        h = torch.tanh(self.fc(x))
+        if self.how == "unused":
+            _ = self.aux(x)
+        elif self.how == "argmax":
+            h = h + self.aux(x).argmax(-1, keepdim=True).to(h.dtype)
+        else:  # "detached": aux called twice, the first call's output detached
+            h = h + self.aux(x).detach() + self.aux(h)
+        return self.head(h)
+
+
+def test_a_call_whose_output_does_not_reach_the_loss_counts_as_a_zero_gradient():
+    """Every recorder and deferral gives nxBP's norms and clipped sums (aux's sum 0 where no call reaches the loss)."""
+    torch.manual_seed(6)
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
+    for how in ("unused", "argmax", "detached"):
+        model = UnusedCall(how).double()
+        want_norms, want = nxbp_step(model, x, y, clip=0.05)
+        for cfg in ({}, {"recorder": "full"}, {"defer": "all"}, {"keep_mb": 0}, {"late": "off", "norm": "ghost"}):
+            method = METHODS.build("reweight", cfg={"mode": "bk", **cfg}, clip=0.05, sigma=0.0)
+            method.privacy_check = False
+            m = method.attach(copy.deepcopy(model))
+            for _ in range(2):  # the second step: deferral and keep_mb act from what the first saw
+                for p in m.parameters():
+                    p.grad = None
+                norms = method.privatize(m, loss_fn, x, y).norms
+                grads = [p.grad for p in m.parameters()]
+                torch.testing.assert_close(norms, want_norms, rtol=1e-6, atol=0)
+                for g, w in zip(grads, want):
+                    torch.testing.assert_close(g, w if w is not None else torch.zeros_like(g), rtol=1e-9, atol=1e-12)
+
+
 def test_defer_auto_is_on_on_cuda_only_and_holds_no_byte_more_on_a_transformer():
     """auto defers on CUDA only (a host-bound GPU step; on the CPU the gradient is still in cache), and an unknown
     value is one line naming the choices. On a transformer (ghost norms: small transients) deferring holds no byte

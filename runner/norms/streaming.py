@@ -169,8 +169,10 @@ class StreamingNorms(CallHooks):
         p = self.pending.get(key)
         if p is None or p.grads[index] is not None:  # the norms are done, or this call's gradient arrived already: a
             return  # later backward over the same graph fires the hook again (review 29: the count went wrong)
+        shape, dtype, device = p.shapes[index]
+        if grad is None:  # _grad's: the call's output does not reach the loss (unused, or only through argmax)
+            grad = torch.zeros(shape, dtype=dtype, device=device)  # review 44: grad.shape on None crashed the step
         grad = plain(grad)
-        shape = p.shapes[index][0]
         p.grads[index] = grad if grad.shape == shape else grad.reshape(shape)  # a carrier's (B*T, o): carrier()
         p.waiting -= 1
         if p.waiting == 0:  # every call of the module has its output-gradient: its norm, then free them
