@@ -22,6 +22,7 @@ import torch
 
 from runner import accountants, memory_format, methods
 from runner.accountants.published import delta_note
+from runner.epsilon_shown import shown_noise
 from runner.data.sampler import Sampler
 from runner.distributed import World
 from runner.errors import DprunError
@@ -158,7 +159,7 @@ def calibrate(request: Request, method: methods.Method, sampler: Sampler, name: 
     target_epsilon, delta = float(request.target_epsilon), float(request.delta)
     method.sigma = accountants.calibrate_sigma(calibrator, method.mechanism, sampler.sample_rate, steps,
                                                target_epsilon, delta)
-    log.info("calibrated sigma=%.4f for epsilon=%s at delta=%s (accountant=%s)", method.sigma, target_epsilon,
-             delta, calibrator)
+    log.info("calibrated sigma=%s for epsilon=%s at delta=%s (accountant=%s)", shown_noise(method.sigma),
+             target_epsilon, delta, calibrator)  # rounded down: its epsilon is never below the run's
     return accountants.check_target(name, calibrator, method.mechanism(sampler.sample_rate), steps, target_epsilon,
                                     delta)

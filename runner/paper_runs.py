@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 import pandas as pd
-from runner.epsilon_shown import shown_epsilon
+from runner.epsilon_shown import shown_epsilon, shown_noise
 
 OUT = Path("outputs/reference/paper/runs")
 PROBES = Path("outputs/reference/paper/imdb_probes")  # the IMDB setups tried (docs/imdb_reproduction.md)
@@ -136,7 +136,7 @@ def summarise(run_dir: Path) -> dict:
            | {"model": cfg.get("model", {}).get("name"), "optimizer": cfg.get("optimizer", {}).get("name"),
               "accountant": summary.get("accountant"), "sampling": summary.get("sampling")},
            "data_dir": cfg.get("data_dir"), "device_arg": cfg.get("device")}
-    row["setup"] = setup_of(cfg | ({"sigma": round(summary["sigma"], 4)} if summary.get("sigma") else {}))  # calibrated
+    row["setup"] = setup_of(cfg | ({"sigma": shown_noise(summary["sigma"])} if summary.get("sigma") else {}))  # calibrated, down
     row["command"] = probe_command(cfg)
     row["unclipped"] = (float(m["unclipped_frac"].median()) if "unclipped_frac" in m and len(m) else None)
     if m.empty:
@@ -290,10 +290,14 @@ def readme(rows: list[dict], runs_dir: Path, probes: Optional[list[dict]] = None
         thr = THRESHOLD[dataset]
         shared = {k: v for k, v in sub[0]["config"].items()
                   if k != "accountant" and all(r["config"].get(k) == v for r in sub)}  # per run: the lr column
+        # one delta for the column, or each epsilon with its own (review 43: the first run's delta headed them all)
+        one_delta = "delta" in shared
+        delta_heading = f"delta={shared['delta']}" if one_delta else "at each run's delta"
+        at = (lambda r: "") if one_delta else (lambda r: f" (delta={r['config'].get('delta')})")
         lines += [f"## {dataset.upper()} ({OPTIMIZER_NAME[dataset]}; settings: "
                   + ", ".join(f"{k}={v}" for k, v in shared.items()) + ")", "",
                   f"| run | method | seed | lr | status | epochs | final test acc | best test acc (epoch) | epsilon "
-                  f"(delta={sub[0]['config'].get('delta')}) | train time | first epoch at {thr:.0%} (time, eps) "
+                  f"({delta_heading}) | train time | first epoch at {thr:.0%} (time, eps) "
                   "| paper |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(sub, key=lambda r: (list(LABEL).index(r["method"]) if r["method"] in LABEL else 99,
                                             str(r["seed"]))):
@@ -303,7 +307,7 @@ def readme(rows: list[dict], runs_dir: Path, probes: Optional[list[dict]] = None
             time_s = "-" if math.isnan(r["time_s"]) else f"{r['time_s']:.0f} s"
             lines.append(f"| {r['name']} | {LABEL.get(r['method'], r['method'])} | {r['seed']} | "
                          f"{r['config'].get('lr')} | {r['status']} | "
-                         f"{r['epochs']} | {pct(r['final_acc'])} | {best} | {eps_str(r['epsilon'])} | {time_s} | "
+                         f"{r['epochs']} | {pct(r['final_acc'])} | {best} | {eps_str(r['epsilon'])}{at(r)} | {time_s} | "
                          f"{hit} | {PAPER.get((dataset, r['method']), '-')} |")
         lines.append("")
         missing = [ref.name for ref in RUNS if ref.dataset == dataset and ref.name not in {r["name"] for r in sub}]
@@ -322,7 +326,7 @@ def readme(rows: list[dict], runs_dir: Path, probes: Optional[list[dict]] = None
                             f"{thr:.0%} at epsilon ...' is such a crossing, not a final value)") if crossed else ""
                 lines.append(f"- {LABEL.get(method, method)}: mean final test accuracy over {len(seeds)} seeds "
                              f"{pct(statistics.mean(accs))} (sd {100 * statistics.stdev(accs):.2f} points), "
-                             f"epsilon {', '.join(eps_str(r['epsilon']) for r in seeds)}; all finished: "
+                             f"epsilon {', '.join(eps_str(r['epsilon']) + at(r) for r in seeds)}; all finished: "
                              f"{all(r['status'] == 'finished' for r in seeds)}{crossing}")
         lines.append("")
     if lr_probes:
@@ -385,7 +389,8 @@ def curves_figure(runs_dir: Path, dataset: str):
     infinite = []
     for row, m in runs:
         label = f"{LABEL.get(row['method'], row['method'])} seed {row['seed']}" + (
-            f" (lr {row['config'].get('lr')})" if own_lr else "")
+            f" (lr {row['config'].get('lr')})" if own_lr else "") + (
+            "" if "delta" in shared else f" (delta {row['config'].get('delta')})")
         style = method_style(LABEL.get(row["method"], row["method"]))
         ls = styles[int(row["seed"] or 0) % len(styles)]
         acc_ax.plot(m["epoch"], m["test_acc"], ls=ls, label=label, ms=4, **style)
@@ -419,7 +424,8 @@ def curves_figure(runs_dir: Path, dataset: str):
     loss_ax.set_yscale("log")
     acc_ax.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy")
     loss_ax.set(xlabel="epoch", ylabel="training loss (mean over the epoch)", title="training loss")
-    eps_ax.set(xlabel=f"certified epsilon (delta={cfg['delta']})", ylabel="test accuracy",
+    eps_ax.set(xlabel=f"certified epsilon (delta={cfg['delta']})" if "delta" in shared else
+               "certified epsilon (at each run's delta: in its label)", ylabel="test accuracy",
                title="accuracy vs certified epsilon")
     if infinite:
         eps_ax.text(0.02, 0.02, "no certified epsilon (inf), not shown: " + ", ".join(sorted(set(infinite))),

@@ -63,7 +63,7 @@ def select_runs(runs: pd.DataFrame, experiment: str, scale: str, keep_failed: bo
 # this a later one-off run of the preset (`dprun experiment=jl_fig3 method=opacus epochs=1`) would silently stand in
 # for an arm of the sweep. Not lr: presets give a method its own rate (scales.<scale>.lr_<method>).
 SHARED = ["dataset", "like", "image_size", "model", "depth", "batch_size", "sigma", "clip", "optimizer", "epochs",
-          "max_steps_per_epoch", "seed", "device"]
+          "max_steps_per_epoch", "seed", "device", "delta", "sampling", "accountant"]  # delta..: what an epsilon means
 PRESET_KEYS = {"data": "dataset"}  # a preset's own variable -> the config key it sets (conf/experiment/*.yaml)
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import pandas as pd
 
-from runner.epsilon_shown import shown_epsilon, shown_lower_bound, shown_value
+from runner.epsilon_shown import shown_epsilon, shown_lower_bound, shown_noise, shown_value
 from runner.audit.columns import audit_columns, audited_text
 from runner.entry import OneLineParser, run_entry
 from runner.errors import DprunError
@@ -388,6 +388,9 @@ def summary_columns(runs: pd.DataFrame) -> pd.DataFrame:
     if "epsilon" in view:
         bound = runs["epsilon_lower_bound"] if "epsilon_lower_bound" in runs else pd.Series(math.nan, runs.index)
         view["epsilon"] = [epsilon_text(e, b) for e, b in zip(view["epsilon"], bound)]
+    for col in ("sigma", "sigma_configured"):  # rounded down: an epsilon recomputed from a shown sigma is not below
+        if col in view:  # the run's (review 43)
+            view[col] = view[col].map(lambda v: "" if pd.isna(v) or v == "" else shown_noise(float(v)))
     for col in ("physical_batch_size", "world_size"):  # integers where set (a blank is a NaN: float otherwise)
         if col in view:
             view[col] = view[col].map(lambda v: "" if pd.isna(v) or v == "" else str(int(v)))

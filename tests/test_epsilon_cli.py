@@ -76,3 +76,15 @@ def test_a_delta_not_below_one_over_n_is_warned_about_as_dprun_does(capsys):
     err = capsys.readouterr().err
     assert err.strip() == f"dprun-eps: warning: {delta_note(0.5, 100)}"
     assert main([x for k, v in BASE.items() for x in (k, v)]) == 0 and capsys.readouterr().err == ""
+
+
+def test_the_epsilon_column_is_what_a_run_publishes_under_gdp_too(capsys):
+    """Review 43: --accountant gdp printed the central-limit approximation (1.501) as the epsilon, where a run with
+    accountant=gdp publishes the certified PLD value of the same steps (2.295); the approximation is shown beside it,
+    labelled."""
+    argv = ["--n", "1437", "--batch-size", "64", "--sigma", "1", "--epochs", "2"]
+    assert main(argv) == 0
+    pld = capsys.readouterr().out.splitlines()[-1].split()[1]
+    assert main(argv + ["--accountant", "gdp"]) == 0
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row.split()[1] == pld == "2.295" and "gdp_approx 1.501: not a guarantee" in row, row

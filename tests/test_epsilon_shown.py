@@ -25,6 +25,28 @@ def test_shown_epsilon_is_never_below_and_within_one_unit_of_its_last_digit(digi
         assert len(Decimal(shown).normalize().as_tuple().digits) <= digits, (v, shown)
 
 
+def test_numpy_scalars_are_shown_as_their_float():
+    """Review 43: numpy 2's repr of a float64 is "np.float64(2.2943)", which Decimal refused, so the audit figure (its
+    claimed epsilons a numpy column) could not be drawn."""
+    from runner.epsilon_shown import shown_lower_bound
+
+    assert shown_epsilon(np.float64(2.2943)) == shown_epsilon(2.2943) == "2.295"
+    assert shown_epsilon(np.float32(0.5), 3) == "0.5" and shown_lower_bound(np.float64(9.99951), 3) == "9.99"
+
+
+def test_a_shown_sigma_is_rounded_down_in_the_report_too():
+    """Review 43: a calibrated sigma of 0.968686 was shown as 0.9687, and an epsilon recomputed from the shown value
+    came out below the run's (1.997221 against 1.997290). Shown sigmas are rounded down: the log, dprun-report."""
+    import pandas as pd
+
+    from runner.epsilon_shown import shown_noise
+    from runner.report import summary_columns
+
+    assert shown_noise(0.968686) == "0.9686" and shown_noise(1.0) == "1" and shown_noise(2.99999) == "2.999"
+    view = summary_columns(pd.DataFrame({"sigma": [0.968686, None], "epsilon": [3.0, None]}))
+    assert list(view["sigma"]) == ["0.9686", ""], list(view["sigma"])
+
+
 def test_the_report_and_the_logs_round_up():
     assert epsilon_text(2.294312584, float("nan")) == "2.3"
     assert shown_epsilon(2.294312584) == "2.295"

@@ -367,3 +367,29 @@ def test_jl_epsilon_r_reads_its_lowest_curve():
             assert lowest_value_has_a_tick_below(ax), ax.get_title()
     finally:
         plt.close(figure)
+
+
+def test_an_epsilon_axis_states_the_runs_delta_and_runs_at_another_delta_are_left_out():
+    """Review 43: jl_fig3 drew a run at delta 0.01 under a hard-coded delta 10^-5 (0.257 where 10^-5 needs 0.984),
+    and a run at another delta was kept beside the others. delta (and sampling, accountant) are figure settings now:
+    the run at another delta is left out and named; the colour bar and the epsilon axis state the delta drawn."""
+    from runner.figures.style import delta_tex
+
+    mine = RUNS[(RUNS["experiment"] == "jl_fig3") & (RUNS["scale"] == "smoke")].copy()
+    at_001 = mine.assign(delta=0.01)
+    notes: list[str] = []
+    runs = select_runs(at_001, "jl_fig3", "smoke", notes=notes)
+    fig = FIGURES.get("jl_fig3")
+    epochs = EPOCHS[EPOCHS["run_dir"].isin(set(runs["run_dir"]))]
+    drawn = fig.draw(fig.table(runs, epochs, "smoke"), "caption", "smoke")
+    labels = [ax.get_ylabel() for ax in drawn.axes]
+    assert any("10^{-2}" in t for t in labels) and not any("10^{-5}" in t for t in labels), labels
+    # one run of the preset at another delta, the newest: the larger set stays and the odd one is named
+    mixed = mine.copy()
+    mixed.loc[mixed.index[0], "delta"] = 0.01
+    notes = []
+    kept = select_runs(mixed, "jl_fig3", "smoke", notes=notes)
+    assert len(kept) == len(mine) - 1 and "delta=0.01" in " ".join(notes), notes
+    with pytest.raises(Exception, match="different deltas"):
+        delta_tex(pd.DataFrame({"delta": [1e-5, 1e-2]}))
+    assert delta_tex(pd.DataFrame({"delta": [1e-5, None]})) == "$\\delta=10^{-5}$"

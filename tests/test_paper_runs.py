@@ -201,3 +201,24 @@ def test_learning_rates_tried_get_a_table(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| np_")]
     assert rows[0].startswith("| np_lr0.25 | 0.25 |") and "85.0% 97.0% 11.0% | 97.0% (2) | 11.0% |" in rows[0]
     assert rows[1].startswith("| np_lr0.05 | 0.05 |") and "| 98.0% (3) | 98.0% |" in rows[1]
+
+
+def test_runs_at_different_deltas_show_each_epsilon_with_its_own_delta(tmp_path):
+    """Review 43: the epsilon column was headed by the first run's delta, so a run at delta 0.01 read as an epsilon at
+    1e-5 (0.258 where 1e-5 needs 0.984). Each epsilon now names its delta where the runs differ, and the curves too."""
+    runs = tmp_path / "runs"
+    fake_run(runs, "mnist_reweight_s0", "mnist", "reweight", (0.90, 0.94), (0.4, 0.984), seed=0)
+    fake_run(runs, "mnist_reweight_s1", "mnist", "reweight", (0.90, 0.94), (0.1, 0.258), seed=1)
+    summary = json.loads((runs / "mnist_reweight_s1" / "summary.json").read_text())
+    summary["config"]["delta"] = 0.01
+    (runs / "mnist_reweight_s1" / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "README.md"
+    assert pr.main(["readme", "--runs", str(runs), "--out", str(out), "--lr-probes", str(tmp_path / "none")]) == 0
+    text = out.read_text()
+    assert "epsilon (delta=1e-05)" not in text and "epsilon (at each run's delta)" in text
+    assert "| 0.258 (delta=0.01) |" in next(line for line in text.splitlines() if line.startswith("| mnist_reweight_s1"))
+    assert "epsilon 0.984 (delta=1e-05), 0.258 (delta=0.01)" in text
+    fig = pr.curves_figure(runs, "mnist")
+    assert "each run's delta" in fig.axes[2].get_xlabel()
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "exact (ReweightGP) seed 1 (delta 0.01)" in labels, labels

@@ -12,8 +12,8 @@ from scipy import stats
 
 from runner.epsilon_shown import shown_epsilon
 from runner.figures.spec import FIGURES, Figure, newest_per, seconds_per_epoch, threshold
-from runner.figures.style import (INF_EDGE, data_name, finish, jl_label, method_legend, method_style, model_name,
-                                  panels, plain_log_axis, table_figure, values)
+from runner.figures.style import (INF_EDGE, data_name, epsilon_tex, finish, jl_label, method_legend, method_style,
+                                  model_name, panels, plain_log_axis, table_figure, values)
 
 # The paper's seconds per epoch (Tesla P100), placed next to ours in Tables 2 and 3.
 PAPER_TABLE2 = {"Non-DP SGD": (12, 2.5), "DP-SGD-Vanilla": (None, 434), "DP-SGD-Outer": (17, None),
@@ -100,7 +100,7 @@ def trajectories(runs, epochs, scale) -> pd.DataFrame:
     (warm-up excluded) x the expected steps per epoch, so a first epoch that carries the process warm-up, or a capped
     epoch, is not misplaced on the time axis."""
     cols = ["label", "method", "r", "epoch", "time_s", "test_acc", "epsilon", "run_dir", "dataset", "like", "model",
-            "batch_size", "sigma", "lr", "time_basis"]
+            "batch_size", "sigma", "lr", "delta", "time_basis"]
     if epochs.empty:
         return pd.DataFrame(columns=cols)
     runs = one_run_per_label(runs)
@@ -114,7 +114,7 @@ def trajectories(runs, epochs, scale) -> pd.DataFrame:
         ep["epoch_s"] = ep["epoch_time_s"]
     ep["time_s"] = ep.groupby("run_dir")["epoch_s"].cumsum()
     ep["time_basis"] = "estimated"
-    for col in ("dataset", "like", "model", "batch_size", "sigma", "lr"):
+    for col in ("dataset", "like", "model", "batch_size", "sigma", "lr", "delta"):
         if col not in ep or ep[col].isna().all():
             ep[col] = ep["run_dir"].map(info[col]) if col in info else None
     ep = labelled(ep)
@@ -246,7 +246,7 @@ def tradeoff_left(ax, fig, data, norm, cmap):
     ax.set_ylabel("test accuracy")
     from matplotlib.cm import ScalarMappable
 
-    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=r"marker fill: $\epsilon$ ($\delta=10^{-5}$)")
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=f"marker fill: {epsilon_tex(data)}")
     chance = chance_level(data)
     if chance is not None:
         mark_chance(ax, chance)
@@ -288,7 +288,7 @@ def draw_tradeoff(data, caption, scale, prefix, paper_acc):
     right.set_xscale("log")
     plain_log_axis(right.xaxis)
     right.set_xlabel(left.get_xlabel().split(":")[0].rstrip(")") + ")")
-    right.set_ylabel(r"$\epsilon$")
+    right.set_ylabel(epsilon_tex(data))
     right.grid(alpha=0.3)
     method_legend(fig, [left])
     return finish(fig, caption, top=0.9)
@@ -398,7 +398,7 @@ def draw_fig6(data, caption, scale):
     missed = [r for r, ok in zip(hits["label"], hits["reached"]) if not ok]
     if missed:
         axes[0].text(0.02, 0.02, "not reached: " + ", ".join(missed), transform=axes[0].transAxes, fontsize=6)
-    axes[0].set(xlabel="training time (s)", ylabel=r"$\epsilon$", title=f"fixing accuracy at {acc_text}")
+    axes[0].set(xlabel="training time (s)", ylabel=epsilon_tex(data), title=f"fixing accuracy at {acc_text}")
     t, t_text = threshold(720.0, data.groupby("label")["time_s"].max(), scale)
     finite_eps = data["epsilon"].where(np.isfinite(data["epsilon"]))
     eps_cap, e_text = threshold(8.0, finite_eps.groupby(data["label"]).max(), scale)
@@ -420,7 +420,7 @@ def draw_fig6(data, caption, scale):
         import textwrap
 
         never = "\n".join(textwrap.wrap("epsilon never within it: " + ", ".join(left_out), 60))
-    axes[1].set(xlabel=r"$\epsilon$", ylabel="test accuracy", title=f"fixing training time at {t_text} s")
+    axes[1].set(xlabel=epsilon_tex(data), ylabel="test accuracy", title=f"fixing training time at {t_text} s")
     axes[2].set(ylabel="test accuracy", title=f"fixing epsilon at {e_text}")
     axes[2].set_xlabel("training time (s)" + (f"\n{never}" if left_out else ""), fontsize=10 if not left_out else 7)
     chance = chance_level(data)

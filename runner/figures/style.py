@@ -35,6 +35,31 @@ _ALIASES = {"non": "nonprivate", "nxbp": "nxbp", "vanilla": "nxbp", "outer": "op
             "multiloss": "multiloss", "multiple": "multiloss", "reweight": "reweight", "sbcd": "sbcd"}
 
 
+def delta_tex(data: pd.DataFrame) -> str:
+    """The delta the runs' epsilons are at, for a label: "$\\delta=10^{-5}$" (review 43: a figure wrote a hard-coded
+    10^-5 beside a run's epsilon at delta 0.01). Runs at several deltas in one epsilon scale are refused in one line
+    (runner/plots.py same_settings keeps one unless a preset sweeps it); none known (every run non-private): ""."""
+    from runner.errors import DprunError
+
+    deltas = sorted({float(d) for d in pd.to_numeric(data.get("delta", pd.Series(dtype=float)), errors="coerce")
+                     if pd.notna(d)})
+    if len(deltas) > 1:
+        raise DprunError(f"the runs' epsilons are at different deltas ({', '.join(f'{d:g}' for d in deltas)}): one "
+                         f"epsilon axis cannot show them; draw the runs of one delta")
+    if not deltas:
+        return ""
+    exponent = math.log10(deltas[0])
+    if deltas[0] > 0 and exponent == round(exponent):
+        return f"$\\delta=10^{{{int(round(exponent))}}}$"
+    return f"$\\delta$={deltas[0]:g}"
+
+
+def epsilon_tex(data: pd.DataFrame) -> str:
+    """An epsilon axis's label: "$\\epsilon$ ($\\delta=10^{-5}$)", or "$\\epsilon$" where no run has a delta."""
+    delta = delta_tex(data)
+    return f"$\\epsilon$ ({delta})" if delta else "$\\epsilon$"
+
+
 def method_key(label: str) -> str | None:
     """The METHOD_STYLE key of a series label in either paper's naming ("DP-SGD-JL(10)", "JL(10)", "nxBP",
     "DP-Adam-Vanilla", "Non-private", "Non-DP SGD"), or None for a series that is not a method."""
