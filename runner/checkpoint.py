@@ -17,6 +17,9 @@ fewer (stopped between the save and metrics.csv) is published from the checkpoin
 (check_published: a resume would train published epochs again). A resume with checkpoint=false deletes the
 checkpoint before it publishes an epoch (runner/train.py, record_epoch), so it never falls behind.
 
+A checkpoint carries its run's id, the one in summary.json: a resume takes only its own run's checkpoint
+(check_run_id), and a folder holding a checkpoint.pt takes no new run (runner/run_dir.py; review 42).
+
 The run's config comes from its summary.json (the resolved config it ran with), not from Hydra's .hydra/ record:
 every folder dprun writes has one (out_dir= runs have no .hydra/; a sweep job's folder name holds `=` and `,`,
 which Hydra's override parser rejects). Only MAY_CHANGE keys may differ, and a resume is refused, or found to have
@@ -30,6 +33,7 @@ import errno
 import json
 import pickle
 import re
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -77,8 +81,15 @@ def accountant_steps(accountant) -> list[tuple[Mechanism, int]]:
     return [(m, n) for m, n in steps]
 
 
-def save(out_dir: str | Path, *, epoch: int, model, optimizer, sampler, method, accountant, rows: list[dict]) -> None:
+def new_run_id() -> str:
+    """A fresh run's identity, written to its summary.json and every checkpoint.pt it saves."""
+    return secrets.token_hex(16)
+
+
+def save(out_dir: str | Path, *, epoch: int, model, optimizer, sampler, method, accountant, rows: list[dict],
+         run_id: str | None = None) -> None:
     state = {
+        "run_id": run_id,
         "epoch": int(epoch),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -140,6 +151,19 @@ def load(run_dir: str | Path, mmap: bool = False) -> dict[str, Any]:
         # stopped half-way) or overwritten: torch's error is a many-line traceback that does not say which file
         raise DprunError(f"{path} is damaged or truncated ({first_sentence(str(e))}); the run's metrics.csv "
                          "and summary.json are intact, but it cannot be resumed: run it again for more epochs") from e
+
+
+def check_run_id(run_dir: str | Path, state: dict[str, Any]) -> str:
+    """The run id summary.json and checkpoint.pt share, or DprunError: a checkpoint of another run (left in a folder
+    whose results were cleared, or copied in to warm-start) would be resumed as this run, its model and steps with
+    this run's records: a non-private run's checkpoint so published an epsilon without its 44 unnoised steps (review
+    42). Runs from before run ids have neither, and resume as before. Returns the id the resumed run keeps."""
+    ours, theirs = saved_summary(run_dir).get("run_id"), state.get("run_id")
+    if ours != theirs:
+        raise DprunError(f"resume={run_dir}: its {FILE} belongs to another run than its summary.json (run id "
+                         f"{theirs or 'none'}, summary.json's {ours or 'none'}), so it cannot be resumed as this run: "
+                         f"start a new run in a fresh out_dir")
+    return ours or new_run_id()
 
 
 def saved_summary(run_dir: str | Path) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """One run, one folder: a run never writes into a folder that already holds another run's results.
 
-    ensure_fresh("outputs/runs/x")                    # DprunError if x holds summary.json or metrics.csv
+    ensure_fresh("outputs/runs/x")                    # DprunError if x holds summary.json, metrics.csv or checkpoint.pt
     check_reused_dirs(["out_dir=outputs/runs/x"])     # the same, from the command line, before Hydra writes .hydra/
     check_reused_dirs(["-m", "hydra.sweep.dir=s"])    # DprunError if s holds an earlier sweep
     discard_unstarted("outputs/runs/x")               # a refused run's folder (.hydra/ + dprun.log only) goes
@@ -15,7 +15,9 @@ from pathlib import Path
 
 from runner.errors import DprunError
 
-RESULT_FILES = ("summary.json", "metrics.csv")  # what makes a folder a run; .hydra/ alone does not
+# what makes a folder a run; .hydra/ alone does not. checkpoint.pt too (review 42: a run started beside another's
+# checkpoint, then resumed, took that run's model and steps as its own)
+RESULT_FILES = ("summary.json", "metrics.csv", "checkpoint.pt")
 HYDRA_RECORD = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra writes into <run dir>/.hydra/
 
 
@@ -25,7 +27,8 @@ def holds_run(folder: str | Path) -> bool:
 
 def ensure_fresh(folder: str | Path) -> None:
     if holds_run(folder):
-        raise DprunError(f"folder {str(folder)!r} already holds a run (summary.json or metrics.csv); "
+        raise DprunError(f"folder {str(folder)!r} already holds a run (summary.json, metrics.csv or "
+                         f"checkpoint.pt); "
                          f"pass a fresh out_dir= (or hydra.run.dir=), or leave both unset for a new folder")
     if (Path(folder) / "multirun.yaml").exists():  # a sweep's folder: its jobs' runs are in its subfolders
         raise DprunError(f"folder {str(folder)!r} holds a sweep (multirun.yaml); pass a fresh out_dir= (or "

@@ -102,6 +102,8 @@ class Run:
     start_epoch: int = 0
     noise_rng: Any = None  # rng=secure: the SecureRandom the noise comes from; None: torch's global RNG (seeded)
     published_steps: list = field(default_factory=list)  # the accountant's steps when metrics.csv's last row was written
+    # which run summary.json and checkpoint.pt belong to: a resume takes a checkpoint of its own run only (review 42)
+    run_id: str = field(default_factory=checkpoint.new_run_id)
 
 
 @dataclass
@@ -276,6 +278,7 @@ def resume(run: Run, run_config: dict[str, Any]) -> None:
         raise DprunError(f"resume: {can_checkpoint}")
     checkpoint.check_config(cfg.resume, run_config)
     state = checkpoint.load(cfg.resume)
+    run.run_id = checkpoint.check_run_id(cfg.resume, state)  # the same run: another's checkpoint is refused
     # published ahead of the checkpoint (checkpoint=false on an earlier resume): refused, never trained again.
     # The checkpoint is saved before metrics.csv (record_epoch): a signal between the two leaves the csv and
     # summary.json one epoch behind it; that epoch is published here from the checkpoint's rows, never trained again
@@ -301,6 +304,7 @@ def start_summary(run: Run, run_config: dict[str, Any], private: PrivateRun) -> 
                           and str(cfg.get("precision", "fp32")) == "bf16" and run.device.type == "cuda")
     return {
         "status": "running",
+        "run_id": run.run_id,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),  # UTC; dprun-report sorts by it
         "pid": os.getpid(), "host": run_lock.host(),  # a SIGKILLed run stays `running`: dprun-report checks these
         "config": run_config,
@@ -476,7 +480,8 @@ def record_epoch(run: Run, row: dict[str, Any], eps: dict[str, Any]) -> None:
         # fresh noise: two releases of the epoch, one accounted (stop 55's review)
         if cfg.get("checkpoint", True) and checkpoint.supported(method) is None:
             checkpoint.save(run.out_dir, epoch=row["epoch"], model=run.model, optimizer=run.optimizer,
-                            sampler=run.sampler, method=method, accountant=run.accountant, rows=run.rows)
+                            sampler=run.sampler, method=method, accountant=run.accountant, rows=run.rows,
+                            run_id=run.run_id)
         else:  # checkpoint=false on a resume: the run's checkpoint would stay at an epoch before the ones published
             # now, and a later resume from it train them again (rng=secure: with fresh noise, a second release)
             (run.out_dir / checkpoint.FILE).unlink(missing_ok=True)

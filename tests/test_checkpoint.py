@@ -74,6 +74,27 @@ def test_resume_refuses_a_different_run_and_a_missing_checkpoint(tmp_path):
         train(compose_config(RUN + ["epochs=2", f"resume={tmp_path}"]), tmp_path / "b")
 
 
+def test_another_runs_checkpoint_is_never_resumed_as_this_run(tmp_path):
+    """Review 42: a folder holding only another run's checkpoint.pt (results cleared to rerun there, or a checkpoint
+    copied in to warm-start) took a new run; resumed, that run restored the other's model and steps as its own: a
+    non-private checkpoint's 44 unnoised steps vanished behind a certified epsilon of 1.849. A fresh run now refuses
+    such a folder, and a resume refuses a checkpoint whose run id is not its summary.json's; a run keeps its id."""
+    nonprivate = ["method=nonprivate", "max_steps_per_epoch=4", "progress=false", "optimizer=adam", "lr=0.01"]
+    train(compose_config(nonprivate + ["epochs=2"]), tmp_path / "np")
+    (tmp_path / "left").mkdir()
+    shutil.copy(tmp_path / "np" / FILE, tmp_path / "left" / FILE)
+    with pytest.raises(DprunError, match=r"already holds a run \(summary.json, metrics.csv or checkpoint.pt\)"):
+        train(compose_config(RUN + ["epochs=2"]), tmp_path / "left")
+    first = train(compose_config(RUN + ["epochs=1"]), tmp_path / "private")
+    shutil.copy(tmp_path / "np" / FILE, tmp_path / "private" / FILE)  # its own replaced by the other run's
+    with pytest.raises(DprunError, match=r"^resume=.*: its checkpoint.pt belongs to another run than its summary"):
+        train(compose_config(RUN + ["epochs=3", f"resume={tmp_path / 'private'}"]), tmp_path / "private")
+    train(compose_config(RUN + ["epochs=1"]), tmp_path / "own")
+    resumed = train(compose_config(RUN + ["epochs=2", f"resume={tmp_path / 'own'}"]), tmp_path / "own")
+    own_id = json.loads((tmp_path / "own" / "summary.json").read_text())["run_id"]
+    assert resumed["run_id"] == own_id == load(tmp_path / "own")["run_id"] != first["run_id"]
+
+
 def test_resume_cannot_lengthen_a_run_calibrated_to_a_target_epsilon(tmp_path):
     """sigma was calibrated to the target over the saved epochs and the resume restores it: more epochs spent more
     than the target (2 -> 3.09) while summary.json still said target_epsilon_met. The same epochs resume as before."""
