@@ -150,6 +150,9 @@ class PrivateTraining:
         self.target_epsilon_met: bool | None = None
         self.privacy_notes: list[str] = []  # as summary.json's: what the guarantee does not cover
         self._collate_checked = False  # the DataLoader path's first batch (_check_collate); True: done or skipped
+        self._yielded = 0  # batches() has yielded so many batches: the waiting one's number, the same on every rank
+        self._guards: list = []  # after backward()'s release: hooks refusing a gradient added before optimizer.step()
+        self._disarm_on_step = None  # the optimizer's step pre-hook that removes them
 
     @property
     def noise_multiplier(self) -> float:
@@ -164,7 +167,7 @@ class PrivateTraining:
         for ONE step() or backward() (the accountant counts one Poisson sample per step)."""
         if self._tensors is None:
             for batch in self._loader:
-                self._waiting = batch_size_of(batch)
+                self._waiting, self._yielded = batch_size_of(batch), self._yielded + 1
                 self._check_collate(batch)
                 yield batch
             return
@@ -172,7 +175,7 @@ class PrivateTraining:
         for idx in self._sampler.epoch():
             idx = self.method.world.share(idx)  # several ranks: this rank's share of the global Poisson batch
             self._last_indices = idx
-            self._waiting = len(idx)
+            self._waiting, self._yielded = len(idx), self._yielded + 1
             yield x[idx], y[idx]
 
     def _check_collate(self, batch) -> None:
@@ -191,7 +194,17 @@ class PrivateTraining:
         if record is not None and record["owner"] != id(self):
             raise DprunError("this PrivateTraining was superseded by a later make_private on the same model (which "
                              "accounts its steps from then on): step that one")
+        self._disarm()  # a gradient added after backward() and before optimizer.step() is refused until the next step
         self._check_batch(x, y)
+        self._check_user_autocast(x)
+        world = self.method.world
+        if world.size > 1 and not world.same_everywhere(self._yielded, x.device):
+            # review 46: a rank skipping its (empty) share paired its release with the next batch's on the others:
+            # one record in one release twice (2 C), accounted once; refused before anything is computed
+            raise DprunError(f"private.step()/backward() on rank {world.rank} got batch {self._yielded} of batches(), "
+                             f"another rank a different one: every rank must call step() (or backward()) on every "
+                             f"batch batches() yields, an empty share included, so that a release adds the shares "
+                             f"of one Poisson batch")
         indices = getattr(self, "_last_indices", None) if self._tensors is not None else None
         mechanism = self.method.step_mechanism(self.sample_rate, indices)
         if self.accountant is not None:  # one the accountant cannot compute (a sigma set since) is refused before
@@ -242,11 +255,49 @@ class PrivateTraining:
         return self._run(x, y, loss_fn, self.optimizer)
 
     def backward(self, x, y, loss_fn: LossFn) -> StepOutput:
-        """Like step, without optimizer.step(): each p.grad holds the private gradient; call optimizer.step()."""
+        """Like step, without optimizer.step(): each p.grad holds the private gradient; call optimizer.step().
+        Nothing may be added to it by autograd before that step (a second loss's backward would be released neither
+        clipped nor noised): refused in one line, the gradients dropped. In-place changes (clip_grad_norm_, a
+        scale) are post-processing of the noised gradient and pass."""
         if self.method.updates_model:
             raise DprunError(f"method={self.method.name} updates the model itself (no gradient): use step(), not "
                              f"backward()")
-        return self._run(x, y, loss_fn, _NoStep(self.optimizer))
+        out = self._run(x, y, loss_fn, _NoStep(self.optimizer))
+        if self.method.private:
+            self._arm()
+        return out
+
+    def _arm(self) -> None:
+        """Hooks on the trained parameters until optimizer.step() (or the next private step): autograd accumulating
+        into a released gradient raises (review 46: a regulariser's backward after private.backward released one
+        record at 28,588 C). The hooks exist only in that window, so no check of a later make_private sees them."""
+        params = self.method.trainable(self.model)
+
+        def refuse(_: torch.Tensor) -> None:
+            for q in params:  # the mixed gradient is not released by an optimizer.step() after a caught error
+                q.grad = None
+            self._disarm()
+            raise DprunError("a gradient was added to the private gradient after private.backward() and before "
+                             "optimizer.step() (another loss's backward): it would be released neither clipped nor "
+                             "noised, so the private gradient is dropped; put every loss on the private batch in "
+                             "loss_fn, and step a public-data loss in a step of its own")
+        self._guards = [p.register_post_accumulate_grad_hook(refuse) for p in params]
+        if self._disarm_on_step is None:
+            self._disarm_on_step = self.optimizer.register_step_pre_hook(lambda *_: self._disarm())
+
+    def _disarm(self) -> None:
+        for h in self._guards:
+            h.remove()
+        self._guards = []
+
+    def _check_user_autocast(self, x: torch.Tensor) -> None:
+        """The user's own torch.autocast around a step of an fp32 method: its products run in bf16 without the
+        rounding margin precision="bf16" certifies (review 46: multiloss released 1.0038 C)."""
+        if self.method.private and self.method.precision != "bf16" and torch.is_autocast_enabled(x.device.type):
+            raise DprunError(f"private.step()/backward() ran inside torch.autocast with precision="
+                             f"{self.method.precision!r}: the per-example norms would be formed in reduced "
+                             f"precision without their rounding margin; call it outside autocast and pass "
+                             f"precision=\"bf16\" to make_private (its own autocast, certified)")
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """epsilon(delta) of the steps taken so far (inf for method='nonprivate'); delta defaults to make_private's."""

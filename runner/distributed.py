@@ -123,6 +123,17 @@ class World:
         self.bytes_reduced += sent
         return sent
 
+    def same_everywhere(self, value: int, device: torch.device) -> bool:
+        """Does every rank hold this integer? One small all_reduce of (v, v^2) in float64 (v below 2^25, exact): the
+        sums are (n v, n v^2) on a rank only if every rank's v is its v (Cauchy-Schwarz), so all ranks agree on the
+        answer. The API's check that a release adds every rank's share of ONE Poisson batch (review 46)."""
+        if self.size == 1:
+            return True
+        v = float(int(value) % 2**25)
+        t = torch.tensor([v, v * v], dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return t.tolist() == [self.size * v, self.size * v * v]
+
     def sum(self, values: list[float], device: torch.device) -> list[float]:
         """Metrics added over ranks (loss sums, correct counts, examples seen): one small all_reduce."""
         return self._reduce(values, device, dist.ReduceOp.SUM)

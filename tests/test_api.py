@@ -694,3 +694,47 @@ def test_a_privately_trained_model_inside_another_or_a_part_of_it_is_refused_too
     for again in (nn.Sequential(full), nn.Sequential(body, nn.ReLU(), nn.Linear(4, 3)), nn.DataParallel(full), full[1]):
         with pytest.raises(DprunError, match=r"^this model already trained \d+ private steps"):
             dprun.make_private(again, torch.optim.SGD(again.parameters(), lr=0.1), (x, y), batch_size=40)
+
+
+def test_a_gradient_added_after_private_backward_is_refused_and_dropped():
+    """Review 46: `private.backward(...); (reg * model(xb).pow(2).mean()).backward(); optimizer.step()` released the
+    regulariser's raw gradient beside the private one (one record scaled x1000: 28,588 C). Autograd adding to a
+    released gradient before optimizer.step() now raises in one line and drops the gradients; in-place
+    post-processing (clip_grad_norm_) passes, and after optimizer.step() a later backward is the user's own."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dprun.make_private(model, opt, (x, y), batch_size=8, seed=0)
+    batches = private.batches()
+    xb, yb = next(batches)
+    private.backward(xb, yb, loss_fn)
+    torch.nn.utils.clip_grad_norm_(private.model.parameters(), 1.0)  # post-processing of the noised gradient: fine
+    with pytest.raises(DprunError, match=r"^a gradient was added to the private gradient after private.backward"):
+        (1e-3 * private.model(xb).pow(2).mean()).backward()
+    assert all(p.grad is None for p in private.model.parameters())  # nothing left for optimizer.step() to release
+    xb, yb = next(batches)
+    private.backward(xb, yb, loss_fn)
+    before = [p.detach().clone() for p in private.model.parameters()]
+    opt.step()  # the release applied; the guard is gone with it
+    assert any(not torch.equal(a, p) for a, p in zip(before, private.model.parameters()))
+    assert all(not p._post_accumulate_grad_hooks for p in private.model.parameters())
+    opt.zero_grad()
+    private.model(xb).sum().backward()  # after the step: the user's own (non-private) code, not refused
+
+
+def test_a_step_inside_the_users_own_autocast_is_refused_in_one_line():
+    """Review 46: torch.autocast(bf16) around private.step with precision="fp32" formed the norms in bf16 without
+    their rounding margin (multiloss released 1.0038 C; reweight failed with torch's own error)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=8,
+                                 method="multiloss", seed=0)
+    xb, yb = next(private.batches())
+    with pytest.raises(DprunError, match=r"inside torch.autocast with precision='fp32'.*precision=\"bf16\""):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            private.step(xb, yb, loss_fn)
+    assert private.steps == 0
+    private.step(xb, yb, loss_fn)  # the same batch, outside autocast: still waiting, stepped once
+    assert private.steps == 1

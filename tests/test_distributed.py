@@ -186,6 +186,28 @@ def loader_ranks(rank, order: str) -> str:
         return str(e)
 
 
+def skipped_share(rank) -> tuple[str, int]:
+    """Rank 1 skips its share of the second batch (`continue`, as a loop skipping an empty share would): its next
+    step met rank 0's step of batch 2 with its share of batch 3, one release of two Poisson batches (review 46: a
+    record twice in one release, 2 C, accounted as C). Both ranks refuse before anything is computed."""
+    import dprun
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).double()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (40,), generator=g)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.3), (x, y), noise_multiplier=0.8,
+                                 batch_size=4, seed=1)
+    try:
+        for i, (xb, yb) in enumerate(private.batches()):
+            if rank == 1 and i == 1:
+                continue
+            private.step(xb, yb, loss_fn)
+        return "finished", private.steps
+    except Exception as e:  # noqa: BLE001
+        return str(e), private.accountant.steps if hasattr(private.accountant, "steps") else private.steps
+
+
 def _library_worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=__import__("datetime").timedelta(seconds=60))
@@ -200,6 +222,7 @@ def _library_worker(rank, world, init_file, out_dir):
     results["jl_directions"] = jl_directions(rank)
     results["loader_reversed"] = loader_ranks(rank, "reversed")
     results["loader_augmented"] = loader_ranks(rank, "augmented")
+    results["skipped_share"] = skipped_share(rank)
     model = torch.nn.Linear(2, 2)  # replicas that differ are caught, on every rank
     with torch.no_grad():
         model.weight.fill_(float(rank))
@@ -305,6 +328,8 @@ def test_two_ranks_give_the_one_process_weights_and_epsilon_for_every_method(tmp
     for r in range(2):
         assert "rank 1 holds other training data than rank 0" in ranks[r]["loader_reversed"], ranks[r]
         assert ranks[r]["loader_augmented"] == "accepted", ranks[r]["loader_augmented"]
+        message, steps = ranks[r]["skipped_share"]
+        assert "every rank must call step() (or backward()) on every batch" in message and steps == 1, (message, steps)
 
 
 def _train_worker(rank, world, init_file, out_dir, overrides, folder):
