@@ -31,6 +31,7 @@ import csv
 import dataclasses
 import errno
 import json
+import math
 import pickle
 import re
 import secrets
@@ -164,6 +165,35 @@ def check_run_id(run_dir: str | Path, state: dict[str, Any]) -> str:
                          f"{theirs or 'none'}, summary.json's {ours or 'none'}), so it cannot be resumed as this run: "
                          f"start a new run in a fresh out_dir")
     return ours or new_run_id()
+
+
+ROW_KEYS = ("train_loss", "test_acc", "epsilon")  # what check_rows compares of each published epoch
+
+
+def check_rows(run_dir: str | Path, state: dict[str, Any]) -> None:
+    """The checkpoint's records of the epochs metrics.csv published are those rows, or DprunError: a checkpoint of
+    another run swapped in, where no run id tells them apart (runs written before stop 64), would be resumed as this
+    one (review 45: a non-private run's checkpoint in a private run's folder published epsilon 1.849 for a model
+    behind 44 unnoised steps). Compared: each published epoch's train_loss, test_acc and epsilon (csv keeps repr)."""
+    saved = {int(r["epoch"]): r for r in state.get("rows", [])}
+    try:
+        with open(Path(run_dir) / "metrics.csv", newline="") as f:
+            published = list(csv.DictReader(f))
+    except FileNotFoundError:
+        return
+
+    def same(cell: str | None, value: Any) -> bool:
+        a = float(cell) if cell not in (None, "") else math.nan
+        b = float(value) if value not in (None, "") else math.nan
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
+
+    for row in published:
+        epoch = int(float(row["epoch"]))
+        mine = saved.get(epoch)
+        if mine is None or not all(same(row.get(k), mine.get(k)) for k in ROW_KEYS if k in row):
+            raise DprunError(f"resume={run_dir}: its {FILE} does not hold the epochs metrics.csv published (epoch "
+                             f"{epoch} differs), so it belongs to another run and cannot be resumed as this one: "
+                             f"start a new run in a fresh out_dir")
 
 
 def saved_summary(run_dir: str | Path) -> dict[str, Any]:

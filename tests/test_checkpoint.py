@@ -95,6 +95,31 @@ def test_another_runs_checkpoint_is_never_resumed_as_this_run(tmp_path):
     assert resumed["run_id"] == own_id == load(tmp_path / "own")["run_id"] != first["run_id"]
 
 
+def test_a_swapped_checkpoint_without_run_ids_is_refused_by_its_published_epochs(tmp_path):
+    """Review 45: runs written before run ids carry none, so check_run_id lets their pairs through; a non-private
+    run's checkpoint copied over a private run's resumed it at epsilon 1.849 for a model behind 44 unnoised steps.
+    The checkpoint's rows of the published epochs must be metrics.csv's: a swapped one is refused, an own one not."""
+    nonprivate = ["method=nonprivate", "max_steps_per_epoch=4", "progress=false", "optimizer=adam", "lr=0.01"]
+    train(compose_config(nonprivate + ["epochs=2"]), tmp_path / "np")
+    train(compose_config(RUN + ["epochs=2"]), tmp_path / "p")
+    for run in ("np", "p"):  # as stop 63's files were: no run id in either
+        state = load(tmp_path / run)
+        state.pop("run_id")
+        torch.save(state, tmp_path / run / FILE)
+        summary = json.loads((tmp_path / run / "summary.json").read_text())
+        summary.pop("run_id")
+        (tmp_path / run / "summary.json").write_text(json.dumps(summary))
+    own = tmp_path / "own"
+    shutil.copytree(tmp_path / "p", own)
+    shutil.copy(tmp_path / "np" / FILE, tmp_path / "p" / FILE)
+    before = files(tmp_path / "p")
+    with pytest.raises(DprunError, match=r"^resume=.*: its checkpoint.pt does not hold the epochs metrics.csv "
+                                         r"published \(epoch 1 differs\)"):
+        train(compose_config(RUN + ["epochs=3", f"resume={tmp_path / 'p'}"]), tmp_path / "p")
+    assert files(tmp_path / "p") == before
+    assert train(compose_config(RUN + ["epochs=3", f"resume={own}"]), own)["epochs_completed"] == 3
+
+
 def test_resume_cannot_lengthen_a_run_calibrated_to_a_target_epsilon(tmp_path):
     """sigma was calibrated to the target over the saved epochs and the resume restores it: more epochs spent more
     than the target (2 -> 3.09) while summary.json still said target_epsilon_met. The same epochs resume as before."""

@@ -393,7 +393,8 @@ def test_torchrun_gives_the_one_process_run_and_only_rank_0_writes(tmp_path):
     pd.testing.assert_frame_equal(two.drop(columns=list(TIMING)), one.drop(columns=list(TIMING)), rtol=1e-12)
     s1, s2 = (json.loads((tmp_path / d / "run" / "summary.json").read_text()) for d in ("one", "two"))
     assert (s1["world_size"], s2["world_size"], s2["backend"]) == (1, 2, "gloo")
-    differ = {k for k in s1 if s1[k] != s2[k]} - {"world_size", "backend", "final", "config", "started_at", "pid"}
+    differ = {k for k in s1 if s1[k] != s2[k]} - {"world_size", "backend", "final", "config", "started_at", "pid",
+                                                 "run_id"}
     assert differ == set(), differ
     assert {k: v for k, v in s2["final"].items() if k not in TIMING} == pytest.approx(
         {k: v for k, v in s1["final"].items() if k not in TIMING}, rel=1e-12)

@@ -24,7 +24,7 @@ import logging
 import math
 from typing import Any, Callable
 
-from runner.epsilon_shown import shown_epsilon
+from runner.epsilon_shown import shown_epsilon, shown_noise
 from runner.accountants.base import ACCOUNTANTS
 from runner.accountants.mechanisms import Mechanism
 from runner.accountants.pld import CompositionTooLarge
@@ -104,8 +104,8 @@ def check_target(accountant_name: str, calibrator: str, mechanism: Mechanism, st
         planned = acc.certified_epsilon(delta)
     met = planned <= target_epsilon
     if not met:
-        log.warning("target_epsilon=%g is not met: sigma=%.4g, calibrated with accountant=%s, gives a certified "
+        log.warning("target_epsilon=%g is not met: sigma=%s, calibrated with accountant=%s, gives a certified "
                     "epsilon=%s after the run's %d steps (accountant=%s, the one published); calibrate with a "
                     "certified accountant (calibration_accountant=null) to meet it", target_epsilon,
-                    mechanism.noise_multiplier, calibrator, shown_epsilon(planned), steps, publisher)
+                    shown_noise(mechanism.noise_multiplier), calibrator, shown_epsilon(planned), steps, publisher)
     return {"calibration_accountant": calibrator, "planned_epsilon": planned, "target_epsilon_met": met}
