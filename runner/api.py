@@ -60,9 +60,15 @@ class PoissonBatchSampler(TorchSampler):
         gen = generator if generator is not None else _child_generator()
         self.sampler = Sampler(kind, n, batch_size, gen, "cpu")
         self.world = None  # make_private on several ranks: yield this rank's share of each global batch
+        self.drawn = 0  # Poisson masks drawn so far (every iteration's); the batches of one start at `started`
+        self.started = 0
 
     def __iter__(self) -> Iterator[list[int]]:
+        # the DataLoader draws ahead of what it yields (its workers' prefetch), and an abandoned iteration's drawn
+        # masks are gone: the j-th batch an iteration yields is mask started + j, whatever was drawn since
+        self.started = self.drawn
         for idx in self.sampler.epoch():
+            self.drawn += 1
             self.last = (idx if self.world is None else self.world.share(idx)).tolist()  # make_private's first batch
             yield self.last
 
@@ -84,6 +90,27 @@ def _empty_like_batch(dataset: TorchDataset, collate: Callable) -> Any:
     return cut(one)
 
 
+class SafeCollate:
+    """The Poisson loader's collate_fn: an empty batch as `empty` (shapes kept), else the user's collate, whose rows
+    must be one per example. A class, not a closure, so that workers started by spawn can pickle it (review 48)."""
+
+    def __init__(self, collate: Callable, empty: Any):
+        self.collate, self.empty = collate, empty
+
+    def __call__(self, batch: list) -> Any:
+        if not len(batch):
+            return self.empty
+        collated = self.collate(batch)
+        rows = batch_size_of(collated)
+        if rows >= 0 and rows != len(batch):  # (no shared size: step() refuses the batch itself)
+            raise DprunError(f"collate_fn returned {rows} rows for the {len(batch)} examples it was given: each "
+                             f"example must be one row, since the accountant bounds one record's contribution by one "
+                             f"clipped gradient (views of an example in rows of their own add one C each; review 24: "
+                             f"2 views released 2 C); build the views inside the model or the loss, averaged per "
+                             f"example")
+        return collated
+
+
 def poisson_loader(data: TorchDataset | DataLoader, batch_size: int | None = None,
                    generator: torch.Generator | None = None, **loader_kwargs: Any) -> DataLoader:
     """A DataLoader of Poisson batches of expected size `batch_size` over a Dataset (or a DataLoader's dataset,
@@ -97,23 +124,8 @@ def poisson_loader(data: TorchDataset | DataLoader, batch_size: int | None = Non
     if not batch_size:
         raise DprunError("poisson_loader needs batch_size (the expected batch size)")
     collate = loader_kwargs.pop("collate_fn", None) or default_collate
-    empty = _empty_like_batch(data, collate)
-
-    def safe_collate(batch: list) -> Any:
-        if not len(batch):
-            return empty
-        collated = collate(batch)
-        rows = batch_size_of(collated)
-        if rows >= 0 and rows != len(batch):  # (no shared size: step() refuses the batch itself)
-            raise DprunError(f"collate_fn returned {rows} rows for the {len(batch)} examples it was given: each "
-                             f"example must be one row, since the accountant bounds one record's contribution by one "
-                             f"clipped gradient (views of an example in rows of their own add one C each; review 24: "
-                             f"2 views released 2 C); build the views inside the model or the loss, averaged per "
-                             f"example")
-        return collated
-
     loader = DataLoader(data, batch_sampler=PoissonBatchSampler(len(data), int(batch_size), generator),
-                        collate_fn=safe_collate, **loader_kwargs)
+                        collate_fn=SafeCollate(collate, _empty_like_batch(data, collate)), **loader_kwargs)
     loader.per_example_collate = collate  # the caller's own (make_private checks it builds rows per example)
     return loader
 
@@ -150,9 +162,10 @@ class PrivateTraining:
         self.target_epsilon_met: bool | None = None
         self.privacy_notes: list[str] = []  # as summary.json's: what the guarantee does not cover
         self._collate_checked = False  # the DataLoader path's first batch (_check_collate); True: done or skipped
-        self._yielded = 0  # batches() has yielded so many batches: the waiting one's number, the same on every rank
+        self._yielded = 0  # the waiting batch's number: which Poisson mask it is, the same on every rank
         self._guards: list = []  # after backward()'s release: hooks refusing a gradient added before optimizer.step()
-        self._disarm_on_step = None  # the optimizer's step pre-hook that removes them
+        self._disarm_on_step = None  # the optimizers' step hooks that remove them (and refuse a closure)
+        self._user_optimizers: list = []  # the optimizer make_private was given, where it rebuilt another
 
     @property
     def noise_multiplier(self) -> float:
@@ -166,8 +179,10 @@ class PrivateTraining:
         """One epoch of batches: (x, y) index gathers for tensors, else the Poisson DataLoader's batches. Each is
         for ONE step() or backward() (the accountant counts one Poisson sample per step)."""
         if self._tensors is None:
-            for batch in self._loader:
-                self._waiting, self._yielded = batch_size_of(batch), self._yielded + 1
+            for j, batch in enumerate(self._loader):
+                # the number of the Poisson mask this batch came from (review 48: with num_workers the loader draws
+                # ahead, and a count of yields paired two ranks' different batches after one abandoned an epoch)
+                self._waiting, self._yielded = batch_size_of(batch), self._loader.batch_sampler.started + j + 1
                 self._check_collate(batch)
                 yield batch
             return
@@ -281,9 +296,23 @@ class PrivateTraining:
                              "optimizer.step() (another loss's backward): it would be released neither clipped nor "
                              "noised, so the private gradient is dropped; put every loss on the private batch in "
                              "loss_fn, and step a public-data loss in a step of its own")
+        def closure_refused(_optimizer, args, kwargs) -> None:
+            closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args: (optimizer, *step's own)
+            if self._guards and closure is not None:  # review 48: a closure's backward ran
+                for q in params:  # after a pre-hook's removal and released its raw gradient (801 C)
+                    q.grad = None
+                self._disarm()
+                raise DprunError("optimizer.step(closure) after private.backward(): the closure's backward would add "
+                                 "a gradient neither clipped nor noised to the private one, so the private gradient "
+                                 "is dropped; call optimizer.step() without a closure")
+
         self._guards = [p.register_post_accumulate_grad_hook(refuse) for p in params]
         if self._disarm_on_step is None:
-            self._disarm_on_step = self.optimizer.register_step_pre_hook(lambda *_: self._disarm())
+            # removed after the step (not before: a closure's backward runs inside it), on the optimizer the user
+            # steps too where make_private rebuilt one (review 48: the hooks stayed and refused an evaluation later)
+            self._disarm_on_step = [h for opt in dict.fromkeys([self.optimizer, *self._user_optimizers])
+                                    for h in (opt.register_step_pre_hook(closure_refused),
+                                              opt.register_step_post_hook(lambda *_: self._disarm()))]
 
     def _disarm(self) -> None:
         for h in self._guards:
@@ -291,13 +320,14 @@ class PrivateTraining:
         self._guards = []
 
     def _check_user_autocast(self, x: torch.Tensor) -> None:
-        """The user's own torch.autocast around a step of an fp32 method: its products run in bf16 without the
-        rounding margin precision="bf16" certifies (review 46: multiloss released 1.0038 C)."""
-        if self.method.private and self.method.precision != "bf16" and torch.is_autocast_enabled(x.device.type):
-            raise DprunError(f"private.step()/backward() ran inside torch.autocast with precision="
-                             f"{self.method.precision!r}: the per-example norms would be formed in reduced "
-                             f"precision without their rounding margin; call it outside autocast and pass "
-                             f"precision=\"bf16\" to make_private (its own autocast, certified)")
+        """The user's own torch.autocast around a private step: the norms the method forms in float32 would run in
+        reduced precision without their rounding margin (review 46: multiloss released 1.0038 C under fp32; review
+        48: 1.0017 C under precision="bf16", whose own autocast covers the forward and backward only)."""
+        if self.method.private and torch.is_autocast_enabled(x.device.type):
+            raise DprunError(f"private.step()/backward() ran inside torch.autocast: the per-example norms would be "
+                             f"formed in reduced precision without their rounding margin; call it outside autocast "
+                             f"and pass precision=\"bf16\" to make_private (its own autocast around the forward and "
+                             f"backward, certified)")
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """epsilon(delta) of the steps taken so far (inf for method='nonprivate'); delta defaults to make_private's."""
@@ -523,6 +553,7 @@ def _training(private: PrivateRun, optimizer: torch.optim.Optimizer, params_befo
               delta: float | None, generator, rng: str, validate: bool, world) -> PrivateTraining:
     """The PrivateTraining over the assembled run; the optimizer rebuilt if the method trains other tensors."""
     m, model, sampler = private.method, private.model, private.sampler
+    given = optimizer  # the user's: it may still be stepped after a rebuild below
     trainable = [p for p in model.parameters() if p.requires_grad]
     if {id(p) for p in trainable} != {id(p) for p in params_before} and not m.updates_model:
         # the method trains different parameter tensors than the optimizer holds: rebuild it on them
@@ -551,6 +582,7 @@ def _training(private: PrivateRun, optimizer: torch.optim.Optimizer, params_befo
     training = PrivateTraining(model, optimizer, m, private.accountant, private.accountant_name,
                                sampler if source.tensors is not None else None, source.loader, source.tensors,
                                sampler.n, int(sampler.batch_size), delta, noise_gen)
+    training._user_optimizers = [given]
     training.sampling, training.rng = sampler.kind, rng
     training._collate_checked = not validate  # validate=False skips the first batch's collate check too
     if m.private and not validate:

@@ -721,6 +721,30 @@ def test_a_gradient_added_after_private_backward_is_refused_and_dropped():
     assert all(not p._post_accumulate_grad_hooks for p in private.model.parameters())
     opt.zero_grad()
     private.model(xb).sum().backward()  # after the step: the user's own (non-private) code, not refused
+    # review 48: a closure passed to optimizer.step() ran its backward after a pre-hook had removed the guard (801 C)
+    xb, yb = next(batches)
+    private.backward(xb, yb, loss_fn)
+    with pytest.raises(DprunError, match=r"^optimizer.step\(closure\) after private.backward\(\)"):
+        opt.step(lambda: private.model(xb[:1]).sum().backward())
+    assert all(p.grad is None for p in private.model.parameters())
+
+
+def test_the_guard_leaves_with_a_step_of_the_users_own_optimizer_after_a_rebuild():
+    """Review 48: with a frozen parameter make_private rebuilds the optimizer; a loop stepping the user's own one
+    never removed the guard, and an evaluation backward after training was refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model[0].bias.requires_grad_(False)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    with pytest.warns(UserWarning, match="new SGD"):
+        private = dprun.make_private(model, opt, (x, y), batch_size=8, seed=0)
+    assert private.optimizer is not opt
+    for xb, yb in private.batches():
+        private.backward(xb, yb, loss_fn)
+        opt.step()  # the user's own optimizer
+    opt.zero_grad()
+    private.model(x).sum().backward()  # evaluation's backward (saliency): not refused
 
 
 def test_a_step_inside_the_users_own_autocast_is_refused_in_one_line():
@@ -732,9 +756,18 @@ def test_a_step_inside_the_users_own_autocast_is_refused_in_one_line():
     private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=8,
                                  method="multiloss", seed=0)
     xb, yb = next(private.batches())
-    with pytest.raises(DprunError, match=r"inside torch.autocast with precision='fp32'.*precision=\"bf16\""):
+    with pytest.raises(DprunError, match=r"inside torch.autocast: .*precision=\"bf16\""):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             private.step(xb, yb, loss_fn)
     assert private.steps == 0
     private.step(xb, yb, loss_fn)  # the same batch, outside autocast: still waiting, stepped once
     assert private.steps == 1
+    # review 48: precision="bf16" inside the user's autocast too (1.0017 C): its own autocast covers the forward and
+    # backward, not the norms
+    model = nn.Linear(8, 3)
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=8,
+                                 method="multiloss", seed=0, precision="bf16")
+    xb, yb = next(private.batches())
+    with pytest.raises(DprunError, match=r"inside torch.autocast"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            private.step(xb, yb, loss_fn)

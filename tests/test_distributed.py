@@ -208,6 +208,31 @@ def skipped_share(rank) -> tuple[str, int]:
         return str(e), private.accountant.steps if hasattr(private.accountant, "steps") else private.steps
 
 
+def abandoned_loader_epoch(rank) -> tuple[str, list[float]]:
+    """Review 48: with num_workers the DataLoader draws masks ahead of what it yields; rank 0 abandoning an epoch
+    after one step then stepped mask 4 while rank 1 stepped mask 2, both their second yield: one record in both shares
+    of one release (2.0 C). The ranks compare the mask's number now: refused, and nothing released."""
+    import dprun
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 1, bias=False).double()
+    data = torch.utils.data.TensorDataset(100 * torch.eye(16, dtype=torch.float64), torch.ones(16, 1, dtype=torch.float64))
+    private = dprun.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 torch.utils.data.DataLoader(data, batch_size=8, num_workers=1), seed=3,
+                                 noise_multiplier=0.5)
+    mse = lambda out, y: ((out - y) ** 2).sum(1)  # noqa: E731
+    try:
+        for i, (xb, yb) in enumerate(private.batches()):
+            private.step(xb, yb, mse)
+            if rank == 0:
+                break
+        for xb, yb in private.batches():
+            private.step(xb, yb, mse)
+        return "finished", [private.steps]
+    except Exception as e:  # noqa: BLE001
+        return str(e), [private.steps]
+
+
 def _library_worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=__import__("datetime").timedelta(seconds=60))
@@ -223,6 +248,7 @@ def _library_worker(rank, world, init_file, out_dir):
     results["loader_reversed"] = loader_ranks(rank, "reversed")
     results["loader_augmented"] = loader_ranks(rank, "augmented")
     results["skipped_share"] = skipped_share(rank)
+    results["abandoned_loader"] = abandoned_loader_epoch(rank)
     model = torch.nn.Linear(2, 2)  # replicas that differ are caught, on every rank
     with torch.no_grad():
         model.weight.fill_(float(rank))
@@ -330,6 +356,9 @@ def test_two_ranks_give_the_one_process_weights_and_epsilon_for_every_method(tmp
         assert ranks[r]["loader_augmented"] == "accepted", ranks[r]["loader_augmented"]
         message, steps = ranks[r]["skipped_share"]
         assert "every rank must call step() (or backward()) on every batch" in message and steps == 1, (message, steps)
+        message, steps = ranks[r]["abandoned_loader"]
+        assert "every rank must call step() (or backward()) on every batch" in message and steps == [1], (message,
+                                                                                                      steps)
 
 
 def _train_worker(rank, world, init_file, out_dir, overrides, folder):
