@@ -324,10 +324,10 @@ class PrivateTraining:
         reduced precision without their rounding margin (review 46: multiloss released 1.0038 C under fp32; review
         48: 1.0017 C under precision="bf16", whose own autocast covers the forward and backward only)."""
         if self.method.private and torch.is_autocast_enabled(x.device.type):
-            raise DprunError(f"private.step()/backward() ran inside torch.autocast: the per-example norms would be "
-                             f"formed in reduced precision without their rounding margin; call it outside autocast "
-                             f"and pass precision=\"bf16\" to make_private (its own autocast around the forward and "
-                             f"backward, certified)")
+            raise DprunError("private.step()/backward() ran inside torch.autocast: the per-example norms would be "
+                             "formed in reduced precision without their rounding margin; call it outside autocast "
+                             "and pass precision=\"bf16\" to make_private (its own autocast around the forward and "
+                             "backward, certified)")
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """epsilon(delta) of the steps taken so far (inf for method='nonprivate'); delta defaults to make_private's."""

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner.errors import DprunError
 from runner.methods import METHODS
 from runner.methods.padding import bucket, pad_batch, padded_step
 from tests.test_exact_methods import ConvGroupNormNet, SharedEmbeddingNet
@@ -110,3 +111,32 @@ def test_pad_batch_shapes_and_mask():
     assert xp.shape == (3, 2) and bool(mask.all())
     xp, yp, mask = pad_batch(x[:0], y[:0], 4)
     assert xp.shape == (4, 2) and not bool(mask.any())
+
+
+class CountsTwins(nn.Module):
+    """Rows repeated 3 or more times pool their features (h + many * (same @ h - h)): unpadded batches (the
+    first-step check's probe holds one twin of row 0) never show it, a padded chunk (copies of row 0) does."""
+
+    def forward(self, h):  # (n, d)
+        same = (h.detach()[:, None, :] == h.detach()[None, :, :]).all(-1).to(h.dtype)  # (n, n)
+        many = (same.sum(1, keepdim=True) >= 3).to(h.dtype)
+        return h + many * (same @ h - h)
+
+
+@pytest.mark.parametrize("mode", ["bk", "twopass"])
+def test_a_model_carrying_row_0s_loss_into_its_padded_copies_is_refused(mode):
+    """Review 50: each padded copy of row 0 got a gradient from row 0's loss, clipped to C on its own: one example
+    released 4.79 C at P = 16 (2.53 C through CompiledStep). The padded rows' norms must be ~0: refused in one line
+    before the noise, and no sum left in p.grad for a caught error's optimizer.step()."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 5), CountsTwins(), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    method = METHODS.build("reweight", cfg={"mode": mode}, clip=1.0, sigma=0.0)
+    model = method.attach(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(3, 8, generator=g, dtype=DT), torch.tensor([0, 1, 2])
+    kw = dict(sample_rate=0.01, expected_batch_size=4.0, generator=torch.Generator().manual_seed(7))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    method.step(model, loss_fn, x, y, opt, **kw)  # unpadded: accepted (the first step's check passes it)
+    with pytest.raises(DprunError, match=r"^a padded row .* got a non-zero per-example gradient"):
+        padded_step(method, model, loss_fn, x, y, opt, physical=16, **kw)
+    assert all(p.grad is None for p in model.parameters())

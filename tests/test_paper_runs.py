@@ -219,6 +219,7 @@ def test_runs_at_different_deltas_show_each_epsilon_with_its_own_delta(tmp_path)
     assert "| 0.258 (delta=0.01) |" in next(line for line in text.splitlines() if line.startswith("| mnist_reweight_s1"))
     assert "epsilon 0.984 (delta=1e-05), 0.258 (delta=0.01)" in text
     fig = pr.curves_figure(runs, "mnist")
-    assert "each run's delta" in fig.axes[2].get_xlabel()
-    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    xlabel, labels = fig.axes[2].get_xlabel(), [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    __import__("matplotlib.pyplot").pyplot.close(fig)
+    assert "each run's delta" in xlabel
     assert "exact (ReweightGP) seed 1 (delta 0.01)" in labels, labels

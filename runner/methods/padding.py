@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from runner.errors import DprunError
 from runner.methods.base import Privatized, StepOutput
 
 
@@ -80,10 +81,40 @@ def padded(privatize, physical: int | Sequence[int], core=None):
         out = core(model, loss_fn, xp, yp, mask)
         if len(mask) == n:
             return out
+        check_fillers(model, out.norms, n, getattr(getattr(privatize, "__self__", None), "clip", None))
         return Privatized(out.losses[:n], out.outputs[:n] if out.outputs is not None else None,
                           out.norms[:n] if out.norms is not None else None, out.consistent)
 
     return run
+
+
+FILLER_SHARE = 1e-9  # of C: what a padded row's certified norm may be (a zero gradient's underflow floor, ~1e-30)
+
+
+def check_fillers(model, norms: torch.Tensor | None, n: int, clip: float | None) -> None:
+    """The padded rows' per-example gradients (norms (P - n,)) must be 0: their loss is 0, so only a model that
+    carries one row's loss into another row's activations gives them a gradient. The first-step check never sees the
+    padding (it runs unpadded, with one twin of row 0), and a model coupling identical rows (3 or more) carried row
+    0's loss into each of its copies, each clipped to C on its own: 4.79 C for one example at P = 16 (review 50).
+    Refused in one line before the noise, the chunk's sums dropped. A zero gradient's certified norm is the
+    certificate's underflow floor (runner/norms/certify.py; ~1e-146 in float64, ~1e-30 in float32), so a padded row
+    passes at most FILLER_SHARE C: (P - n) 1e-9 C in all where a coupling that small is real. A padded row that is
+    not finite where row 0 is not finite either is its copy's (dropped with it, runner/methods/dropped.py). One read
+    of (P - n,) values per padded chunk."""
+    if norms is None or len(norms) <= n or n == 0:
+        return
+    fillers = norms[n:].detach()
+    limit = FILLER_SHARE * (clip if clip is not None else 1.0)
+    coupled = (torch.isfinite(fillers) & (fillers > limit)).any()
+    if bool(torch.isfinite(norms[0])):
+        coupled = coupled | ~torch.isfinite(fillers).all()
+    if bool(coupled):
+        for p in model.parameters():
+            p.grad = None  # the chunk's sums (and any before it) are not released by a caught error
+        raise DprunError("a padded row (a copy of the chunk's first example, loss multiplied by 0) got a non-zero "
+                         "per-example gradient: the model carries one row's loss into other rows' activations, so "
+                         "each of them is clipped on its own and the example counts several times; make each "
+                         "example's output depend on its own row alone, or run compile=off")
 
 
 def padded_step(method, model, loss_fn, x, y, optimizer, *, physical: int | Sequence[int], **step_kwargs) -> StepOutput:
