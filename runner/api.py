@@ -21,6 +21,7 @@ is runner/data/sampler.py's. docs/api.md has a runnable example.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -288,14 +289,19 @@ class PrivateTraining:
         record at 28,588 C). The hooks exist only in that window, so no check of a later make_private sees them."""
         params = self.method.trainable(self.model)
 
-        def refuse(_: torch.Tensor) -> None:
+        def refuse(p: torch.Tensor, grad: torch.Tensor) -> None:
+            # a parameter's tensor hook runs before autograd accumulates into p.grad: a gradient still there is the
+            # released one (a backward after zero_grad(set_to_none=True) starts from None: not refused, review 51)
+            if p.grad is None:
+                return
             for q in params:  # the mixed gradient is not released by an optimizer.step() after a caught error
                 q.grad = None
             self._disarm()
             raise DprunError("a gradient was added to the private gradient after private.backward() and before "
                              "optimizer.step() (another loss's backward): it would be released neither clipped nor "
                              "noised, so the private gradient is dropped; put every loss on the private batch in "
-                             "loss_fn, and step a public-data loss in a step of its own")
+                             "loss_fn, and step a public-data loss in a step of its own (after "
+                             "optimizer.zero_grad(set_to_none=True))")
         def closure_refused(_optimizer, args, kwargs) -> None:
             closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args: (optimizer, *step's own)
             if self._guards and closure is not None:  # review 48: a closure's backward ran
@@ -306,7 +312,7 @@ class PrivateTraining:
                                  "a gradient neither clipped nor noised to the private one, so the private gradient "
                                  "is dropped; call optimizer.step() without a closure")
 
-        self._guards = [p.register_post_accumulate_grad_hook(refuse) for p in params]
+        self._guards = [p.register_hook(functools.partial(refuse, p)) for p in params]
         if self._disarm_on_step is None:
             # removed after the step (not before: a closure's backward runs inside it), on the optimizer the user
             # steps too where make_private rebuilt one (review 48: the hooks stayed and refused an evaluation later)
@@ -323,7 +329,8 @@ class PrivateTraining:
         """The user's own torch.autocast around a private step: the norms the method forms in float32 would run in
         reduced precision without their rounding margin (review 46: multiloss released 1.0038 C under fp32; review
         48: 1.0017 C under precision="bf16", whose own autocast covers the forward and backward only)."""
-        if self.method.private and torch.is_autocast_enabled(x.device.type):
+        devices = {x.device.type, *(p.device.type for p in self.method.trainable(self.model))}  # x moved inside
+        if self.method.private and any(torch.is_autocast_enabled(d) for d in devices):
             raise DprunError("private.step()/backward() ran inside torch.autocast: the per-example norms would be "
                              "formed in reduced precision without their rounding margin; call it outside autocast "
                              "and pass precision=\"bf16\" to make_private (its own autocast around the forward and "

@@ -279,11 +279,11 @@ def resume(run: Run, run_config: dict[str, Any]) -> None:
     checkpoint.check_config(cfg.resume, run_config)
     state = checkpoint.load(cfg.resume)
     run.run_id = checkpoint.check_run_id(cfg.resume, state)  # the same run: another's checkpoint is refused
-    checkpoint.check_rows(cfg.resume, state)  # ... and, ids or none, one whose epochs are not the published ones
     # published ahead of the checkpoint (checkpoint=false on an earlier resume): refused, never trained again.
     # The checkpoint is saved before metrics.csv (record_epoch): a signal between the two leaves the csv and
     # summary.json one epoch behind it; that epoch is published here from the checkpoint's rows, never trained again
     behind = checkpoint.check_published(cfg.resume, int(state["epoch"])) < int(state["epoch"])
+    checkpoint.check_rows(cfg.resume, state)  # ... and, ids or none, one whose epochs are not the published ones
     if checkpoint.nothing_to_train(cfg.resume, state["epoch"], int(cfg.epochs)) and not behind \
             and checkpoint.finished(cfg.resume):  # refuses fewer; an unfinished run with every epoch: finished here
         raise checkpoint.RunComplete(f"resume={cfg.resume}: the run already has {state['epoch']} epochs")

@@ -721,6 +721,12 @@ def test_a_gradient_added_after_private_backward_is_refused_and_dropped():
     assert all(not p._post_accumulate_grad_hooks for p in private.model.parameters())
     opt.zero_grad()
     private.model(xb).sum().backward()  # after the step: the user's own (non-private) code, not refused
+    # review 51: the private gradient thrown away (set to None), then a public-data loss stepped: not refused
+    xb, yb = next(batches)
+    private.backward(xb, yb, loss_fn)
+    opt.zero_grad(set_to_none=True)
+    private.model(xb).sum().backward()
+    opt.step()
     # review 48: a closure passed to optimizer.step() ran its backward after a pre-hook had removed the guard (801 C)
     xb, yb = next(batches)
     private.backward(xb, yb, loss_fn)

@@ -140,3 +140,32 @@ def test_a_model_carrying_row_0s_loss_into_its_padded_copies_is_refused(mode):
     with pytest.raises(DprunError, match=r"^a padded row .* got a non-zero per-example gradient"):
         padded_step(method, model, loss_fn, x, y, opt, physical=16, **kw)
     assert all(p.grad is None for p in model.parameters())
+
+
+class ParityOfTwins(nn.Module):
+    """Row i times (-1)^(copies of it) where it has 3 or more copies: no row's loss reaches another row (the padded
+    rows' gradients stay 0), but row 0's own output depends on how many copies the padding adds, P - n + 1, hence on
+    n: on whether any other example is in the batch."""
+
+    def forward(self, h):  # (n, d)
+        same = (h.detach()[:, None, :] == h.detach()[None, :, :]).all(-1)
+        c = same.sum(1, keepdim=True)
+        return h * torch.where(c >= 3, 1.0 - 2.0 * (c % 2).to(h.dtype), torch.ones_like(h[:, :1]))
+
+
+@pytest.mark.parametrize("method_name,cfg", [("reweight", {"mode": "bk"}), ("reweight", {"mode": "twopass"}),
+                                             ("jl", {"jvp": "forward"})])
+def test_a_model_reading_its_padding_is_refused_at_the_first_step(method_name, cfg):
+    """Review 51: removing any example flipped example 0's padded output, so its clipped gradient moved too (1.7-1.9
+    C under reweight, 1.8-2.0 C under jl at P = 16), with no gradient on the padded rows for check_fillers to see.
+    The first step's independence check runs through the step's padding now (padding.PaddedRows): refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 5), ParityOfTwins(), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    method = METHODS.build(method_name, cfg={**cfg, "r": 3}, clip=0.01, sigma=0.0)
+    model = method.attach(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(3, 8, generator=g, dtype=DT), torch.tensor([0, 1, 2])
+    kw = dict(sample_rate=0.01, expected_batch_size=4.0, generator=torch.Generator().manual_seed(7))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(DprunError, match=r"the examples' losses depend on the other examples of the batch"):
+        padded_step(method, model, loss_fn, x, y, opt, physical=16, **kw)

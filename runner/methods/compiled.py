@@ -209,6 +209,7 @@ class CompiledStep:
             if mode in CUDA_ONLY:
                 core = GraphOutputs(core)
             self.compiled = padded(method.privatize, self.physical, core)
+            method.padding_sizes = self.physical  # the first-step check probes the rows through this padding
             self.compiled.overwrites_outputs = mode in CUDA_ONLY  # read by Method.clipped_sum
             model = method.model  # attached: its modules' norm hooks compile with the step
             raise_recompile_limit(len(self.physical), len(list(model.modules())) if model is not None else 0)

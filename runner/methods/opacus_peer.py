@@ -165,8 +165,9 @@ class OpacusPeer(Method):
         1.00008 C), and a record with inf inputs turns the release into nan (0 * inf in the second backward)."""
         raise DprunError(f"method=opacus grad_sample_mode=ghost cannot train {path} ({type(m).__name__}): Opacus's "
                          f"ghost clipping is not certified (its float32 norms can under-estimate what its second "
-                         f"backward releases: 1.36 C measured on crafted inputs); grad_sample_mode=hooks and functorch "
-                         f"are exact, and method=reweight certifies its ghost norms")
+                         f"backward releases: unbounded, up to 135 C found by the search, nan beside an inf "
+                         f"record); grad_sample_mode=hooks and functorch are exact, and method=reweight certifies "
+                         f"its ghost norms")
 
     def check_layer(self, path: str, m: torch.nn.Module, issue: str) -> None:
         """A layer Opacus 1.6 gets wrong (not_exact): refused where an example could exceed C, else one warning.

@@ -117,6 +117,24 @@ def check_fillers(model, norms: torch.Tensor | None, n: int, clip: float | None)
                          "example's output depend on its own row alone, or run compile=off")
 
 
+class PaddedRows(torch.nn.Module):
+    """model(x) as a padded step computes it for x's rows: x padded to its bucket with copies of its first row, the
+    output sliced back. The first-step independence check runs through it (privacy_check/first_step.py): a model
+    whose rows react to how many copies of row 0 the padding adds (P - n + 1, which tells it n) changed example 0's
+    own gradient when any other example left the batch, with no gradient on the padded rows (review 51: 1.7-1.9 C
+    under reweight, 1.8-2.0 C under jl at P = 16); removing an example through this wrapper moves the other rows."""
+
+    def __init__(self, model: torch.nn.Module, sizes: int | Sequence[int]):
+        super().__init__()
+        self.model, self.sizes = model, sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = len(x)
+        xp, _, _ = pad_batch(x, torch.zeros(n, dtype=torch.long, device=x.device), bucket(n, self.sizes))
+        return self.model(xp)[:n]
+
+
 def padded_step(method, model, loss_fn, x, y, optimizer, *, physical: int | Sequence[int], **step_kwargs) -> StepOutput:
     """method.step with every chunk padded to `physical` rows, or to the smallest of several sizes (masked losses)."""
+    method.padding_sizes = physical  # the first-step check probes the rows through this padding (PaddedRows)
     return method.step(model, loss_fn, x, y, optimizer, privatize=padded(method.privatize, physical), **step_kwargs)

@@ -384,6 +384,11 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
             check_no_user_function(method, model, loss_fn, xs, ys)
             if name not in ALONE and not method.updates_model and k >= 2:
                 check_independence(model, loss_fn, xs, ys, name)
+                sizes = getattr(method, "padding_sizes", None)  # compile=: the step runs each chunk padded
+                if sizes and len(y) >= 2:  # the whole batch, so its padding is the step's (review 51)
+                    from runner.methods.padding import PaddedRows
+
+                    check_independence(PaddedRows(model, sizes), loss_fn, x, y, name)
                 if method.precision == "bf16":  # the step's forward runs under autocast: coupled only there?
                     check_independence_autocast(model, loss_fn, xs, ys, name, method.autocast(xs))
             if name in PER_LAYER:
