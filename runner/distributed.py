@@ -213,7 +213,8 @@ def broken_collective(e: BaseException) -> bool:
     """An error raised because ANOTHER rank is gone (a collective whose peer closed, or timed out)."""
     text = str(e).lower()
     return isinstance(e, getattr(dist, "DistError", ())) or any(
-        k in text for k in ("gloo", "nccl", "connection closed", "connection reset", "timed out", "broken pipe"))
+        k in text for k in ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout",
+                            "pair closure", "broken pipe"))  # gloo: "Application timeout caused pair closure"
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int):

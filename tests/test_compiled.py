@@ -435,3 +435,27 @@ def test_a_failure_after_the_noise_is_not_retried(caplog):
         step(model, loss_fn, x, y, Failing(model.parameters(), lr=0.1), sample_rate=0.01, expected_batch_size=5.0)
     assert draws == [1] and method.released
     assert step.mode == "default" and "running the eager step" not in caplog.text
+
+
+def test_a_broken_collective_is_not_taken_for_a_failed_compilation(caplog):
+    """Review 54: on two ranks a peer killed (or late) made the all_reduce inside the compiled step raise before the
+    noise; the fallback logged a failed compilation and ran the step again eagerly, a second all_reduce for one step
+    (on a transport that survives, it could pair with the peer's next one). Re-raised now; the run reports the peer.
+    And gloo's timeout wording is recognised as a peer's."""
+    from runner.distributed import World, broken_collective
+
+    model, method, _ = setup("reweight", {"mode": "bk"})
+    method.world = World(rank=0, size=2)
+    step = CompiledStep(method, "default", CPU, physical=8)
+    step.validated = True
+
+    def gone(*_):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    step.compiled = gone
+    x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="dprun"), pytest.raises(RuntimeError, match="Connection closed"):
+        step(model, loss_fn, x, y, opt, sample_rate=0.01, expected_batch_size=5.0)
+    assert step.mode == "default" and "running the eager step" not in caplog.text
+    assert broken_collective(RuntimeError("Application timeout caused pair closure"))

@@ -169,3 +169,60 @@ def test_a_model_reading_its_padding_is_refused_at_the_first_step(method_name, c
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with pytest.raises(DprunError, match=r"the examples' losses depend on the other examples of the batch"):
         padded_step(method, model, loss_fn, x, y, opt, physical=16, **kw)
+
+
+class TrainParity(nn.Module):
+    """ParityOfTwins only in train mode; or, unpadded, a sign read off the batch's size in train mode only."""
+
+    def __init__(self, by_size: bool = False):
+        super().__init__()
+        self.by_size = by_size
+
+    def forward(self, h):
+        if not self.training:
+            return h
+        if self.by_size:
+            return -h if len(h) % 2 else h
+        return ParityOfTwins()(h)
+
+
+class AutocastParity(nn.Module):
+    """ParityOfTwins only under autocast (precision="bf16"'s forward)."""
+
+    def forward(self, h):
+        return ParityOfTwins()(h) if torch.is_autocast_enabled("cpu") else h
+
+
+def first_step(layer, *, physical=16, chunk=None, n=3, precision="fp32", compiled=False):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 5), layer, nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    method = METHODS.build("reweight", cfg={"mode": "bk"}, clip=0.01, sigma=0.0)
+    method.configure(physical_batch_size=chunk, precision=precision)
+    model = method.attach(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 8, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
+    kw = dict(sample_rate=0.01, expected_batch_size=4.0, generator=torch.Generator().manual_seed(7))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    if compiled:
+        from runner.methods.compiled import CompiledStep
+
+        return CompiledStep(method, "default", torch.device("cpu"), physical=physical, backend="eager")(
+            model, loss_fn, x, y, opt, **kw)
+    if physical is None:
+        return method.step(model, loss_fn, x, y, opt, **kw)
+    return padded_step(method, model, loss_fn, x, y, opt, physical=physical, **kw)
+
+
+@pytest.mark.parametrize("case", ["chunks", "train_mode", "train_mode_unpadded", "autocast"])
+def test_models_reading_the_padding_where_review_51s_probe_did_not_look_are_refused(case):
+    """Review 53 got review 51's padded probe passed four ways: with chunks (physical_batch_size below the batch: the
+    whole batch was not padded, its chunks are; 1.9-2.3 C), reading the padding in train mode only (the removal probe
+    ran in eval mode; 1.96 C, and 5.34 C unpadded for a sign read off len(h)), and under bf16's autocast only (2.36 C).
+    The padded probe now runs on prefixes a chunk holds, both parities of the copies' count, under the method's
+    autocast, and a removal is probed in train mode too (where the forward is deterministic): each refused."""
+    run = {"chunks": lambda: first_step(ParityOfTwins(), physical=4, chunk=4, n=6, compiled=True),
+           "train_mode": lambda: first_step(TrainParity()),
+           "train_mode_unpadded": lambda: first_step(TrainParity(by_size=True), physical=None, n=17),
+           "autocast": lambda: first_step(AutocastParity(), n=5, precision="bf16")}[case]
+    with pytest.raises(DprunError, match=r"the examples' losses depend on the other examples of the batch"):
+        run()

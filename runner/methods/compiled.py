@@ -53,6 +53,7 @@ from collections.abc import Sequence
 
 import torch
 
+from runner.distributed import broken_collective
 from runner.errors import DprunError
 from runner.methods.base import METHODS, Privatized
 from runner.methods.padding import masked, padded
@@ -237,6 +238,8 @@ class CompiledStep:
         except Exception as e:  # the chunk's compilation failed: eager from now on, logged once
             if self.method.released:  # raised after the noise (the optimizer's step): the batch is released; the
                 raise  # eager retry would release it a second time, accounted once (review 37)
+            if self.method.world.size > 1 and broken_collective(e):  # a peer gone or late, not the compilation: a
+                raise  # retry's second all_reduce could pair with the peer's next one (review 54); the run reports it
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             log.warning("compile=%s failed for method=%s (%s: %s); running the eager step from now on",
                         self.mode, self.method.name, type(e).__name__, first)

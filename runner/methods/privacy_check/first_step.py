@@ -364,6 +364,41 @@ def check_no_user_function(method, model, loss_fn, x: torch.Tensor, y: torch.Ten
                          f"gradients of the unweighted loss), or method=nxbp or multiloss (each example alone)")
 
 
+def padded_prefixes(n: int, sizes) -> list[int]:
+    """Row counts m of the batch's prefixes that compile='s padding pads (m < the largest size) with other numbers of
+    copies of row 0 (P - m + 1): the whole batch where it is padded, and prefixes a chunk of `physical_batch_size`
+    rows or fewer holds (review 53: with chunks the whole batch is not padded, and a chunk's last rows are), at
+    counts spread over the largest gap (1, 2, 4, ... copies and the most), distinct, each >= 2."""
+    sizes = sorted((int(sizes),) if isinstance(sizes, int) else (int(s) for s in sizes))
+    top = min(n, sizes[-1])
+    counts = {top if top < sizes[-1] else sizes[-1] - 1}
+    gap = max(b - a for a, b in zip([0, *sizes], sizes))
+    counts |= {sizes[-1] - c for c in (3, 8, gap)}
+    counts |= {m - 1 for m in counts}  # both parities of the copies' count (review 53: a parity read at >= 5 copies)
+    return sorted(m for m in counts if 2 <= m <= n and m < sizes[-1])
+
+
+def check_padded_independence(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor, name: str) -> None:
+    """compile= pads each chunk to a bucket with copies of its first row (runner/methods/padding.py): the
+    independence probe again through that padding, on prefixes padded with several numbers of copies, as the step
+    runs them (in the method's autocast too), so removing an example changes the padding as in training. A model
+    whose rows read the padding (how many copies of row 0 it holds, hence the batch's size) moved example 0's own
+    gradient with the others' presence (review 51: 1.7-2.0 C; review 53: 1.9-2.3 C with chunks, at 5-8 copies, under
+    bf16's autocast). Which sizes trigger a model is the model's choice: one reading only counts no prefix shows
+    passes (docs/privacy.md, "What it cannot see")."""
+    sizes = getattr(method, "padding_sizes", None)  # compile=: the step runs each chunk padded
+    if not sizes:
+        return
+    from runner.methods.padding import PaddedRows
+
+    padded = PaddedRows(model, sizes)
+    for m in padded_prefixes(len(y), sizes):
+        check_independence(padded, loss_fn, x[:m], y[:m], name)
+        if method.precision == "bf16":  # the step's forward runs under autocast: removal probed there too
+            with method.autocast(x):
+                check_independence(padded, loss_fn, x[:m], y[:m], name)
+
+
 def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:
     key = (id(model), loss_key(loss_fn))
     if getattr(method, "_privacy_checked", None) == key or len(y) == 0 or x.device.type == "meta":
@@ -384,11 +419,7 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
             check_no_user_function(method, model, loss_fn, xs, ys)
             if name not in ALONE and not method.updates_model and k >= 2:
                 check_independence(model, loss_fn, xs, ys, name)
-                sizes = getattr(method, "padding_sizes", None)  # compile=: the step runs each chunk padded
-                if sizes and len(y) >= 2:  # the whole batch, so its padding is the step's (review 51)
-                    from runner.methods.padding import PaddedRows
-
-                    check_independence(PaddedRows(model, sizes), loss_fn, x, y, name)
+                check_padded_independence(method, model, loss_fn, x, y, name)
                 if method.precision == "bf16":  # the step's forward runs under autocast: coupled only there?
                     check_independence_autocast(model, loss_fn, xs, ys, name, method.autocast(xs))
             if name in PER_LAYER:

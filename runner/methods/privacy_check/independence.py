@@ -29,6 +29,7 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.methods.rng import rng_state, set_rng_state
+from runner.methods.privacy_check.modules import dropout_off
 from runner.methods.privacy_check.shapes import first_input
 
 ALONE = "method=nxbp or method=multiloss (each example runs alone)"
@@ -211,3 +212,19 @@ def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: s
     fewer, _ = calls(model, loss_fn, x[1:], y[1:])  # eval mode
     if rows_differ(base[1:], fewer, rtol):
         refuse("", "with the first probed example removed", method)
+    # removed again in train mode (dropout modules off), where the forward is deterministic there: a model reading the
+    # batch's size only in train mode (`-h if self.training and len(h) % 2`) passed the eval-mode removal (review 53:
+    # 5.34 C; through compile='s padding, its copies of row 0, 1.96 C). A train forward random outside dropout modules
+    # (F.dropout) would shift its draws with the rows: not compared
+    model.train(True)
+    dropout_off(model)
+    state = rng_state(x.device)
+    base, _ = calls(model, loss_fn, x, y)
+    again, _ = calls(model, loss_fn, x, y)  # the stream moved on: a random forward draws other values
+    set_rng_state(state, x.device)
+    if rows_differ(base, again, rtol):
+        return
+    fewer, _ = calls(model, loss_fn, x[1:], y[1:])
+    set_rng_state(state, x.device)
+    if rows_differ(base[1:], fewer, rtol):
+        refuse("", "with the first probed example removed (train mode)", method)
