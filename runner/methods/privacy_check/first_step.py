@@ -394,7 +394,9 @@ def check_padded_independence(method, model, loss_fn, x: torch.Tensor, y: torch.
     padded = PaddedRows(model, sizes)
     for m in padded_prefixes(len(y), sizes):
         check_independence(padded, loss_fn, x[:m], y[:m], name)
-        if method.precision == "bf16":  # the step's forward runs under autocast: removal probed there too
+        if method.precision == "bf16" and x.device.type == "cpu":  # the step's forward runs under autocast: the
+            # removal probed there too; on the CPU only, where rows of other batch shapes round alike (review 55; a
+            # CUDA bf16 kernel's rows at another padded size differ by ~4e-3, beyond what the probe forgives)
             with method.autocast(x):
                 check_independence(padded, loss_fn, x[:m], y[:m], name)
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.methods.rng import rng_state, set_rng_state
-from runner.methods.privacy_check.modules import dropout_off
+from runner.methods.privacy_check.no_randomness import no_randomness
 from runner.methods.privacy_check.shapes import first_input
 
 ALONE = "method=nxbp or method=multiloss (each example runs alone)"
@@ -209,22 +209,22 @@ def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: s
                    f"({'train' if train else 'eval'} mode)", method)
     if not removed:
         return
-    fewer, _ = calls(model, loss_fn, x[1:], y[1:])  # eval mode
-    if rows_differ(base[1:], fewer, rtol):
-        refuse("", "with the first probed example removed", method)
-    # removed again in train mode (dropout modules off), where the forward is deterministic there: a model reading the
-    # batch's size only in train mode (`-h if self.training and len(h) % 2`) passed the eval-mode removal (review 53:
-    # 5.34 C; through compile='s padding, its copies of row 0, 1.96 C). A train forward random outside dropout modules
-    # (F.dropout) would shift its draws with the rows: not compared
+    # each probed example removed in turn (review 55: a batch trimmed to its longest text moved the others only when
+    # that text left, and it was not the first), in eval mode, then in train mode with every random draw fixed
+    # (no_randomness: review 53's model reading its batch's size in train mode only passed the eval-mode removal,
+    # 5.34 C, and review 55's passed a train-mode one skipped for its F.dropout, 7.6 C)
+    keep = lambda i: torch.cat([torch.arange(i), torch.arange(i + 1, k)])  # noqa: E731  (rows but i)
+    for i in range(k):
+        fewer, _ = calls(model, loss_fn, x[keep(i)], y[keep(i)])  # eval mode
+        if rows_differ(base[keep(i)], fewer, rtol):
+            refuse("", f"with probed example {i} removed", method)
     model.train(True)
-    dropout_off(model)
-    state = rng_state(x.device)
-    base, _ = calls(model, loss_fn, x, y)
-    again, _ = calls(model, loss_fn, x, y)  # the stream moved on: a random forward draws other values
-    set_rng_state(state, x.device)
-    if rows_differ(base, again, rtol):
-        return
-    fewer, _ = calls(model, loss_fn, x[1:], y[1:])
-    set_rng_state(state, x.device)
-    if rows_differ(base[1:], fewer, rtol):
-        refuse("", "with the first probed example removed (train mode)", method)
+    with no_randomness():
+        base, _ = calls(model, loss_fn, x, y)
+        again, _ = calls(model, loss_fn, x, y)
+        if rows_differ(base, again, rtol):  # random through something no_randomness does not fix: not compared
+            return
+        for i in range(k):
+            fewer, _ = calls(model, loss_fn, x[keep(i)], y[keep(i)])
+            if rows_differ(base[keep(i)], fewer, rtol):
+                refuse("", f"with probed example {i} removed (train mode)", method)
