@@ -113,3 +113,43 @@ def test_no_randomness_fixes_every_draw():
         assert torch.equal(torch.randn_like(x), torch.zeros_like(x)) and bool((torch.rand(3) == 0.5).all())
         assert torch.equal(torch.randperm(4), torch.arange(4)) and bool((torch.empty(3).normal_(2.0, 1.0) == 2).all())
         assert bool((torch.empty(3).bernoulli_(0.3) == 1).all()) and bool((torch.randint(3, 7, (2,)) == 3).all())
+
+
+class PoissonSize(nn.Module):
+    """Review 56: a size read in train mode behind torch.poisson (or cauchy_) noise, which no_randomness did not fix:
+    the train-mode removal was skipped. Those draws are fixed now (the Poisson's rate, the Cauchy's median)."""
+
+    def __init__(self, draw: str):
+        super().__init__()
+        self.draw, self.a, self.b = draw, nn.Linear(64, 16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x.flatten(1)))
+        if self.training:
+            noise = torch.poisson(torch.ones_like(h)) if self.draw == "poisson" else torch.empty_like(h).cauchy_()
+            h = (h + 1e-3 * noise) * (len(h) / 4)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("draw", ["poisson", "cauchy"])
+def test_a_size_read_behind_other_random_draws_is_refused(draw):
+    x, y = images(16)
+    torch.manual_seed(0)
+    with pytest.raises(DprunError, match=r"removed \(train mode\)"):
+        first_step(PoissonSize(draw), x, y)
+
+
+def test_no_randomness_keeps_ranges_scales_and_ends_loops():
+    """Review 56: random_(5, 10) gave 0 (outside its range), native_dropout (CUDA's F.dropout) was not scaled, and a
+    loop redrawing until a value changes never ended under fixed draws: refused after MAX_DRAWS draws now."""
+    from runner.methods.privacy_check import no_randomness as module
+
+    x = torch.randn(4, 5)
+    with no_randomness():
+        assert bool((torch.empty(3).random_(5, 10) == 5).all())
+        out, mask = torch.ops.aten.native_dropout(x, 0.5, True)
+        assert torch.equal(out, 2 * x) and bool(mask.all())
+        assert torch.equal(torch.poisson(torch.full((3,), 2.0)), torch.full((3,), 2.0))
+    with pytest.raises(DprunError, match="drew random values"), no_randomness():
+        for _ in range(module.MAX_DRAWS + 1):
+            torch.randint(0, 10, (3,))

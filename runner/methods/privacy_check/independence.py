@@ -219,11 +219,17 @@ def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: s
         if rows_differ(base[keep(i)], fewer, rtol):
             refuse("", f"with probed example {i} removed", method)
     model.train(True)
-    with no_randomness():
+    with no_randomness() as mode:
         base, _ = calls(model, loss_fn, x, y)
         again, _ = calls(model, loss_fn, x, y)
-        if rows_differ(base, again, rtol):  # random through something no_randomness does not fix: not compared
-            return
+        if mode.unfixed:  # a torch random operator the mode does not fix: refused, not skipped (review 56: torch.
+            # poisson or cauchy_ noise hid a size-reading model, as F.dropout had before no_randomness)
+            raise DprunError(f"the model's train-mode forward draws random values the privacy check cannot fix "
+                             f"({', '.join(dict.fromkeys(mode.unfixed))}), so whether an example's loss depends on "
+                             f"the other examples cannot be checked; use method=nxbp or method=multiloss (each "
+                             f"example alone), or draw the randomness with dropout or torch.rand/randn")
+        if rows_differ(base, again, rtol):  # still different: randomness from outside torch (the replaced probes
+            return  # see it) or a kernel's nondeterministic sums (CUDA atomics): not compared
         for i in range(k):
             fewer, _ = calls(model, loss_fn, x[keep(i)], y[keep(i)])
             if rows_differ(base[keep(i)], fewer, rtol):

@@ -1,70 +1,113 @@
 """A forward with every random draw replaced by a fixed value, so that two forwards of different batches can be
 compared row by row in train mode.
 
-    with no_randomness():
-        out = model(x)     # dropout keeps every unit, randn gives 0, rand 0.5, bernoulli(p) 1, randperm the identity
+    with no_randomness() as mode:
+        out = model(x)     # dropout keeps every unit (scaled by 1 / (1 - p)), randn gives 0, rand 0.5, ...
+    mode.unfixed           # the random operators it could not fix (the caller refuses: review 56)
 
 The removal probe of the independence check (independence.py) compares the other rows of a batch with and without
 one example. In train mode a model's randomness (F.dropout, DropPath, noise injection, the dropout inside
-nn.MultiheadAttention) draws other values for other batch shapes, so the probe skipped such forwards, and a model
-that read its batch's size in train mode only passed once it added F.dropout (review 55: 7.6 C). Under this mode
-the train forward is deterministic and row-aligned whatever the batch's shape. The values are the draws' centres
-(their expectations where that is a value of the draw's support: 0 for a standard normal, the mean for normal_,
-the middle of uniform_), or a fixed member of the support (bernoulli's 1: every dropout unit kept, scaled by
-1 / (1 - p) as always). Not a model's distribution: only what the check compares.
+attention) draws other values for other batch shapes, so the probe skipped such forwards, and a model that read its
+batch's size in train mode only passed once it added F.dropout (review 55: 7.6 C), or torch.poisson or cauchy_
+noise (review 56). Under this mode the train forward is deterministic and row-aligned whatever the batch's shape.
+The values are each draw's centre (its mean or median: 0 for a standard normal, the rate of a Poisson, exp(mean) for
+a log-normal), or a fixed member of its support (bernoulli's 1: every unit kept; randint's low end; randperm's
+identity); an operator with a dropout probability argument (fused attention) runs with it at 0. Any other operator
+torch tags as random runs as it is and is listed in `unfixed`. Not a model's distribution: only what the check
+compares. A forward that keeps drawing (rejection sampling, which a fixed value never leaves) is stopped after
+MAX_DRAWS draws with a DprunError rather than left to loop.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from runner.errors import DprunError
+
 aten = torch.ops.aten
-
-
-def _filled(like: torch.Tensor, value: float) -> torch.Tensor:
-    return torch.full_like(like, value)
+MAX_DRAWS = 10_000  # random operators per forward before it is taken for a loop that a fixed draw never leaves
 
 
 class no_randomness(TorchDispatchMode):
     """Every aten random operator answered with a fixed value (see the module's docstring)."""
 
+    def __init__(self):
+        super().__init__()
+        self.unfixed: list[str] = []
+        self.draws = 0
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **kwargs)
+        self.draws += 1
+        if self.draws > MAX_DRAWS:
+            raise DprunError(f"the model's train-mode forward drew random values {MAX_DRAWS} times in one forward "
+                             f"under the privacy check's fixed draws (a loop that redraws until a value changes?), so "
+                             f"the check cannot compare it; make the loop bounded, or use method=nxbp or multiloss")
+        names = [a.name for a in func._schema.arguments]
+        arg = lambda name, default=None: (args[names.index(name)] if names.index(name) < len(args)  # noqa: E731
+                                          else kwargs.get(name, default)) if name in names else default
         packet = func.overloadpacket
-        if packet is aten.native_dropout:  # (input, p, train) -> (output, mask): every unit kept
-            x = args[0]
-            return x.clone(), torch.ones_like(x, dtype=torch.bool)
-        if packet in (aten.bernoulli_, aten.random_):  # in place: every trial a success / the lowest value
-            return args[0].fill_(1 if packet is aten.bernoulli_ else kwargs.get("from", 0))
+        first = args[0] if args else None
+        if packet is aten.native_dropout:  # (input, p, train) -> (output, mask): every unit kept, as dropout scales
+            p = float(arg("p", 0.0))
+            return (first * (1.0 / (1.0 - p)) if p < 1 and arg("train", True) else first.clone()), \
+                torch.ones_like(first, dtype=torch.bool)
+        if packet is aten.bernoulli_:
+            return first.fill_(1)
         if packet is aten.bernoulli:
-            return torch.ones_like(args[0])
+            return torch.ones_like(first)
+        if packet is aten.random_:
+            return first.fill_(int(arg("from", 0)) if "from" in names else 0)
         if packet is aten.normal_:
-            return args[0].fill_(float(args[1]) if len(args) > 1 else float(kwargs.get("mean", 0.0)))
+            return first.fill_(float(arg("mean", 0.0)))
         if packet is aten.uniform_:
-            low = float(args[1]) if len(args) > 1 else float(kwargs.get("from", 0.0))
-            high = float(args[2]) if len(args) > 2 else float(kwargs.get("to", 1.0))
-            return args[0].fill_((low + high) / 2)
+            return first.fill_((float(arg("from", 0.0)) + float(arg("to", 1.0))) / 2)
         if packet is aten.exponential_:
-            return args[0].fill_(1.0 / float(args[1] if len(args) > 1 else kwargs.get("lambd", 1.0)))
-        if packet in (aten.randn, aten.normal):
+            return first.fill_(1.0 / float(arg("lambd", 1.0)))
+        if packet is aten.cauchy_:
+            return first.fill_(float(arg("median", 0.0)))
+        if packet is aten.log_normal_:
+            return first.fill_(math.exp(float(arg("mean", 1.0))))
+        if packet is aten.geometric_:
+            return first.fill_(1.0)
+        if packet is aten.poisson:
+            return first.clone()  # its rate
+        if packet is aten.binomial:
+            return first * arg("prob")
+        if packet is aten._standard_gamma:
+            return first.clone()  # Gamma(alpha, 1)'s mean
+        if packet is aten._sample_dirichlet:
+            return first / first.sum(-1, keepdim=True)
+        if packet is aten.rrelu_with_noise:
+            return F.leaky_relu(first, (float(arg("lower", 1 / 8)) + float(arg("upper", 1 / 3))) / 2)
+        if packet is aten.normal:
             out = func(*args, **kwargs)
-            return out.zero_() if packet is aten.randn else _filled(out, 0.0).add_(
-                args[0] if torch.is_tensor(args[0]) else float(args[0]))
-        if packet is aten.randn_like:
-            return torch.zeros_like(args[0], **{k: v for k, v in kwargs.items() if k != "generator"})
-        if packet is aten.rand:
+            mean = arg("mean", 0.0)
+            return out.zero_().add_(mean if torch.is_tensor(mean) else float(mean))
+        if packet in (aten.randn, aten.randn_like):
+            return func(*args, **kwargs).zero_()
+        if packet in (aten.rand, aten.rand_like):
             return func(*args, **kwargs).fill_(0.5)
-        if packet is aten.rand_like:
-            return torch.full_like(args[0], 0.5, **{k: v for k, v in kwargs.items() if k != "generator"})
         if packet in (aten.randint, aten.randint_like):
-            out = func(*args, **kwargs)
-            low = args[1] if packet is aten.randint_like and len(args) > 2 else (
-                args[0] if packet is aten.randint and len(args) > 2 else 0)
-            return out.fill_(int(low))
+            return func(*args, **kwargs).fill_(int(arg("low", 0)) if "low" in names else 0)
         if packet is aten.randperm:
-            n = args[0]
-            return torch.arange(n, dtype=kwargs.get("dtype") or torch.long, device=kwargs.get("device"))
+            out = func(*args, **kwargs)
+            return out.copy_(torch.arange(out.numel(), dtype=out.dtype, device=out.device))
         if packet is aten.multinomial:
-            probs = args[0]
-            return probs.argmax(-1, keepdim=True).expand(*probs.shape[:-1], int(args[1])).contiguous()
+            probs = first
+            rows = probs.argmax(-1, keepdim=True)  # the likeliest category, every draw
+            return rows.expand(*probs.shape[:-1], int(arg("num_samples", 1))).contiguous()
+        if "dropout_p" in names:  # fused attention (flash, memory-efficient, cuDNN): no dropout
+            at = names.index("dropout_p")
+            if at < len(args):
+                args = (*args[:at], 0.0, *args[at + 1:])
+            else:
+                kwargs = {**kwargs, "dropout_p": 0.0}
+            return func(*args, **kwargs)
+        self.unfixed.append(str(packet).removeprefix("aten."))
         return func(*args, **kwargs)
