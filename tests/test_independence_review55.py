@@ -80,14 +80,6 @@ def images(n):
     return torch.randn(n, 1, 8, 8, generator=g, dtype=DT), torch.randint(0, 10, (n,), generator=g)
 
 
-@pytest.mark.parametrize("noise", [False, True])
-def test_a_model_reading_its_size_in_train_mode_behind_randomness_is_refused(noise):
-    x, y = images(16)
-    torch.manual_seed(0)
-    with pytest.raises(DprunError, match=r"removed \(train mode\)"):
-        first_step(SizeSign(noise), x, y)
-
-
 def test_a_batch_trimmed_to_its_longest_text_is_refused_whichever_row_is_longest():
     g = torch.Generator().manual_seed(0)
     n, T = 32, 40
@@ -131,12 +123,13 @@ class PoissonSize(nn.Module):
         return self.b(h)
 
 
-@pytest.mark.parametrize("draw", ["poisson", "cauchy"])
-def test_a_size_read_behind_other_random_draws_is_refused(draw):
+@pytest.mark.parametrize("behind", ["dropout", "noise", "poisson", "cauchy"])
+def test_a_model_reading_its_size_in_train_mode_behind_randomness_is_refused(behind):
     x, y = images(16)
     torch.manual_seed(0)
+    model = SizeSign(behind == "noise") if behind in ("dropout", "noise") else PoissonSize(behind)
     with pytest.raises(DprunError, match=r"removed \(train mode\)"):
-        first_step(PoissonSize(draw), x, y)
+        first_step(model, x, y)
 
 
 def test_no_randomness_keeps_ranges_scales_and_ends_loops():
