@@ -4,6 +4,9 @@ compared row by row in train mode.
     with no_randomness() as mode:
         out = model(x)     # dropout keeps every unit (scaled by 1 / (1 - p)), randn gives 0, rand 0.5, ...
     mode.unfixed           # the random operators it could not fix (the caller refuses: review 56)
+    with counted_draws() as seen:
+        out = model(x)     # every draw as drawn
+    seen.draws             # how many random operators ran (0: the forward drew nothing torch draws)
 
 The removal probe of the independence check (independence.py) compares the other rows of a batch with and without
 one example. In train mode a model's randomness (F.dropout, DropPath, noise injection, the dropout inside
@@ -12,7 +15,8 @@ batch's size in train mode only passed once it added F.dropout (review 55: 7.6 C
 noise (review 56). Under this mode the train forward is deterministic and row-aligned whatever the batch's shape.
 The values are each draw's centre (its mean or median: 0 for a standard normal, the rate of a Poisson, exp(mean) for
 a log-normal), or a fixed member of its support (bernoulli's 1: every unit kept; randint's low end; randperm's
-identity); an operator with a dropout probability argument (fused attention) runs with it at 0. Any other operator
+reversal: its identity turned mixup inside a forward, x mixed with x[randperm(n)], into x alone, and the removal
+probe passed a forward whose every row mixed two examples, 2 C per example: review 57); an operator with a dropout probability argument (fused attention) runs with it at 0. Any other operator
 torch tags as random runs as it is and is listed in `unfixed`. Not a model's distribution: only what the check
 compares. A forward that keeps drawing (rejection sampling, which a fixed value never leaves) is stopped after
 MAX_DRAWS draws with a DprunError rather than left to loop.
@@ -23,7 +27,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from runner.errors import DprunError
 
@@ -95,9 +99,9 @@ class no_randomness(TorchDispatchMode):
             return func(*args, **kwargs).fill_(0.5)
         if packet in (aten.randint, aten.randint_like):
             return func(*args, **kwargs).fill_(int(arg("low", 0)) if "low" in names else 0)
-        if packet is aten.randperm:
+        if packet is aten.randperm:  # the reversal, not the identity: a row mix by a drawn order stays a mix
             out = func(*args, **kwargs)
-            return out.copy_(torch.arange(out.numel(), dtype=out.dtype, device=out.device))
+            return out.copy_(torch.arange(out.numel() - 1, -1, -1, dtype=out.dtype, device=out.device))
         if packet is aten.multinomial:
             probs = first
             rows = probs.argmax(-1, keepdim=True)  # the likeliest category, every draw
@@ -111,3 +115,24 @@ class no_randomness(TorchDispatchMode):
             return func(*args, **kwargs)
         self.unfixed.append(str(packet).removeprefix("aten."))
         return func(*args, **kwargs)
+
+
+class counted_draws(TorchDispatchMode):
+    """Counts the aten random operators that run (their values as drawn): whether a forward is random, seen by its
+    draws rather than by two forwards that differ, which a draw per batch (a coin for a whole residual branch) does
+    not show half the time."""
+
+    def __init__(self):
+        super().__init__()
+        self.draws = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.draws += 1
+        return func(*args, **(kwargs or {}))
+
+
+def not_the_models():
+    """The privacy check's own draws (row_order's sketch directions and shuffles) outside any mode above: they are
+    not the model's, and under no_randomness they would be fixed (all-zero directions see nothing)."""
+    return _disable_current_modes()

@@ -18,14 +18,15 @@ tolerance away from it (review 10: rows of norm 480 differing by 0.1 passed a re
 row of the first batch (those with a nan input too: review 14), and, where the training set is in memory (probe_rows.feature_extremes), training
 records (read as the batch holds them) lying outside the batch's range on each feature whose training range reaches beyond it (`covering`: a rare
 flag's records; a text longer or shorter than the batch's), up to EXTRA_RECORDS. Randomness in the forward (dropout) would differ between the two orders:
-dropout modules run in eval mode, and where the orders differ, a forward that is still random (a second forward of
-the same rows differs) is compared again in eval mode.
+dropout modules run in eval mode, and where the orders differ, a forward that is still random (torch drew random
+values in it, or a second forward of the same rows differs) is compared again in train mode with every draw fixed
+(no_randomness: a sort done in train mode only, behind F.dropout) and in eval mode.
 
 What it cannot see: a key that is a function of several features (or of a feature of a layer's output) on which the
 first batch and the added records tie, differences below the rounding floor, a reorder among identical rows (the
 probe's twin with another label catches that: first_step.py with_twin), and a model that behaves otherwise when
-dropout is off or when it is being checked (a reorder only in training mode of a forward with randomness outside
-dropout modules). Under reduced arithmetic (TF32 on CUDA, bf16), rows nearer than its floor (1e-3 of their norm)
+dropout is off or when it is being checked (a reorder only in training mode, drawn from randomness outside torch, or
+from a draw whose fixed value happens not to reorder). Under reduced arithmetic (TF32 on CUDA, bf16), rows nearer than its floor (1e-3 of their norm)
 reordered only under that arithmetic (`check_row_order`'s two passes; about sqrt(M + 1) C over M such layers,
 review 35)."""
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch import nn
 from runner import fp32_mode
 from runner.errors import DprunError
 from runner.methods.privacy_check.modules import dropout_off
+from runner.methods.privacy_check.no_randomness import counted_draws, no_randomness, not_the_models
 from runner.methods.privacy_check.probe_rows import like_batch
 from runner.methods.privacy_check.shapes import BLACK_BOX, each_call_input
 
@@ -137,8 +139,9 @@ def sketch(inp: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor
     gets nan."""
     flat = inp.detach().reshape(len(inp), -1)
     scale = column_scale(flat) if scale is None else scale  # (D,)
-    directions = torch.randn(flat.shape[1], SKETCH, dtype=torch.float64,
-                             generator=torch.Generator().manual_seed(flat.shape[1])).to(flat.device) / SKETCH ** 0.5
+    with not_the_models():  # drawn as drawn under the check's fixed draws too
+        directions = torch.randn(flat.shape[1], SKETCH, dtype=torch.float64,
+                                 generator=torch.Generator().manual_seed(flat.shape[1])).to(flat.device) / SKETCH ** 0.5
     parts = []
     for block in flat.split(ROWS_AT_ONCE):  # (<= 64, D) upcast at a time
         u = torch.asinh(block.double() / scale)  # (<= 64, D)
@@ -219,7 +222,9 @@ def shuffles(n: int) -> list[torch.Tensor]:
 def reordered(model: nn.Module, rows: torch.Tensor, rounding: float) -> tuple[str, nn.Module] | None:
     """The first covered call whose input rows, for the rows permuted, are not its input rows permuted; or None."""
     drawn = call_sketches(model, rows)
-    for order in shuffles(len(rows)):
+    with not_the_models():  # the check's orders, not fixed by no_randomness
+        orders = shuffles(len(rows))
+    for order in orders:
         order = order.to(rows.device)
         permuted = call_sketches(model, rows[order], drawn)
         if [(c.path, c.shape) for c in drawn] != [(c.path, c.shape) for c in permuted]:
@@ -234,9 +239,14 @@ def reordered(model: nn.Module, rows: torch.Tensor, rounding: float) -> tuple[st
 
 
 def random_forward(model: nn.Module, rows: torch.Tensor) -> bool:
-    """Two forwards of the same rows differ: randomness outside the dropout modules already in eval mode (a row that
-    is not finite, nan in both, is no difference)."""
-    one = call_sketches(model, rows)
+    """The forward draws random values outside the dropout modules already in eval mode: torch's random operators ran
+    (a coin per batch for a whole residual branch draws the same value in two forwards half the time, and a sound
+    model was refused: stop 64), or two forwards of the same rows differ (numpy's draws; a row that is not finite,
+    nan in both, is no difference)."""
+    with counted_draws() as seen:
+        one = call_sketches(model, rows)
+    if seen.draws:
+        return True
     two = call_sketches(model, rows, one)
     return len(one) != len(two) or any((a.sketch is None) != (b.sketch is None) or (a.sketch is not None and not (
         torch.equal(a.sketch.nan_to_num(nan=0.0), b.sketch.nan_to_num(nan=0.0)))) for a, b in zip(one, two))
@@ -274,10 +284,27 @@ def check_row_order(method, model: nn.Module, x: torch.Tensor) -> None:
             for part in rows.split(size):
                 found = reordered(model, part, floor) if len(part) >= 2 else None
                 if found is not None and model.training and random_forward(model, part):
-                    model.eval()  # a forward random outside dropout modules: the two orders compared without it
-                    found = reordered(model, part, floor)
+                    found = random_reordered(model, part, floor)
                 if found is not None:
                     refuse(method, *found)
+
+
+def random_reordered(model: nn.Module, rows: torch.Tensor, floor: float) -> tuple[str, nn.Module] | None:
+    """reordered for a forward that draws random values (the two orders draw others): compared in train mode with
+    every draw fixed (no_randomness; a forward with a draw it cannot fix is refused by the independence check), then in
+    eval mode. Eval mode alone passed a sort done in train mode behind F.dropout; the fixed draws alone would pass a
+    forward whose order comes from a draw outside torch (numpy), which eval mode may still show. The flags restored."""
+    with no_randomness() as mode:
+        found = reordered(model, rows, floor)
+    if found is not None and not mode.unfixed:
+        return found
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        return reordered(model, rows, floor)
+    finally:
+        for m, training in flags:
+            m.training = training
 
 
 TF32_ROUNDING = 1e-3  # the row-order floor where TF32 products round (10-bit mantissas: 2^-11 per product), as bf16's
