@@ -100,3 +100,65 @@ def test_counted_draws_sees_a_draw_without_changing_it():
     assert seen.draws == 1 and torch.equal(got, expected)
     with no_randomness():
         assert torch.equal(torch.randperm(5), torch.arange(4, -1, -1))
+
+
+class CoinMix(nn.Module):
+    """Mixup inside the forward on some batches only: a branch on a draw, never taken at the draw's centre."""
+
+    def __init__(self, draw: str):
+        super().__init__()
+        self.draw, self.a, self.b = draw, nn.Linear(64, 16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        coin = {"rand_below": lambda: torch.rand(()) < 0.1, "rand_above": lambda: torch.rand(()) > 0.95,
+                "randn": lambda: torch.randn(()) > 1.5, "randint": lambda: torch.randint(0, 10, ()) == 9}[self.draw]
+        if self.training and bool(coin()):
+            x = 0.5 * x + 0.5 * x.roll(1, 0)
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("draw", ["rand_below", "rand_above", "randn", "randint"])
+def test_a_batch_mixed_on_a_few_steps_is_refused(draw):
+    """Before stop 65: accepted on 10 of 10 seeds at 10% of the steps (the replaced probe draws one coin)."""
+    x, y = images(16)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        with pytest.raises(DprunError, match="depend on the other examples of the batch"):
+            first_step(CoinMix(draw), x, y)
+
+
+class CoinNoise(nn.Module):
+    """Sound: noise on a few batches only, each row its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x.flatten(1)))
+        if self.training and bool(torch.rand(()) < 0.1):
+            h = h + 0.1 * torch.randn_like(h)
+        return self.b(h)
+
+
+def test_noise_on_a_few_steps_is_accepted():
+    x, y = images(16)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        first_step(CoinNoise(), x, y)
+
+
+def test_no_randomness_ends():
+    from runner.methods.privacy_check.no_randomness import no_randomness as fixed
+
+    with fixed("low") as mode:
+        assert float(torch.rand(())) == 0.0 and float(torch.randn(())) == -2.0 and int(torch.randint(3, 7, ())) == 3
+        assert float(torch.empty(()).uniform_(-1, 1)) == -1.0
+    assert mode.varied == 4
+    with fixed("high"):
+        assert 0.9999 < float(torch.rand(())) < 1.0 and float(torch.randn(())) == 2.0
+        assert int(torch.randint(3, 7, ())) == 6 and float(torch.empty(()).uniform_(-1, 1)) < 1.0
+    with fixed("centre") as mode:
+        assert float(torch.rand(())) == 0.5 and torch.equal(torch.ones(3).bernoulli_(0.5), torch.ones(3))
+    assert mode.varied == 1

@@ -29,7 +29,7 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.methods.rng import rng_state, set_rng_state
-from runner.methods.privacy_check.no_randomness import no_randomness
+from runner.methods.privacy_check.no_randomness import ENDS, no_randomness
 from runner.methods.privacy_check.shapes import first_input
 
 ALONE = "method=nxbp or method=multiloss (each example runs alone)"
@@ -219,7 +219,16 @@ def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: s
         if rows_differ(base[keep(i)], fewer, rtol):
             refuse("", f"with probed example {i} removed", method)
     model.train(True)
-    with no_randomness() as mode:
+    for end in ENDS:  # every draw at its centre; then at the ends of its range, where the forward draws such values
+        if not removed_in_train_mode(model, loss_fn, x, y, keep, rtol, method, end):
+            return
+
+
+def removed_in_train_mode(model: nn.Module, loss_fn, x, y, keep, rtol: float, method: str, end: str) -> bool:
+    """Each probed example removed in train mode with every random draw fixed (no_randomness(end)); refuses where the
+    other rows change. -> whether another end could show more: the forward drew values that move with `end` (a
+    branch on a draw, `if torch.rand(()) < 0.1: mix the batch`, is taken at one end only) and was deterministic."""
+    with no_randomness(end) as mode:
         base, _ = calls(model, loss_fn, x, y)
         again, _ = calls(model, loss_fn, x, y)
         if mode.unfixed:  # a torch random operator the mode does not fix: refused, not skipped (review 56: torch.
@@ -229,8 +238,10 @@ def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: s
                              f"the other examples cannot be checked; use method=nxbp or method=multiloss (each "
                              f"example alone), or draw the randomness with dropout or torch.rand/randn")
         if rows_differ(base, again, rtol):  # still different: randomness from outside torch (the replaced probes
-            return  # see it) or a kernel's nondeterministic sums (CUDA atomics): not compared
-        for i in range(k):
+            return False  # see it) or a kernel's nondeterministic sums (CUDA atomics): not compared
+        for i in range(len(y)):
             fewer, _ = calls(model, loss_fn, x[keep(i)], y[keep(i)])
             if rows_differ(base[keep(i)], fewer, rtol):
-                refuse("", f"with probed example {i} removed (train mode)", method)
+                at = "" if end == "centre" else f", every draw at its {end} end"
+                refuse("", f"with probed example {i} removed (train mode{at})", method)
+        return mode.varied > 0

@@ -35,13 +35,36 @@ aten = torch.ops.aten
 MAX_DRAWS = 10_000  # random operators per forward before it is taken for a loop that a fixed draw never leaves
 
 
+# no_randomness(end=...): "centre" answers each draw with its centre; "low" and "high" move the uniform, normal and
+# integer draws to the ends of their ranges (uniform: from / just below to; normal: mean -+ SPREAD std; randint:
+# low / high - 1), so a branch on a draw (`if torch.rand(()) < 0.1: mix the batch`) is taken under one of them: at
+# the centre alone such a branch was never taken, and a model mixing its batch on 10% of its steps passed (stop 65)
+ENDS = ("centre", "low", "high")
+SPREAD = 2.0  # standard deviations from the mean at the normal draws' ends
+VARIED = (aten.random_, aten.normal_, aten.uniform_, aten.normal, aten.randn, aten.randn_like, aten.rand,
+          aten.rand_like, aten.randint, aten.randint_like)
+
+
+def below(high: float, low: float, dtype: torch.dtype) -> float:
+    """The largest value of `dtype` below `high` (towards `low`): a uniform draw's high end, which excludes `high`."""
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    return float(torch.nextafter(torch.tensor(high, dtype=dtype), torch.tensor(low, dtype=dtype)))
+
+
 class no_randomness(TorchDispatchMode):
     """Every aten random operator answered with a fixed value (see the module's docstring)."""
 
-    def __init__(self):
+    def __init__(self, end: str = "centre"):
         super().__init__()
+        if end not in ENDS:
+            raise ValueError(f"no_randomness end={end!r}: one of {', '.join(ENDS)}")
+        self.end = end  # centre, or the low / high end of the uniform, normal and integer draws (see ENDS)
         self.unfixed: list[str] = []
         self.draws = 0
+        self.varied = 0  # draws whose value moves with `end` (a forward with none needs no other end)
+
+    def at_end(self, low: float, centre: float, high: float) -> float:
+        return {"low": low, "centre": centre, "high": high}[self.end]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -65,12 +88,18 @@ class no_randomness(TorchDispatchMode):
             return first.fill_(1)
         if packet is aten.bernoulli:
             return torch.ones_like(first)
+        if packet in VARIED:
+            self.varied += 1
         if packet is aten.random_:
-            return first.fill_(int(arg("from", 0)) if "from" in names else 0)
+            low = int(arg("from", 0)) if "from" in names else 0
+            to = arg("to") if "to" in names else None
+            return first.fill_(low if self.end != "high" or to is None else int(to) - 1)
         if packet is aten.normal_:
-            return first.fill_(float(arg("mean", 0.0)))
+            mean, std = float(arg("mean", 0.0)), float(arg("std", 1.0))
+            return first.fill_(self.at_end(mean - SPREAD * std, mean, mean + SPREAD * std))
         if packet is aten.uniform_:
-            return first.fill_((float(arg("from", 0.0)) + float(arg("to", 1.0))) / 2)
+            low, high = float(arg("from", 0.0)), float(arg("to", 1.0))
+            return first.fill_(self.at_end(low, (low + high) / 2, below(high, low, first.dtype)))
         if packet is aten.exponential_:
             return first.fill_(1.0 / float(arg("lambd", 1.0)))
         if packet is aten.cauchy_:
@@ -91,14 +120,19 @@ class no_randomness(TorchDispatchMode):
             return F.leaky_relu(first, (float(arg("lower", 1 / 8)) + float(arg("upper", 1 / 3))) / 2)
         if packet is aten.normal:
             out = func(*args, **kwargs)
-            mean = arg("mean", 0.0)
-            return out.zero_().add_(mean if torch.is_tensor(mean) else float(mean))
+            mean, std = arg("mean", 0.0), arg("std", 1.0)
+            out = out.zero_().add_(mean if torch.is_tensor(mean) else float(mean))
+            step = self.at_end(-SPREAD, 0.0, SPREAD)
+            return out.add_(std * step if torch.is_tensor(std) else float(std) * step) if step else out
         if packet in (aten.randn, aten.randn_like):
-            return func(*args, **kwargs).zero_()
+            return func(*args, **kwargs).fill_(self.at_end(-SPREAD, 0.0, SPREAD))
         if packet in (aten.rand, aten.rand_like):
-            return func(*args, **kwargs).fill_(0.5)
+            out = func(*args, **kwargs)
+            return out.fill_(self.at_end(0.0, 0.5, below(1.0, 0.0, out.dtype)))
         if packet in (aten.randint, aten.randint_like):
-            return func(*args, **kwargs).fill_(int(arg("low", 0)) if "low" in names else 0)
+            out = func(*args, **kwargs)
+            low = int(arg("low", 0)) if "low" in names else 0
+            return out.fill_(int(arg("high")) - 1 if self.end == "high" else low)
         if packet is aten.randperm:  # the reversal, not the identity: a row mix by a drawn order stays a mix
             out = func(*args, **kwargs)
             return out.copy_(torch.arange(out.numel() - 1, -1, -1, dtype=out.dtype, device=out.device))

@@ -41,7 +41,7 @@ from torch import nn
 from runner import fp32_mode
 from runner.errors import DprunError
 from runner.methods.privacy_check.modules import dropout_off
-from runner.methods.privacy_check.no_randomness import counted_draws, no_randomness, not_the_models
+from runner.methods.privacy_check.no_randomness import ENDS, counted_draws, no_randomness, not_the_models
 from runner.methods.privacy_check.probe_rows import like_batch
 from runner.methods.privacy_check.shapes import BLACK_BOX, each_call_input
 
@@ -291,13 +291,16 @@ def check_row_order(method, model: nn.Module, x: torch.Tensor) -> None:
 
 def random_reordered(model: nn.Module, rows: torch.Tensor, floor: float) -> tuple[str, nn.Module] | None:
     """reordered for a forward that draws random values (the two orders draw others): compared in train mode with
-    every draw fixed (no_randomness; a forward with a draw it cannot fix is refused by the independence check), then in
+    every draw fixed (no_randomness at each draw's centre, then at its range's ends; a forward with a draw it cannot fix is refused by the independence check), then in
     eval mode. Eval mode alone passed a sort done in train mode behind F.dropout; the fixed draws alone would pass a
     forward whose order comes from a draw outside torch (numpy), which eval mode may still show. The flags restored."""
-    with no_randomness() as mode:
-        found = reordered(model, rows, floor)
-    if found is not None and not mode.unfixed:
-        return found
+    for end in ENDS:  # each draw at its centre, then at its range's ends where the forward draws such values
+        with no_randomness(end) as mode:
+            found = reordered(model, rows, floor)
+        if found is not None and not mode.unfixed:
+            return found
+        if not mode.varied:
+            break
     flags = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
