@@ -61,7 +61,7 @@ def oracle_rule(method) -> str | None:
 @contextlib.contextmanager
 def untouched(method, model: torch.nn.Module, device: torch.device):
     """Whatever the check's passes change, put back: RNG, .grad, train/eval flags, Opacus's hooks on."""
-    state, modes = rng_state(device), {m: m.training for m in model.modules()}
+    state, modes = rng_state(device, host=True), {m: m.training for m in model.modules()}
     grads = {p: p.grad for p in model.parameters()}
     hooks = getattr(method, "hooks", None)  # the Opacus peer: its own hooks stay out of the check's forwards
     try:
@@ -99,7 +99,7 @@ def probe(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor):
         yp = torch.cat([yp, extra[1].to(y.device, y.dtype)])
         names = names + list(extra[2])
     pool = len(yp)
-    state = rng_state(x.device)
+    state = rng_state(x.device, host=True)
     with torch.no_grad(), method.autocast(xp):
         losses = loss_fn(model(xp), yp)  # (pool,) the rows as they are
     set_rng_state(state, x.device)
@@ -141,7 +141,7 @@ def with_twin(method, model, loss_fn, xs: torch.Tensor, ys: torch.Tensor, names:
     distinct = {}
     for j in other:  # each other label of the whole batch once, in batch order (review 13: the first 4 rows' labels
         distinct.setdefault(tuple(labels[j].reshape(-1).tolist()), j)  # were all masked for example 0: no twin)
-    state = rng_state(xs.device)
+    state = rng_state(xs.device, host=True)
     try:
         for j in list(distinct.values())[:TWIN_LABELS]:
             tx, ty = torch.cat([xs, xs[:1]]), torch.cat([ys, labels[j:j + 1]])
@@ -378,6 +378,13 @@ def padded_prefixes(n: int, sizes) -> list[int]:
     return sorted(m for m in counts if 2 <= m <= n and m < sizes[-1])
 
 
+# the rows the padded probe removes from a prefix of m rows: any removal changes the padding's count of copies (what
+# such a model reads); row 0 also changes which row is copied. Not every row: a prefix of the whole batch is B rows,
+# and removing each cost B^2 forwards (review 57: 528 s for the transformer at B = 256); the unpadded probe removes
+# every probed example
+PADDED_REMOVALS = lambda m: sorted({0, 1, m - 1})  # noqa: E731
+
+
 def check_padded_independence(method, model, loss_fn, x: torch.Tensor, y: torch.Tensor, name: str) -> None:
     """compile= pads each chunk to a bucket with copies of its first row (runner/methods/padding.py): the
     independence probe again through that padding, on prefixes padded with several numbers of copies, as the step
@@ -393,12 +400,12 @@ def check_padded_independence(method, model, loss_fn, x: torch.Tensor, y: torch.
 
     padded = PaddedRows(model, sizes)
     for m in padded_prefixes(len(y), sizes):
-        check_independence(padded, loss_fn, x[:m], y[:m], name)
+        check_independence(padded, loss_fn, x[:m], y[:m], name, PADDED_REMOVALS(m))
         if method.precision == "bf16" and x.device.type == "cpu":  # the step's forward runs under autocast: the
             # removal probed there too; on the CPU only, where rows of other batch shapes round alike (review 55; a
             # CUDA bf16 kernel's rows at another padded size differ by ~4e-3, beyond what the probe forgives)
             with method.autocast(x):
-                check_independence(padded, loss_fn, x[:m], y[:m], name)
+                check_independence(padded, loss_fn, x[:m], y[:m], name, PADDED_REMOVALS(m))
 
 
 def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -437,7 +444,7 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
             probes = probes if name in PER_LAYER else probes[:1]  # the rows' order matters to per-layer norms
             for px, py, index in probes:
                 quiet(hooks)
-                state = rng_state(x.device)
+                state = rng_state(x.device, host=True)
                 with method.autocast(px):
                     rows = per_example_grads(model, loss_fn, px, py) if rule else None
                 set_rng_state(state, x.device)  # the method's forward draws the oracle's dropout masks

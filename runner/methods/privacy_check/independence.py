@@ -29,7 +29,7 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.methods.rng import rng_state, set_rng_state
-from runner.methods.privacy_check.no_randomness import ENDS, no_randomness
+from runner.methods.privacy_check.no_randomness import ENDS, counted_draws, no_randomness
 from runner.methods.privacy_check.shapes import first_input
 
 ALONE = "method=nxbp or method=multiloss (each example runs alone)"
@@ -118,13 +118,14 @@ def refuse(where: str, how: str, method: str) -> None:
                      f"use {ALONE}, or make each example's loss depend on that example alone")
 
 
-def check_independence(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str) -> None:
+def check_independence(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str,
+                       removals: list[int] | None = None) -> None:
     modes = {m: m.training for m in model.modules()}
     try:
-        probe(model, loss_fn, x, y, method)
+        probe(model, loss_fn, x, y, method, removals=removals)
     except DprunError:
-        if not (below_float64(model) and within_rounding(model, loss_fn, x, y, method)
-                and confirmed_independent_in_float64(model, loss_fn, x, y, method)):
+        if not (below_float64(model) and within_rounding(model, loss_fn, x, y, method, removals)
+                and confirmed_independent_in_float64(model, loss_fn, x, y, method, removals)):
             raise
         log.info("privacy check: the probe's forwards of the same rows differed beyond 1e-7 (rounding of other "
                  "kernels for another batch size); a float64 copy on the CPU found no coupling")
@@ -133,7 +134,8 @@ def check_independence(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tens
             m.training = training
 
 
-def within_rounding(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str) -> bool:
+def within_rounding(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str,
+                    removals: list[int] | None = None) -> bool:
     """The same probe, on the model as it is, at ROUNDING: True if its rows moved by at most 1e-3 relative, what
     float32 kernels can round; coupling in the model's own dtype beyond that is refused there (a model whose coupling
     only its float32 path has, `if x.dtype == torch.float32: x = x - x.mean(0)`, cannot hide behind the float64 copy).
@@ -143,7 +145,8 @@ def within_rounding(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
     cleared by the float64 copy, 5.3 C). On CUDA the replaced probes keep ROUNDING and the float64 route: same-shape
     forwards there are not shown to be bitwise alike (atomics, per-call algorithm choice), not checked on a GPU."""
     try:
-        probe(model, loss_fn, x, y, method, ROUNDING, replaced_rtol=RTOL if x.device.type == "cpu" else ROUNDING)
+        probe(model, loss_fn, x, y, method, ROUNDING, replaced_rtol=RTOL if x.device.type == "cpu" else ROUNDING,
+              removals=removals)
     except DprunError:
         return False
     return True
@@ -155,14 +158,15 @@ def below_float64(model: nn.Module) -> bool:
                for t in [*model.parameters(), *model.buffers()])
 
 
-def confirmed_independent_in_float64(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str) -> bool:
+def confirmed_independent_in_float64(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str,
+                                     removals: list[int] | None = None) -> bool:
     """The probe again on a float64 CPU copy of the model and rows: True if it finds no coupling there (what the
     first probe showed was rounding); False if it does, or if the model or loss cannot run on the CPU in float64."""
     try:
         cpu = copy.deepcopy(model).to("cpu", torch.float64)
         xs = x.to("cpu", torch.float64) if x.is_floating_point() else x.cpu()
         ys = y.to("cpu", torch.float64) if y.is_floating_point() else y.cpu()
-        probe(cpu, loss_fn, xs, ys, method)
+        probe(cpu, loss_fn, xs, ys, method, removals=removals)
     except DprunError:
         return False
     except Exception:  # a CUDA-only module or loss: keep the refusal CUDA gave
@@ -190,57 +194,96 @@ def check_independence_autocast(model: nn.Module, loss_fn, x: torch.Tensor, y: t
 
 
 def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: str, rtol: float = RTOL,
-          replaced_rtol: float | None = None, removed: bool = True) -> None:
+          replaced_rtol: float | None = None, removed: bool = True, removals: list[int] | None = None) -> None:
     """Example 0 replaced (train mode, then eval mode; compared at replaced_rtol, default rtol), then (`removed`)
-    removed (eval mode, compared at rtol)."""
+    removed (eval mode, then train mode with every draw fixed; compared at rtol): every probed example in turn, or the
+    rows `removals` (the padded probe's prefixes of a whole batch: review 57, B^2 forwards)."""
     k = len(y)
     same = rtol if replaced_rtol is None else replaced_rtol  # the replaced probes: the same batch shape
     x2, y2 = replaced(x, x), replaced(y, y)
     for train in (True, False):
         model.train(train)
-        state = rng_state(x.device)
-        base, base_calls = calls(model, loss_fn, x, y)
-        set_rng_state(state, x.device)  # the same dropout masks for the same rows
-        other, other_calls = calls(model, loss_fn, x2, y2)
-        outputs = (base_calls[-1][3], other_calls[-1][3]) if base_calls else (None, None)
-        if rows_differ(base[1:], other[1:], same) or (torch.is_tensor(outputs[0]) and outputs[0].shape[:1] == (k,)
-                                                      and rows_differ(outputs[0][1:], outputs[1][1:], same)):
-            refuse(mixer(base_calls, other_calls, k, same), f"with the first probed example replaced "
-                   f"({'train' if train else 'eval'} mode)", method)
+        with counted_draws() as seen:
+            base, found = replaced_probe(model, loss_fn, x, y, x2, y2, same)
+        if found is not None and train and seen.draws:
+            # a random forward may differ by its draws alone: one that draws a value only for some entries (RReLU's
+            # CPU kernel, for its non-positive ones) shifts every later row's draws when row 0 changes (review 57:
+            # nn.RReLU refused). Compared again with every draw fixed, at the draws' centres and ends
+            for end in ENDS:
+                with no_randomness(end, forwards=2) as mode:
+                    _, fixed = replaced_probe(model, loss_fn, x, y, x2, y2, same)
+                if mode.unfixed:
+                    break  # the difference stands: a draw the check cannot fix
+                found = fixed
+                if fixed is not None or not mode.varied:
+                    break
+        if found is not None:
+            refuse(found, f"with the first probed example replaced ({'train' if train else 'eval'} mode)", method)
     if not removed:
         return
     # each probed example removed in turn (review 55: a batch trimmed to its longest text moved the others only when
     # that text left, and it was not the first), in eval mode, then in train mode with every random draw fixed
     # (no_randomness: review 53's model reading its batch's size in train mode only passed the eval-mode removal,
     # 5.34 C, and review 55's passed a train-mode one skipped for its F.dropout, 7.6 C)
+    rows = list(range(k)) if removals is None else [i for i in removals if 0 <= i < k]
     keep = lambda i: torch.cat([torch.arange(i), torch.arange(i + 1, k)])  # noqa: E731  (rows but i)
-    for i in range(k):
+    for i in rows:
         fewer, _ = calls(model, loss_fn, x[keep(i)], y[keep(i)])  # eval mode
         if rows_differ(base[keep(i)], fewer, rtol):
             refuse("", f"with probed example {i} removed", method)
     model.train(True)
     for end in ENDS:  # every draw at its centre; then at the ends of its range, where the forward draws such values
-        if not removed_in_train_mode(model, loss_fn, x, y, keep, rtol, method, end):
+        if not removed_in_train_mode(model, loss_fn, x, y, rows, keep, rtol, method, end):
             return
 
 
-def removed_in_train_mode(model: nn.Module, loss_fn, x, y, keep, rtol: float, method: str, end: str) -> bool:
-    """Each probed example removed in train mode with every random draw fixed (no_randomness(end)); refuses where the
-    other rows change. -> whether another end could show more: the forward drew values that move with `end` (a
-    branch on a draw, `if torch.rand(()) < 0.1: mix the batch`, is taken at one end only) and was deterministic."""
-    with no_randomness(end) as mode:
-        base, _ = calls(model, loss_fn, x, y)
-        again, _ = calls(model, loss_fn, x, y)
+def replaced_probe(model: nn.Module, loss_fn, x, y, x2, y2, rtol: float):
+    """Two forwards from the same random state (the same dropout masks, Python's and numpy's draws too), the second
+    with example 0 replaced -> (the first's losses, None if rows 1.. agree, else the module mixing them: '' for the
+    loss)."""
+    k = len(y)
+    state = rng_state(x.device, host=True)
+    base, base_calls = calls(model, loss_fn, x, y)
+    set_rng_state(state, x.device)
+    other, other_calls = calls(model, loss_fn, x2, y2)
+    outputs = (base_calls[-1][3], other_calls[-1][3]) if base_calls else (None, None)
+    if rows_differ(base[1:], other[1:], rtol) or (torch.is_tensor(outputs[0]) and outputs[0].shape[:1] == (k,)
+                                                  and rows_differ(outputs[0][1:], outputs[1][1:], rtol)):
+        return base, mixer(base_calls, other_calls, k, rtol)
+    return base, None
+
+
+def removed_in_train_mode(model: nn.Module, loss_fn, x, y, rows: list[int], keep, rtol: float, method: str,
+                          end: str) -> bool:
+    """Each of `rows` removed in train mode with every random draw fixed (no_randomness(end)) and Python's and numpy's
+    states replayed before each forward; refuses where the other rows change, or where two forwards of the same rows
+    differ (randomness the check can neither fix nor replay: review 57's Python coin skipped this probe, and a model
+    reading its batch's size behind it passed, 7.31 C). -> whether another end could show more: the forward drew
+    values that move with `end` (a branch on a draw, `if torch.rand(()) < 0.1: mix the batch`, is taken at one end
+    only)."""
+    state = rng_state(x.device, host=True)
+
+    def forward(xs, ys):
+        set_rng_state(state, x.device)
+        return calls(model, loss_fn, xs, ys)[0]
+
+    with no_randomness(end, forwards=len(rows) + 2) as mode:
+        base = forward(x, y)
+        again = forward(x, y)
         if mode.unfixed:  # a torch random operator the mode does not fix: refused, not skipped (review 56: torch.
             # poisson or cauchy_ noise hid a size-reading model, as F.dropout had before no_randomness)
             raise DprunError(f"the model's train-mode forward draws random values the privacy check cannot fix "
                              f"({', '.join(dict.fromkeys(mode.unfixed))}), so whether an example's loss depends on "
                              f"the other examples cannot be checked; use method=nxbp or method=multiloss (each "
                              f"example alone), or draw the randomness with dropout or torch.rand/randn")
-        if rows_differ(base, again, rtol):  # still different: randomness from outside torch (the replaced probes
-            return False  # see it) or a kernel's nondeterministic sums (CUDA atomics): not compared
-        for i in range(len(y)):
-            fewer, _ = calls(model, loss_fn, x[keep(i)], y[keep(i)])
+        if rows_differ(base, again, rtol):  # the float64 copy (check_independence) clears a GPU kernel's rounding
+            raise DprunError("the model's train-mode forward gives other values for the same rows with every torch "
+                             "draw fixed and torch's, Python's and numpy's random states replayed (randomness from "
+                             "elsewhere, or nondeterministic kernels), so whether an example's loss depends on the "
+                             "other examples cannot be checked; use method=nxbp or method=multiloss (each example "
+                             "alone), or draw the randomness with torch, Python's random or numpy's global generator")
+        for i in rows:
+            fewer = forward(x[keep(i)], y[keep(i)])
             if rows_differ(base[keep(i)], fewer, rtol):
                 at = "" if end == "centre" else f", every draw at its {end} end"
                 refuse("", f"with probed example {i} removed (train mode{at})", method)

@@ -95,7 +95,7 @@ def check_against_oracle(method, model: nn.Module, loss_fn, x: torch.Tensor, y: 
     names = {id(p): n for n, p in model.named_parameters()}
     for p in params:
         p.grad = None
-    state = rng_state(x.device)  # the caller's: the oracle's dropout masks
+    state = rng_state(x.device, host=True)  # the caller's: the oracle's dropout masks
     out = method.privatize(model, loss_fn, x, y)
     check_losses(out.losses, len(y))
     check_norms(out.norms, len(y), method.name)
@@ -169,7 +169,7 @@ def check_own_rows(method, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.
     k = len(y)
     if k < 2:
         return
-    state = rng_state(x.device)
+    state = rng_state(x.device, host=True)
     base = method.privatize(model, loss_fn, x, y).norms
     if base is None:
         return
@@ -240,7 +240,7 @@ def check_jl_same_forward(method, model: nn.Module, loss_fn, x: torch.Tensor, y:
     alone turns dropout off (or the model to eval mode), and a model keyed to that (a branch on its dropout module's
     flag, or functional dropout) reached a parameter through a plain list in training only, which forward mode's
     functional_call does not substitute: 26.1 C under jvp=forward (review 21; 42.7 C in eval mode, review 20)."""
-    state = rng_state(x.device)
+    state = rng_state(x.device, host=True)
     rows = per_example_grads(model, loss_fn, x, y)
     G = torch.stack([torch.cat([g.detach().double().flatten() for g in row]) for row in rows])  # (k, d)
     del rows

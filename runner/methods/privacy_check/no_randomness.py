@@ -54,8 +54,9 @@ def below(high: float, low: float, dtype: torch.dtype) -> float:
 class no_randomness(TorchDispatchMode):
     """Every aten random operator answered with a fixed value (see the module's docstring)."""
 
-    def __init__(self, end: str = "centre"):
+    def __init__(self, end: str = "centre", forwards: int = 1):
         super().__init__()
+        self.forwards = max(1, int(forwards))  # the forwards run under this mode: MAX_DRAWS is per forward
         if end not in ENDS:
             raise ValueError(f"no_randomness end={end!r}: one of {', '.join(ENDS)}")
         self.end = end  # centre, or the low / high end of the uniform, normal and integer draws (see ENDS)
@@ -71,9 +72,9 @@ class no_randomness(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return func(*args, **kwargs)
         self.draws += 1
-        if self.draws > MAX_DRAWS:
-            raise DprunError(f"the model's train-mode forward drew random values {MAX_DRAWS} times in one forward "
-                             f"under the privacy check's fixed draws (a loop that redraws until a value changes?), so "
+        if self.draws > MAX_DRAWS * self.forwards:
+            raise DprunError(f"the model's train-mode forward drew random values more than {MAX_DRAWS} times a "
+                             f"forward ({self.draws} in {self.forwards}) under the privacy check's fixed draws (a loop that redraws until a value changes?), so "
                              f"the check cannot compare it; make the loop bounded, or use method=nxbp or multiloss")
         names = [a.name for a in func._schema.arguments]
         arg = lambda name, default=None: (args[names.index(name)] if names.index(name) < len(args)  # noqa: E731
@@ -116,8 +117,15 @@ class no_randomness(TorchDispatchMode):
             return first.clone()  # Gamma(alpha, 1)'s mean
         if packet is aten._sample_dirichlet:
             return first / first.sum(-1, keepdim=True)
-        if packet is aten.rrelu_with_noise:
-            return F.leaky_relu(first, (float(arg("lower", 1 / 8)) + float(arg("upper", 1 / 3))) / 2)
+        if packet in (aten.rrelu_with_noise, aten.rrelu_with_noise_, aten.rrelu_with_noise_functional):
+            # every slope at the range's centre (nn.RReLU(inplace=True) calls the in-place form: review 57)
+            slope = (float(arg("lower", 1 / 8)) + float(arg("upper", 1 / 3))) / 2
+            out = F.leaky_relu(first, slope)
+            if packet is aten.rrelu_with_noise_:
+                return first.copy_(out)
+            if packet is aten.rrelu_with_noise_functional:
+                return out, torch.where(first >= 0, 1.0, slope).to(first.dtype)
+            return out
         if packet is aten.normal:
             out = func(*args, **kwargs)
             mean, std = arg("mean", 0.0), arg("std", 1.0)

@@ -41,6 +41,7 @@ from torch import nn
 from runner import fp32_mode
 from runner.errors import DprunError
 from runner.methods.privacy_check.modules import dropout_off
+from runner.methods.rng import rng_state, set_rng_state
 from runner.methods.privacy_check.no_randomness import ENDS, counted_draws, no_randomness, not_the_models
 from runner.methods.privacy_check.probe_rows import like_batch
 from runner.methods.privacy_check.shapes import BLACK_BOX, each_call_input
@@ -221,11 +222,13 @@ def shuffles(n: int) -> list[torch.Tensor]:
 
 def reordered(model: nn.Module, rows: torch.Tensor, rounding: float) -> tuple[str, nn.Module] | None:
     """The first covered call whose input rows, for the rows permuted, are not its input rows permuted; or None."""
-    drawn = call_sketches(model, rows)
+    state = rng_state(rows.device, host=True)  # each order's forward from the same random state: a coin per batch
+    drawn = call_sketches(model, rows)  # (torch's, Python's, numpy's) is the same coin in each (review 57)
     with not_the_models():  # the check's orders, not fixed by no_randomness
         orders = shuffles(len(rows))
     for order in orders:
         order = order.to(rows.device)
+        set_rng_state(state, rows.device)
         permuted = call_sketches(model, rows[order], drawn)
         if [(c.path, c.shape) for c in drawn] != [(c.path, c.shape) for c in permuted]:
             first = next((c for c, d in zip(drawn, permuted) if (c.path, c.shape) != (d.path, d.shape)),
@@ -295,7 +298,7 @@ def random_reordered(model: nn.Module, rows: torch.Tensor, floor: float) -> tupl
     eval mode. Eval mode alone passed a sort done in train mode behind F.dropout; the fixed draws alone would pass a
     forward whose order comes from a draw outside torch (numpy), which eval mode may still show. The flags restored."""
     for end in ENDS:  # each draw at its centre, then at its range's ends where the forward draws such values
-        with no_randomness(end) as mode:
+        with no_randomness(end, forwards=4) as mode:  # the drawn order's forward and three shuffles'
             found = reordered(model, rows, floor)
         if found is not None and not mode.unfixed:
             return found
