@@ -29,7 +29,7 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.methods.rng import rng_state, set_rng_state
-from runner.methods.privacy_check.no_randomness import ENDS, counted_draws, no_randomness
+from runner.methods.privacy_check.no_randomness import PROFILES, no_randomness
 from runner.methods.privacy_check.shapes import first_input
 
 ALONE = "method=nxbp or method=multiloss (each example runs alone)"
@@ -203,15 +203,15 @@ def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: s
     x2, y2 = replaced(x, x), replaced(y, y)
     for train in (True, False):
         model.train(train)
-        with counted_draws() as seen:
-            base, found = replaced_probe(model, loss_fn, x, y, x2, y2, same)
-        if found is not None and train and seen.draws:
-            # a random forward may differ by its draws alone: one that draws a value only for some entries (RReLU's
-            # CPU kernel, for its non-positive ones) shifts every later row's draws when row 0 changes (review 57:
-            # nn.RReLU refused). Compared again with every draw fixed, at the draws' centres and ends
-            for end in ENDS:
+        base, found, same_draws = replaced_probe(model, loss_fn, x, y, x2, y2, same)
+        if found is not None and train and not same_draws:
+            # the two forwards consumed torch's generator differently: one that draws a value only for some entries
+            # (RReLU's CPU kernel, for its non-positive ones) shifts every later row's draws when row 0 changes
+            # (review 57: nn.RReLU refused). Compared again with every draw fixed. Not where both drew alike: the
+            # rows then differ by the data (review 58: a mix taken on this draw was cleared by the fixed draws)
+            for end in PROFILES:
                 with no_randomness(end, forwards=2) as mode:
-                    _, fixed = replaced_probe(model, loss_fn, x, y, x2, y2, same)
+                    _, fixed, _ = replaced_probe(model, loss_fn, x, y, x2, y2, same)
                 if mode.unfixed:
                     break  # the difference stands: a draw the check cannot fix
                 found = fixed
@@ -232,7 +232,8 @@ def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: s
         if rows_differ(base[keep(i)], fewer, rtol):
             refuse("", f"with probed example {i} removed", method)
     model.train(True)
-    for end in ENDS:  # every draw at its centre; then at the ends of its range, where the forward draws such values
+    for end in PROFILES:  # every draw at its centre; then its range's ends and deciles where the forward draws such
+        # values (a branch on a draw is taken at one of them)
         if not removed_in_train_mode(model, loss_fn, x, y, rows, keep, rtol, method, end):
             return
 
@@ -240,17 +241,20 @@ def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: s
 def replaced_probe(model: nn.Module, loss_fn, x, y, x2, y2, rtol: float):
     """Two forwards from the same random state (the same dropout masks, Python's and numpy's draws too), the second
     with example 0 replaced -> (the first's losses, None if rows 1.. agree, else the module mixing them: '' for the
-    loss)."""
+    loss; whether both forwards left torch's generators in the same state, i.e. drew alike)."""
     k = len(y)
     state = rng_state(x.device, host=True)
     base, base_calls = calls(model, loss_fn, x, y)
+    after = rng_state(x.device)
     set_rng_state(state, x.device)
     other, other_calls = calls(model, loss_fn, x2, y2)
+    again = rng_state(x.device)
+    same_draws = torch.equal(after[0], again[0]) and (after[1] is None or torch.equal(after[1], again[1]))
     outputs = (base_calls[-1][3], other_calls[-1][3]) if base_calls else (None, None)
     if rows_differ(base[1:], other[1:], rtol) or (torch.is_tensor(outputs[0]) and outputs[0].shape[:1] == (k,)
                                                   and rows_differ(outputs[0][1:], outputs[1][1:], rtol)):
-        return base, mixer(base_calls, other_calls, k, rtol)
-    return base, None
+        return base, mixer(base_calls, other_calls, k, rtol), same_draws
+    return base, None, same_draws
 
 
 def removed_in_train_mode(model: nn.Module, loss_fn, x, y, rows: list[int], keep, rtol: float, method: str,
@@ -285,6 +289,7 @@ def removed_in_train_mode(model: nn.Module, loss_fn, x, y, rows: list[int], keep
         for i in rows:
             fewer = forward(x[keep(i)], y[keep(i)])
             if rows_differ(base[keep(i)], fewer, rtol):
-                at = "" if end == "centre" else f", every draw at its {end} end"
+                at = "" if end == "centre" else f", every draw at its {end}" + (" end" if end in ("low", "high")
+                                                                                  else " quantile")
                 refuse("", f"with probed example {i} removed (train mode{at})", method)
         return mode.varied > 0

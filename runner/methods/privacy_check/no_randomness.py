@@ -4,6 +4,9 @@ compared row by row in train mode.
     with no_randomness() as mode:
         out = model(x)     # dropout keeps every unit (scaled by 1 / (1 - p)), randn gives 0, rand 0.5, ...
     mode.unfixed           # the random operators it could not fix (the caller refuses: review 56)
+    mode.varied            # draws whose value another profile moves (0: the other profiles show nothing more)
+    with no_randomness(0.35):   # every draw with a range at its 0.35 quantile (PROFILES: centre, low, high, deciles)
+        out = model(x)          # Python's random and numpy's global functions too (host_draws.py)
     with counted_draws() as seen:
         out = model(x)     # every draw as drawn
     seen.draws             # how many random operators ran (0: the forward drew nothing torch draws)
@@ -24,48 +27,105 @@ MAX_DRAWS draws with a DprunError rather than left to loop.
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from runner.errors import DprunError
+from runner.methods.privacy_check.host_draws import HostDraws
 
 aten = torch.ops.aten
 MAX_DRAWS = 10_000  # random operators per forward before it is taken for a loop that a fixed draw never leaves
 
 
-# no_randomness(end=...): "centre" answers each draw with its centre; "low" and "high" move the uniform, normal and
-# integer draws to the ends of their ranges (uniform: from / just below to; normal: mean -+ SPREAD std; randint:
-# low / high - 1), so a branch on a draw (`if torch.rand(()) < 0.1: mix the batch`) is taken under one of them: at
-# the centre alone such a branch was never taken, and a model mixing its batch on 10% of its steps passed (stop 65)
+# no_randomness(end=...): "centre" answers each draw with its centre; the other profiles move every draw that has a
+# range to one quantile of it (uniform from + q (to - from), normal mean + z_q std, randint low + floor(q n), a
+# Bernoulli coin 1 where p > 1 - q, a category by its cumulative probability, ...): "low" and "high" its ends (the
+# unbounded ones at z = -+2), then the deciles' midpoints 0.05 ... 0.95. A branch on a draw (`if torch.rand(()) <
+# 0.1: mix the batch`, `0.3 < torch.rand(()) < 0.4`, `torch.randint(0, 10, ()) == 3`, a multinomial's rare
+# category) is then taken under one of them: at the centre alone it was never taken, and a model mixing its batch
+# on 10% of its steps passed (stop 65, review 58). Python's `random` and numpy's global functions are fixed alike
+# (host_draws.py). The removal probe runs every profile where the forward draws such values (PROFILES); the
+# row-order check, on the whole batch, the three ENDS.
 ENDS = ("centre", "low", "high")
-SPREAD = 2.0  # standard deviations from the mean at the normal draws' ends
+DECILES = tuple(round(0.05 + 0.1 * i, 2) for i in range(10))
+PROFILES = ENDS + DECILES
+SPREAD = 2.0  # standard deviations from the mean at the unbounded draws' ends
+TAIL = NormalDist().cdf(-SPREAD)  # the quantile there (0.0228)
+# the operators whose value moves with the profile (a forward with none needs no other profile); bernoulli_ (the CPU's
+# dropout) and native_dropout keep every unit at every profile, randperm is the reversal, Gamma and Dirichlet their means
 VARIED = (aten.random_, aten.normal_, aten.uniform_, aten.normal, aten.randn, aten.randn_like, aten.rand,
-          aten.rand_like, aten.randint, aten.randint_like)
+          aten.rand_like, aten.randint, aten.randint_like, aten.exponential_, aten.cauchy_, aten.log_normal_,
+          aten.geometric_, aten.poisson, aten.binomial, aten.bernoulli, aten.multinomial, aten.rrelu_with_noise,
+          aten.rrelu_with_noise_, aten.rrelu_with_noise_functional)
 
 
 def below(high: float, low: float, dtype: torch.dtype) -> float:
     """The largest value of `dtype` below `high` (towards `low`): a uniform draw's high end, which excludes `high`."""
-    dtype = dtype if dtype.is_floating_point else torch.float32
+    dtype = torch.float64 if dtype is None else dtype if dtype.is_floating_point else torch.float32
     return float(torch.nextafter(torch.tensor(high, dtype=dtype), torch.tensor(low, dtype=dtype)))
+
+
+class Profile:
+    """One profile's values: `q` the quantile of a bounded range (0 and 1 at the ends), `z` a standard normal's
+    (-+SPREAD at the ends), `tail` the quantile an unbounded draw takes (TAIL and 1 - TAIL at the ends); None at the
+    centre, where each draw keeps its own centre."""
+
+    def __init__(self, end):
+        if end not in PROFILES:
+            raise ValueError(f"no_randomness end={end!r}: one of {', '.join(map(str, PROFILES))}")
+        self.end = end
+        self.q = {"centre": None, "low": 0.0, "high": 1.0}.get(end, end) if isinstance(end, str) else float(end)
+        self.tail = None if self.q is None else min(max(self.q, TAIL), 1 - TAIL)
+        self.z = None if self.q is None else NormalDist().inv_cdf(self.tail)
+
+    def uniform(self, low: float, high: float, dtype=torch.float32) -> float:
+        if self.q is None:
+            return (low + high) / 2
+        return min(low + self.q * (high - low), below(high, low, dtype))
+
+    def index(self, n: int) -> int:
+        """An integer in [0, n): 0 at the centre (the low end, as randint's centre has been)."""
+        return 0 if self.q is None or n <= 1 else min(int(self.q * n), n - 1)
+
+
+def categories(probs: torch.Tensor, q: float) -> torch.Tensor:
+    """(..., 1) the category at cumulative probability q of each row of probs (..., n) (q = 0: the first with
+    probability; q = 1: the last)."""
+    cum = probs.cumsum(-1) / probs.sum(-1, keepdim=True)
+    at = torch.clamp(torch.tensor(q, dtype=cum.dtype, device=cum.device), min=1e-12, max=1.0)
+    index = (cum < at).sum(-1, keepdim=True)
+    return index.clamp(max=probs.shape[-1] - 1)
 
 
 class no_randomness(TorchDispatchMode):
     """Every aten random operator answered with a fixed value (see the module's docstring)."""
 
-    def __init__(self, end: str = "centre", forwards: int = 1):
+    def __init__(self, end="centre", forwards: int = 1):
         super().__init__()
         self.forwards = max(1, int(forwards))  # the forwards run under this mode: MAX_DRAWS is per forward
-        if end not in ENDS:
-            raise ValueError(f"no_randomness end={end!r}: one of {', '.join(ENDS)}")
-        self.end = end  # centre, or the low / high end of the uniform, normal and integer draws (see ENDS)
+        self.profile = Profile(end)
+        self.end = end
         self.unfixed: list[str] = []
         self.draws = 0
-        self.varied = 0  # draws whose value moves with `end` (a forward with none needs no other end)
+        self.varied = 0  # draws whose value moves with the profile (a forward with none needs no other profile)
+        self.host = HostDraws(self.profile, self)
 
-    def at_end(self, low: float, centre: float, high: float) -> float:
-        return {"low": low, "centre": centre, "high": high}[self.end]
+    def __enter__(self):
+        self.host.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self.host.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.host.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -87,39 +147,49 @@ class no_randomness(TorchDispatchMode):
                 torch.ones_like(first, dtype=torch.bool)
         if packet is aten.bernoulli_:
             return first.fill_(1)
-        if packet is aten.bernoulli:
-            return torch.ones_like(first)
         if packet in VARIED:
             self.varied += 1
+        pr = self.profile
+        if packet is aten.bernoulli:  # a coin: 1 where p > 1 - q (every unit kept at the centre)
+            given = arg("p") if "p" in names else None
+            p = first if given is None else given if torch.is_tensor(given) else torch.full_like(first, float(given))
+            value = torch.ones_like(first) if pr.q is None else (p > 1 - pr.q).to(first.dtype)
+            return kwargs["out"].copy_(value) if kwargs.get("out") is not None else value
         if packet is aten.random_:
             low = int(arg("from", 0)) if "from" in names else 0
             to = arg("to") if "to" in names else None
-            return first.fill_(low if self.end != "high" or to is None else int(to) - 1)
+            return first.fill_(low if to is None else low + pr.index(int(to) - low))
         if packet is aten.normal_:
             mean, std = float(arg("mean", 0.0)), float(arg("std", 1.0))
-            return first.fill_(self.at_end(mean - SPREAD * std, mean, mean + SPREAD * std))
+            return first.fill_(mean if pr.z is None else mean + pr.z * std)
         if packet is aten.uniform_:
-            low, high = float(arg("from", 0.0)), float(arg("to", 1.0))
-            return first.fill_(self.at_end(low, (low + high) / 2, below(high, low, first.dtype)))
+            return first.fill_(pr.uniform(float(arg("from", 0.0)), float(arg("to", 1.0)), first.dtype))
         if packet is aten.exponential_:
-            return first.fill_(1.0 / float(arg("lambd", 1.0)))
+            lambd = float(arg("lambd", 1.0))
+            return first.fill_(1.0 / lambd if pr.q is None else -math.log1p(-pr.tail) / lambd)
         if packet is aten.cauchy_:
-            return first.fill_(float(arg("median", 0.0)))
+            median, sigma = float(arg("median", 0.0)), float(arg("sigma", 1.0))
+            return first.fill_(median if pr.q is None else median + sigma * math.tan(math.pi * (pr.tail - 0.5)))
         if packet is aten.log_normal_:
-            return first.fill_(math.exp(float(arg("mean", 1.0))))
+            mean, std = float(arg("mean", 1.0)), float(arg("std", 2.0))
+            return first.fill_(math.exp(mean if pr.z is None else mean + pr.z * std))
         if packet is aten.geometric_:
-            return first.fill_(1.0)
-        if packet is aten.poisson:
-            return first.clone()  # its rate
+            p = float(arg("p", 0.5))
+            return first.fill_(1.0 if pr.q is None or p >= 1 else max(1, math.ceil(math.log1p(-pr.tail) / math.log1p(-p))))
+        if packet is aten.poisson:  # its rate; elsewhere rate + z sqrt(rate), rounded
+            return first.clone() if pr.z is None else (first + first.sqrt() * pr.z).round().clamp_min(0)
         if packet is aten.binomial:
-            return first * arg("prob")
+            count, prob = first, arg("prob")
+            if pr.z is None:
+                return count * prob
+            return (count * prob + (count * prob * (1 - prob)).sqrt() * pr.z).round().clamp(min=0).minimum(count)
         if packet is aten._standard_gamma:
             return first.clone()  # Gamma(alpha, 1)'s mean
         if packet is aten._sample_dirichlet:
             return first / first.sum(-1, keepdim=True)
         if packet in (aten.rrelu_with_noise, aten.rrelu_with_noise_, aten.rrelu_with_noise_functional):
-            # every slope at the range's centre (nn.RReLU(inplace=True) calls the in-place form: review 57)
-            slope = (float(arg("lower", 1 / 8)) + float(arg("upper", 1 / 3))) / 2
+            # every slope at one point of its range (nn.RReLU(inplace=True) calls the in-place form: review 57)
+            slope = pr.uniform(float(arg("lower", 1 / 8)), float(arg("upper", 1 / 3)))
             out = F.leaky_relu(first, slope)
             if packet is aten.rrelu_with_noise_:
                 return first.copy_(out)
@@ -130,23 +200,22 @@ class no_randomness(TorchDispatchMode):
             out = func(*args, **kwargs)
             mean, std = arg("mean", 0.0), arg("std", 1.0)
             out = out.zero_().add_(mean if torch.is_tensor(mean) else float(mean))
-            step = self.at_end(-SPREAD, 0.0, SPREAD)
-            return out.add_(std * step if torch.is_tensor(std) else float(std) * step) if step else out
+            return out if not pr.z else out.add_(std * pr.z if torch.is_tensor(std) else float(std) * pr.z)
         if packet in (aten.randn, aten.randn_like):
-            return func(*args, **kwargs).fill_(self.at_end(-SPREAD, 0.0, SPREAD))
+            return func(*args, **kwargs).fill_(pr.z or 0.0)
         if packet in (aten.rand, aten.rand_like):
             out = func(*args, **kwargs)
-            return out.fill_(self.at_end(0.0, 0.5, below(1.0, 0.0, out.dtype)))
+            return out.fill_(pr.uniform(0.0, 1.0, out.dtype))
         if packet in (aten.randint, aten.randint_like):
             out = func(*args, **kwargs)
             low = int(arg("low", 0)) if "low" in names else 0
-            return out.fill_(int(arg("high")) - 1 if self.end == "high" else low)
+            return out.fill_(low + pr.index(int(arg("high")) - low))
         if packet is aten.randperm:  # the reversal, not the identity: a row mix by a drawn order stays a mix
             out = func(*args, **kwargs)
             return out.copy_(torch.arange(out.numel() - 1, -1, -1, dtype=out.dtype, device=out.device))
-        if packet is aten.multinomial:
+        if packet is aten.multinomial:  # the likeliest category at the centre, else the one at cumulative q
             probs = first
-            rows = probs.argmax(-1, keepdim=True)  # the likeliest category, every draw
+            rows = probs.argmax(-1, keepdim=True) if pr.q is None else categories(probs, pr.q)
             return rows.expand(*probs.shape[:-1], int(arg("num_samples", 1))).contiguous()
         if "dropout_p" in names:  # fused attention (flash, memory-efficient, cuDNN): no dropout
             at = names.index("dropout_p")
