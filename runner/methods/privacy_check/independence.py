@@ -29,7 +29,7 @@ from torch import nn
 
 from runner.errors import DprunError
 from runner.methods.rng import rng_state, set_rng_state
-from runner.methods.privacy_check.no_randomness import PROFILES, no_randomness
+from runner.methods.privacy_check.no_randomness import PROFILES, counted_draws, no_randomness
 from runner.methods.privacy_check.shapes import first_input
 
 ALONE = "method=nxbp or method=multiloss (each example runs alone)"
@@ -204,7 +204,7 @@ def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: s
     for train in (True, False):
         model.train(train)
         base, found, same_draws = replaced_probe(model, loss_fn, x, y, x2, y2, same)
-        if found is not None and train and not same_draws:
+        if found is not None and not same_draws:  # (eval mode too: F.rrelu(training=True), review 59)
             # the two forwards consumed torch's generator differently: one that draws a value only for some entries
             # (RReLU's CPU kernel, for its non-positive ones) shifts every later row's draws when row 0 changes
             # (review 57: nn.RReLU refused). Compared again with every draw fixed. Not where both drew alike: the
@@ -229,13 +229,27 @@ def probe(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, method: s
     keep = lambda i: torch.cat([torch.arange(i), torch.arange(i + 1, k)])  # noqa: E731  (rows but i)
     for i in rows:
         fewer, _ = calls(model, loss_fn, x[keep(i)], y[keep(i)])  # eval mode
-        if rows_differ(base[keep(i)], fewer, rtol):
+        if rows_differ(base[keep(i)], fewer, rtol) and not drawn_alike(model, loss_fn, x, y, keep(i), rtol):
             refuse("", f"with probed example {i} removed", method)
     model.train(True)
     for end in PROFILES:  # every draw at its centre; then its range's ends and deciles where the forward draws such
         # values (a branch on a draw is taken at one of them)
         if not removed_in_train_mode(model, loss_fn, x, y, rows, keep, rtol, method, end):
             return
+
+
+def drawn_alike(model: nn.Module, loss_fn, x, y, rows: torch.Tensor, rtol: float) -> bool:
+    """An eval-mode forward that draws random values (F.rrelu(training=True), noise outside `self.training`: review
+    59) removed a row and changed the others: do they agree with every draw fixed (no_randomness at its centre)? Then
+    the draws made the difference, not the data."""
+    with counted_draws() as seen:
+        calls(model, loss_fn, x[rows], y[rows])
+    if not seen.draws:
+        return False
+    with no_randomness(forwards=2) as mode:
+        base = calls(model, loss_fn, x, y)[0]
+        fewer = calls(model, loss_fn, x[rows], y[rows])[0]
+    return not mode.unfixed and not rows_differ(base[rows], fewer, rtol)
 
 
 def replaced_probe(model: nn.Module, loss_fn, x, y, x2, y2, rtol: float):

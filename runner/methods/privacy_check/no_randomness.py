@@ -108,10 +108,26 @@ class no_randomness(TorchDispatchMode):
         self.forwards = max(1, int(forwards))  # the forwards run under this mode: MAX_DRAWS is per forward
         self.profile = Profile(end)
         self.end = end
-        self.unfixed: list[str] = []
+        self._unfixed: list[str] = []
         self.draws = 0
         self.varied = 0  # draws whose value moves with the profile (a forward with none needs no other profile)
         self.host = HostDraws(self.profile, self)
+
+    @property
+    def unfixed(self) -> list[str]:
+        """The random operators it could not fix: torch's, and Python's or numpy's global generator where a function
+        host_draws.py does not patch drew from it (review 59: np.random.binomial, ranf, mtrand.rand)."""
+        return self._unfixed + self.host.advanced()
+
+    def count_draw(self) -> None:
+        """One more draw: a forward that keeps drawing (rejection sampling, which a fixed value never leaves) is
+        stopped with one line rather than left to loop (torch's draws and Python's or numpy's alike: review 59)."""
+        self.draws += 1
+        if self.draws > MAX_DRAWS * self.forwards:
+            raise DprunError(f"the model's train-mode forward drew random values more than {MAX_DRAWS} times a "
+                             f"forward ({self.draws} in {self.forwards}) under the privacy check's fixed draws (a "
+                             f"loop that redraws until a value changes?), so the check cannot compare it; make the "
+                             f"loop bounded, or use method=nxbp or multiloss")
 
     def __enter__(self):
         self.host.__enter__()
@@ -121,21 +137,24 @@ class no_randomness(TorchDispatchMode):
             self.host.__exit__(None, None, None)
             raise
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, value, trace):
         try:
-            return super().__exit__(*exc)
+            super().__exit__(kind, value, trace)
         finally:
-            self.host.__exit__(*exc)
+            self.host.__exit__(kind, value, trace)
+        if kind is not None and issubclass(kind, Exception) and not issubclass(kind, DprunError):
+            # a forward that fails on a fixed value (a division by a draw at its range's end): one line, not a trace
+            raise DprunError(f"the model's train-mode forward failed under the privacy check's fixed random draws "
+                             f"(every draw at its {self.end}{' quantile' if isinstance(self.end, float) else ''}): "
+                             f"{kind.__name__}: {str(value).splitlines()[0] if str(value) else ''}; make it accept "
+                             f"any value its draws can take, or use method=nxbp or method=multiloss") from value
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return func(*args, **kwargs)
-        self.draws += 1
-        if self.draws > MAX_DRAWS * self.forwards:
-            raise DprunError(f"the model's train-mode forward drew random values more than {MAX_DRAWS} times a "
-                             f"forward ({self.draws} in {self.forwards}) under the privacy check's fixed draws (a loop that redraws until a value changes?), so "
-                             f"the check cannot compare it; make the loop bounded, or use method=nxbp or multiloss")
+        self.count_draw()
         names = [a.name for a in func._schema.arguments]
         arg = lambda name, default=None: (args[names.index(name)] if names.index(name) < len(args)  # noqa: E731
                                           else kwargs.get(name, default)) if name in names else default
@@ -224,7 +243,7 @@ class no_randomness(TorchDispatchMode):
             else:
                 kwargs = {**kwargs, "dropout_p": 0.0}
             return func(*args, **kwargs)
-        self.unfixed.append(str(packet).removeprefix("aten."))
+        self._unfixed.append(str(packet).removeprefix("aten."))
         return func(*args, **kwargs)
 
 
