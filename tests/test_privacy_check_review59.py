@@ -20,7 +20,7 @@ from torch import nn
 from runner.errors import DprunError
 from runner.methods.privacy_check.no_randomness import no_randomness
 from tests.test_independence_review55 import first_step, images
-from tests.test_privacy_check_review58 import seeded
+from tests.test_privacy_check_review58 import Mix, seeded
 
 UNPATCHED = {
     "binomial": lambda: np.random.binomial(1, 0.1) == 1,
@@ -28,18 +28,6 @@ UNPATCHED = {
     "ranf": lambda: np.random.ranf() < 0.1 if hasattr(np.random, "ranf") else np.random.sample() < 0.1,
     "mtrand_rand": lambda: np.random.mtrand.rand() < 0.1,
 }
-
-
-class Mix(nn.Module):
-    def __init__(self, coin):
-        super().__init__()
-        self.coin, self.a, self.b = coin, nn.Linear(64, 16), nn.Linear(16, 10)
-
-    def forward(self, x):
-        x = x.flatten(1)
-        if self.training and self.coin():
-            x = 0.5 * x + 0.5 * x.flip(0)
-        return self.b(torch.tanh(self.a(x)))
 
 
 @pytest.mark.parametrize("draw", sorted(UNPATCHED))
