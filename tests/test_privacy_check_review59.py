@@ -1,4 +1,4 @@
-"""Review 59 (stop 65): Python's and numpy's draws under the check's fixed values.
+"""Reviews 59 and 60 (stop 65): Python's and numpy's draws under the check's fixed values.
 
 Before: a mix behind numpy draws host_draws.py did not patch (np.random.binomial, poisson, ranf, mtrand.rand) passed
 on 8 of 10 seeds; a rejection loop on Python's or numpy's draws (and Python's own normalvariate, gammavariate, ...)
@@ -37,6 +37,26 @@ def test_a_mix_behind_a_numpy_draw_the_check_does_not_fix_is_refused(draw):
         seeded(seed)
         with pytest.raises(DprunError, match="depend on the other examples|cannot fix"):
             first_step(Mix(UNPATCHED[draw]), x, y)
+
+
+# review 60: Python's integer draws through getrandbits below 2^(k-1) only, numpy's permutations the reversal always:
+# a mix behind these passed on 3-7 of 10 seeds
+INTEGER_COINS = {
+    "choice": lambda: random.choice(["keep", "flip", "mix"]) == "mix",
+    "randrange": lambda: random.randrange(3) == 2,
+    "randint": lambda: random.randint(0, 99) >= 64,
+    "getrandbits": lambda: random.getrandbits(1) == 1,
+    "permutation": lambda: np.random.permutation(4)[0] == 0,
+}
+
+
+@pytest.mark.parametrize("draw", sorted(INTEGER_COINS))
+def test_a_mix_behind_a_python_or_numpy_integer_draw_is_refused(draw):
+    x, y = images(16)
+    for seed in range(4):
+        seeded(seed)
+        with pytest.raises(DprunError, match="depend on the other examples"):
+            first_step(Mix(INTEGER_COINS[draw]), x, y)
 
 
 SOUND = {

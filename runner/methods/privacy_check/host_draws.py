@@ -47,7 +47,10 @@ class HostDraws:
         self.before, self.after = host_states(), None
         inst = random._inst
         self._set(inst, "random", self._unit)
-        self._set(inst, "getrandbits", lambda k: self.profile.index(1 << max(k - 1, 0)))  # < 2^(k-1) <= n: accepted
+        self._set(inst, "getrandbits", lambda k: self.profile.index(1 << k))
+        # randrange, randint, choice, sample and shuffle draw through _randbelow(n): answered over all of [0, n), not
+        # through getrandbits below 2^(k-1) (review 60: randrange(3) never gave 2, randint(0, 99) never passed 63)
+        self._set(inst, "_randbelow", lambda n: self.profile.index(n))
         for name in PYTHON_SAMPLERS:
             self._set(inst, name, getattr(self, "py_" + name))
             self._set(random, name, getattr(inst, name))
@@ -179,16 +182,31 @@ class HostDraws:
         index = np.full(count, at) if replace else (at + np.arange(count)) % len(pool)
         return pool[index].reshape(size)
 
+    def _order(self, n: int) -> np.ndarray:
+        """A permutation of n: the reversal (a row mix by a drawn order stays a mix), rolled by the profile's index
+        so that each position takes other rows across the profiles (review 60: `permutation(4)[0] == 0` never held)."""
+        return np.roll(np.arange(n)[::-1], self.profile.index(n))
+
     def np_permutation(self, x):
-        return np.arange(x)[::-1].copy() if np.ndim(x) == 0 else np.asarray(x)[::-1].copy()
+        if np.ndim(x) == 0:
+            return self._order(int(x))
+        x = np.asarray(x)
+        return x[self._order(len(x))]
 
     def np_shuffle(self, x):
+        order = self._order(len(x))
         if isinstance(x, np.ndarray):
-            x[:] = x[::-1].copy()
+            x[:] = x[order]
         elif hasattr(x, "flip"):  # a torch tensor
-            x.copy_(x.flip(0))
+            x.copy_(x[torch_index(order)])
         else:
-            x[:] = x[::-1]
+            x[:] = [x[i] for i in order]
+
+
+def torch_index(order: np.ndarray):
+    import torch
+
+    return torch.as_tensor(order.copy())
 
 
 def host_states():

@@ -174,10 +174,14 @@ class no_randomness(TorchDispatchMode):
             p = first if given is None else given if torch.is_tensor(given) else torch.full_like(first, float(given))
             value = torch.ones_like(first) if pr.q is None else (p > 1 - pr.q).to(first.dtype)
             return kwargs["out"].copy_(value) if kwargs.get("out") is not None else value
-        if packet is aten.random_:
+        if packet is aten.random_:  # without bounds: [0, 2^mantissa] (floats) or [0, max] (integers)
             low = int(arg("from", 0)) if "from" in names else 0
             to = arg("to") if "to" in names else None
-            return first.fill_(low if to is None else low + pr.index(int(to) - low))
+            if to is None:
+                bits = torch.finfo(first.dtype).nmant + 1 if first.is_floating_point() else \
+                    (torch.iinfo(first.dtype).bits - 1 if first.dtype != torch.bool else 1)
+                return first.fill_(low + pr.index(2 ** bits))
+            return first.fill_(low + pr.index(int(to) - low))
         if packet is aten.normal_:
             mean, std = float(arg("mean", 0.0)), float(arg("std", 1.0))
             return first.fill_(mean if pr.z is None else mean + pr.z * std)
