@@ -20,10 +20,11 @@ run would have taken without the check (tests/test_privacy_validator.py).
 """
 from __future__ import annotations
 
-import types
-
 import contextlib
+import logging
 import os
+import time
+import types
 
 import torch
 
@@ -44,6 +45,8 @@ TWIN_LABELS = 16  # labels of the batch tried for the probe's twin (with_twin), 
 MOST_EXTREME = 12  # more of them where more rows hold a key's extreme (probe_rows.py)
 ALONE = ("nxbp", "multiloss")  # each example's forward runs alone: no coupling, no batch dimension to get wrong
 PER_LAYER = ("reweight", "opacus")  # norms from each module's recorded calls
+
+log = logging.getLogger("dprun")
 
 
 def oracle_rule(method) -> str | None:
@@ -415,6 +418,7 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
     name = method.name
     before = snapshot(model)
     k = 0
+    started = time.perf_counter()
     try:
         with untouched(method, model, x.device) as hooks:
             quiet(hooks)
@@ -459,5 +463,8 @@ def check_first_step(method, model: torch.nn.Module, loss_fn, x: torch.Tensor, y
             check_unwritten(model, before, name)
     finally:
         restore(before)
+    # its own cost, once per run (review 60: ~125 s for the Transformer at B = 256 under load, unrecorded before)
+    log.info("privacy check (first step, %d probe rows of a batch of %d): %.1f s", k, len(y),
+             time.perf_counter() - started)
     if k >= 2:  # a batch of one cannot show coupling: the next batch is checked too
         method._privacy_checked = key
