@@ -133,3 +133,13 @@ def test_rrelu_drawn_in_eval_mode_too_is_accepted():
     x, y = images(16)
     seeded(0)
     first_step(Wide(), x, y)
+
+
+def test_the_check_logs_its_own_duration(caplog):
+    """Review 60: the check's cost (~125 s for the Transformer at B = 256 under load) was recorded nowhere."""
+    x, y = images(8)
+    seeded(0)
+    with caplog.at_level("INFO", logger="dprun"):
+        first_step(Scaled(lambda: 1.0), x, y)
+    assert any(r.getMessage().startswith("privacy check (first step, ") and r.getMessage().endswith(" s")
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
