@@ -143,3 +143,10 @@ def test_the_check_logs_its_own_duration(caplog):
         first_step(Scaled(lambda: 1.0), x, y)
     assert any(r.getMessage().startswith("privacy check (first step, ") and r.getMessage().endswith(" s")
                for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_running_out_of_memory_under_fixed_draws_is_not_called_the_draws_fault():
+    with pytest.raises(torch.OutOfMemoryError), no_randomness():
+        raise torch.OutOfMemoryError("out of memory")
+    with pytest.raises(DprunError, match="failed under the privacy check's fixed random draws"), no_randomness():
+        raise ZeroDivisionError("float division by zero")

@@ -142,7 +142,8 @@ class no_randomness(TorchDispatchMode):
             super().__exit__(kind, value, trace)
         finally:
             self.host.__exit__(kind, value, trace)
-        if kind is not None and issubclass(kind, Exception) and not issubclass(kind, DprunError):
+        if kind is not None and issubclass(kind, Exception) and not issubclass(
+                kind, (DprunError, MemoryError, torch.OutOfMemoryError)):  # out of memory: not the draws' doing
             # a forward that fails on a fixed value (a division by a draw at its range's end): one line, not a trace
             raise DprunError(f"the model's train-mode forward failed under the privacy check's fixed random draws "
                              f"(every draw at its {self.end}{' quantile' if isinstance(self.end, float) else ''}): "
