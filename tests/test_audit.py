@@ -255,7 +255,9 @@ def test_gradient_canaries_refuse_a_method_without_a_gradient_sum():
 
 @pytest.mark.parametrize("override, accepted", [("audit.canary=foo", "gradient, input, adversarial"),
                                                 ("audit.canaries=1", "an integer >= 2"),
-                                                ("audit.confidence=1.5", "(0, 1)"),
+                                                ("audit.confidence=1.5", "(0.5, 1)"),
+                                                ("audit.confidence=0.3", "(0.5, 1)"),  # review 63
+                                                ("audit.confidence=0.5", "(0.5, 1)"),
                                                 ("audit.direction=x", "dirac, random")])
 def test_bad_audit_values_get_one_line(override, accepted):
     with pytest.raises(DprunError) as e:

@@ -170,9 +170,13 @@ def tail_lower_bound(steps: list[tuple[float, float, int, int]], epsilon: float)
     """A certified LOWER bound on the composed delta(epsilon), from the heavy tail of Z alone.
 
     `steps`: (q, sigma, r, count). Test S = {some step's remove-direction loss > b}, b = epsilon + s. Steps are
-    independent, so P_upper(S) = 1 - prod (1 - u)^count and P_lower(S) <= sum count e^-b u, with
-    u = P_upper(loss > b) >= P(Z > z0) q Phi(mu0/2 - c/mu0) for any z0 (mu0 = z0/sigma, c = log((e^b-1+q)/q);
-    Phi(mu/2 - c/mu) grows with mu). delta(epsilon) >= P_upper(S) - e^epsilon P_lower(S)."""
+    independent, so P_upper(S) = 1 - prod (1 - P)^count >= 1 - prod (1 - u)^count and P_lower(S) <= sum count e^-b P
+    <= sum count e^-b U, where P = P_upper(loss > b) lies between
+    u = max over z0 of P(Z > z0) q Phi(mu0/2 - c/mu0) (mu0 = z0/sigma, c = log((e^b-1+q)/q); Phi(mu/2 - c/mu) grows
+    with mu) and U = delta_step(e') / (1 - e^(e' - b)) for a grid point e' <= b - 1 (delta(e') = E[(1 - e^(e'-L))+] >=
+    (1 - e^(e'-b)) P; delta_step from the accountant's pessimistic curve, an upper bound). Review 63: the second sum
+    took u, a lower bound, where the argument needs an upper one (the bound came out 1-6% too high).
+    delta(epsilon) >= P_upper(S) - e^epsilon P_lower(S)."""
     n = sum(c for *_, c in steps)
     s = math.log(max(n, 1)) + 3.0  # e^-s * n = e^-3: the lower side costs 5%
     b = epsilon + s
@@ -183,5 +187,16 @@ def tail_lower_bound(steps: list[tuple[float, float, int, int]], epsilon: float)
         mu0 = z0 / sigma
         u = float(np.max(z_survival(z0, r) * q * special.ndtr(mu0 / 2.0 - log_c / mu0)))
         log_miss += count * math.log1p(-u)
-        lower += count * math.exp(-s) * u
+        lower += count * math.exp(-s) * tail_upper_bound(q, sigma, r, b)
     return -math.expm1(log_miss) - lower
+
+
+def tail_upper_bound(q: float, sigma: float, r: int, b: float, discretization: float = 1e-3) -> float:
+    """An upper bound on P(remove-direction loss > b) of one step: delta_step(e') / (1 - e^(e' - b)) at the grid
+    point e' = floor((b - 1) / d) d, with delta_step the pessimistic curve step_pld is built from (Markov's argument on
+    the hockey stick: delta(e') >= (1 - e^(e' - b)) P(loss > b) for e' < b)."""
+    mus, weights, tail, _, _ = _nodes(q, sigma, r, discretization, 64.0)
+    k = math.floor((b - 1.0) / discretization)
+    with np.errstate(over="ignore"):  # 1 - e^e' is evaluated (and not taken) above log(1 - q) too
+        delta = float(_remove_curve(mus, weights, tail, q, k, k, discretization)[0])
+    return min(1.0, delta / -math.expm1(k * discretization - b))

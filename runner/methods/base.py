@@ -78,7 +78,8 @@ WEIGHT_DTYPES = (torch.float32, torch.float64)  # what a private method trains (
 # rounds what is released: C = 1e-44 (subnormal) made the noise std exactly 0 while the accountant certified an
 # epsilon, C = 1e-43 gave contributions of 1.04 C and a noise std of 1.11 sigma C, sigma * C = 1e40 overflowed the
 # noise to inf after the step was counted. 1e-30 and 1e30 keep every clipped gradient, noise draw and division by the
-# expected batch size normal in float32 (and float64). The CLI's validate.py refuses the same values.
+# expected batch size normal in float32 (and float64); a clip factor C / N itself can still be subnormal (C = 1e-30,
+# N > 8.5e7), which clip_factors rounds down (review 61). The CLI's validate.py refuses the same values.
 SCALE_RANGE = (1e-30, 1e30)
 SCALE_TEXT = "[1e-30, 1e30]"
 
@@ -121,10 +122,17 @@ def clip_factors(norms: torch.Tensor, clip: float, margin: float = 0.0) -> torch
     """min(1, C / (norm (1 + margin) + 1e-6)), shape (B,); 0 where the norm is not finite (inf or nan: the example
     must contribute nothing, runner/norms/certify.py). The 1e-6 keeps zero-gradient examples finite; the margin
     (bf16 only, runner/precision.py) covers the rounding of a norm formed from reduced-precision tensors.
-    Five kernels: an inf norm gives C / inf = 0 by itself, a nan one a nan factor that nan_to_num_ sets to 0 (an
-    isfinite mask and a where cost five more, and a small model's GPU step is launch-bound)."""
+    Six kernels: an inf norm gives C / inf = 0 by itself, a nan one a nan factor that nan_to_num_ sets to 0 (an
+    isfinite mask and a where cost five more, and a small model's GPU step is launch-bound).
+
+    One unit in the last place of the dtype's subnormals is taken off: a quotient below the smallest normal number
+    (C / N < 2^-126 in float32: C = 1e-30 and N > 8.5e7) is rounded to a multiple of 2^-149, up by as much as 100%,
+    which no relative margin covers (review 61: C / N = 0.51 * 2^-149 rounded to 2^-149 and the example released
+    1.96 C). Less that spacing it is at most the exact quotient; a normal quotient loses nothing (the subtraction
+    is below half its unit in the last place, or takes it one down)."""
     scaled = norms * (1.0 + margin) if margin else norms
-    return (clip / (scaled + 1e-6)).clamp_(max=1.0).nan_to_num_(nan=0.0)
+    info = torch.finfo(norms.dtype)
+    return (clip / (scaled + 1e-6)).sub_(info.tiny * info.eps).clamp_(0.0, 1.0).nan_to_num_(nan=0.0)
 
 
 def chunks(x, y, size: int | None):

@@ -63,6 +63,17 @@ LATES = ("auto", "on", "off")
 log = logging.getLogger("dprun")
 
 
+def one_dtype(params: list, name: str) -> None:
+    """Every trained weight in one dtype: the clip factors come from norms summed over all layers (float64 when any is)
+    and weight each layer's records in that dtype (review 61: a float32 layer beside a float64 one crashed the
+    clipped sums with a dtype mismatch). nxbp and multiloss clip each example's gradient per parameter."""
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in params})
+    if len(dtypes) > 1:
+        raise DprunError(f"method={name} trains weights of one dtype; this model's trained weights are "
+                         f"{' and '.join(dtypes)}: cast the model to one (model.float() or model.double()), or use "
+                         f"method=nxbp or multiloss, which take mixed dtypes")
+
+
 def keep_ratio(value) -> float:
     """method.keep: a number >= 0 (book-keeping keeps a layer's per-example gradient up to this many times the
     records it replaces; 0 never keeps one)."""
@@ -158,6 +169,7 @@ class ReweightGP(Method):
 
     def privatize(self, model, loss_fn, x, y) -> Privatized:
         params = self.trainable(model)
+        one_dtype(params, self.name)
         plan = self.plan(model, params)
         consistent = None  # twopass/recompute: their second pass's records within the first's norms (released.py)
         if self.mode == "recompute":
