@@ -26,7 +26,7 @@ from runner.models.resnet import STEMS
 from runner.models.rnn import INITS
 from runner.randomness import RNGS
 from runner.errors import DprunError
-from runner.methods.base import SCALE_RANGE, SCALE_TEXT
+from runner.methods.base import CLIP_RANGE, CLIP_TEXT, SCALE_RANGE, SCALE_TEXT
 from runner.optimizers import IMPLS
 from runner.paths import CONF_DIR
 
@@ -242,16 +242,16 @@ def validate_config(cfg: DictConfig) -> None:
 
 def check_noise_scale(cfg: DictConfig) -> None:
     """clip, and sigma * clip where sigma > 0, inside the range a method accepts (runner/methods/base.py
-    SCALE_RANGE: near float32's limits the clipped gradients and the noise are rounded; a subnormal clip released no
+    CLIP_RANGE, SCALE_RANGE: near float32's limits the clipped gradients and the noise are rounded; a subnormal clip released no
     noise at all). With target_epsilon the calibration chooses sigma: the method checks the one it sets."""
     clip, sigma = _as_float(cfg.get("clip", 1.0)), _as_float(cfg.get("sigma", 0.0))
     if clip is None or sigma is None:  # (RULES said what is wrong with them)
         return
     low, high = SCALE_RANGE
-    if not low <= clip <= high:
-        raise DprunError(f"clip={as_typed(cfg.clip)} is not valid: clip must be a number in {SCALE_TEXT} (near "
-                         f"float32's limits the clipped gradients and the noise scaled to it are rounded; a subnormal "
-                         f"clip released no noise at all)")
+    if not CLIP_RANGE[0] <= clip <= CLIP_RANGE[1]:
+        raise DprunError(f"clip={as_typed(cfg.clip)} is not valid: clip must be a number in {CLIP_TEXT} (near "
+                         f"float32's limits the clipped gradients and the noise scaled to it are rounded; below 1e-6 "
+                         f"the clipped sums' rounding is not covered by the clip bound)")
     if sigma > 0 and cfg.get("target_epsilon") is None and not low <= sigma * clip <= high:
         raise DprunError(f"sigma={as_typed(cfg.sigma)} with clip={as_typed(cfg.clip)} is not valid: the noise std "
                          f"sigma * clip = {sigma * clip:g} must be in {SCALE_TEXT} (near float32's limits it is "

@@ -84,8 +84,9 @@ def test_bad_knob_is_refused_before_any_data_is_loaded(tmp_path, no_data, overri
 
 
 @pytest.mark.parametrize("overrides,line", [
-    (["clip=1e-40"], "clip=1e-40 is not valid: clip must be a number in [1e-30, 1e30] (near float32's limits"),
-    (["clip=1e31"], "clip=1e+31 is not valid: clip must be a number in [1e-30, 1e30]"),
+    (["clip=1e-40"], "clip=1e-40 is not valid: clip must be a number in [1e-6, 1e30] (near float32's limits"),
+    (["clip=1e-7"], "clip=1e-07 is not valid: clip must be a number in [1e-6, 1e30]"),  # review 64
+    (["clip=1e31"], "clip=1e+31 is not valid: clip must be a number in [1e-6, 1e30]"),
     (["clip=1e20", "sigma=1e20"], "sigma=1e+20 with clip=1e+20 is not valid: the noise std sigma * clip = 1e+40 must "
                                   "be in [1e-30, 1e30]"),
     (["sigma=1e-31"], "sigma=1e-31 with clip=1.0 is not valid: the noise std sigma * clip = 1e-31 must be in "
@@ -101,7 +102,7 @@ def test_a_clip_or_noise_std_near_float32s_limits_is_refused_before_any_data_is_
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("overrides", [["clip=1e-30"], ["clip=1e30"], ["clip=1e-30", "sigma=0"],
+@pytest.mark.parametrize("overrides", [["clip=1e-6"], ["clip=1e30"], ["clip=1e-6", "sigma=0"],
                                        ["clip=1e20", "sigma=1e20", "target_epsilon=3"]])
 def test_the_edges_of_the_clip_range_pass_the_validator(overrides):
     """sigma=0 (no noise) needs only C in range; with target_epsilon the calibration sets sigma (the method checks)."""

@@ -20,6 +20,7 @@ from torch import nn
 
 from runner.entry import OneLineParser
 from runner.methods import METHODS
+from runner.methods.base import CLIP_RANGE
 
 
 class Cancelling(nn.Module):
@@ -239,7 +240,11 @@ def measured(name: str, cfg: dict, model: nn.Module, x: torch.Tensor, fraction: 
     if neighbour is not None:
         x = torch.cat([x, neighbour])
     model, x = copy.deepcopy(model).to(device), x.to(device)  # .to moves a module in place: the caller keeps its own
-    method = METHODS.build(name, cfg=cfg, clip=C, sigma=0.0)
+    method = METHODS.build(name, cfg=cfg, clip=max(C, CLIP_RANGE[0]), sigma=0.0)
+    # below the accepted C (the underflow constructions' gradients are ~1e-6, so C ~ 1e-8) set directly: these
+    # measure the norms' certificate; the floor guards the clipped sums' rounding against records ~1e30 (review 64),
+    # far above these constructions' ~1e17
+    method._clip = C
     method.configure(precision=precision)
     method.privacy_check = False  # this measures clipping alone (the first-step validator is runner/methods/privacy_check)
     norm, _ = released(method, method.attach(copy.deepcopy(model)), x, compile_backend)

@@ -82,16 +82,25 @@ WEIGHT_DTYPES = (torch.float32, torch.float64)  # what a private method trains (
 # N > 8.5e7), which clip_factors rounds down (review 61). The CLI's validate.py refuses the same values.
 SCALE_RANGE = (1e-30, 1e30)
 SCALE_TEXT = "[1e-30, 1e30]"
+# C itself from 1e-6 (review 64): a clipped sum weights one side of a layer's records by nu_i and multiplies the other;
+# a weighted entry below float32's smallest normal is rounded by up to 2^-150 absolutely, which the other side
+# multiplies (a row of norm up to 2^64, else its example's norm is not finite and it is dropped). Those losses add up
+# to at most 2^-86 M per example (M: the weighted entries times their uses, 2^-70 M on bf16 tensor cores), which
+# CLIP_SLACK covers for M up to ~1e13 (2e8) once C >= 1e-6: at C ~ 1.5e-30 one example released 1.86 C
+CLIP_RANGE = (1e-6, 1e30)
+CLIP_TEXT = "[1e-6, 1e30]"
+CLIP_SLACK = 2.0**-22  # clip_factors aims at C (1 - CLIP_SLACK): 3 u of it survive C's own rounding to float32
 
 
 def scale_problem(clip: float, sigma: float) -> str | None:
     """Why this finite clip (> 0) and sigma (>= 0) are refused (one line), or None: C, or sigma * C when sigma > 0,
     outside SCALE_RANGE."""
     low, high = SCALE_RANGE
-    if not low <= clip <= high:
-        return (f"clip (max_grad_norm)={clip:g} is outside the accepted range {SCALE_TEXT}: near float32's limits "
-                f"the clipped gradients and the noise scaled to C are rounded (a subnormal C released no noise at "
-                f"all); accepted: C in {SCALE_TEXT} (rescale the loss to reach it)")
+    if not CLIP_RANGE[0] <= clip <= CLIP_RANGE[1]:
+        return (f"clip (max_grad_norm)={clip:g} is outside the accepted range {CLIP_TEXT}: near float32's limits "
+                f"the clipped gradients and the noise scaled to C are rounded (below 1e-6 the rounding of the "
+                f"clipped sums is no longer covered by the clip bound); accepted: C in {CLIP_TEXT} (rescale the loss "
+                f"to reach it)")
     if sigma > 0 and not low <= sigma * clip <= high:
         return (f"sigma (noise_multiplier)={sigma:g} with clip (max_grad_norm)={clip:g} puts the noise std sigma * C "
                 f"= {sigma * clip:g} outside the accepted range {SCALE_TEXT}: near float32's limits the noise is "
@@ -119,8 +128,9 @@ def _scaled(method: "Method", clip: float | None = None, sigma: float | None = N
 
 
 def clip_factors(norms: torch.Tensor, clip: float, margin: float = 0.0) -> torch.Tensor:
-    """min(1, C / (norm (1 + margin) + 1e-6)), shape (B,); 0 where the norm is not finite (inf or nan: the example
-    must contribute nothing, runner/norms/certify.py). The 1e-6 keeps zero-gradient examples finite; the margin
+    """min(1, C (1 - CLIP_SLACK) / (norm (1 + margin) + 1e-6)), shape (B,); 0 where the norm is not finite (inf or
+    nan: the example must contribute nothing, runner/norms/certify.py). CLIP_SLACK covers the weighted records'
+    rounding below float32's smallest normal (review 64, CLIP_RANGE above); ordinary factors move by 2.4e-7. The 1e-6 keeps zero-gradient examples finite; the margin
     (bf16 only, runner/precision.py) covers the rounding of a norm formed from reduced-precision tensors.
     Six kernels: an inf norm gives C / inf = 0 by itself, a nan one a nan factor that nan_to_num_ sets to 0 (an
     isfinite mask and a where cost five more, and a small model's GPU step is launch-bound).
@@ -132,7 +142,8 @@ def clip_factors(norms: torch.Tensor, clip: float, margin: float = 0.0) -> torch
     is below half its unit in the last place, or takes it one down)."""
     scaled = norms * (1.0 + margin) if margin else norms
     info = torch.finfo(norms.dtype)
-    return (clip / (scaled + 1e-6)).sub_(info.tiny * info.eps).clamp_(0.0, 1.0).nan_to_num_(nan=0.0)
+    aim = clip * (1.0 - CLIP_SLACK)
+    return (aim / (scaled + 1e-6)).sub_(info.tiny * info.eps).clamp_(0.0, 1.0).nan_to_num_(nan=0.0)
 
 
 def chunks(x, y, size: int | None):

@@ -97,9 +97,17 @@ def vector_norms(t: torch.Tensor, dim) -> torch.Tensor:
     seen as (B, L, G, o): a view of (B, C_out, L), its feature dim strided by L), as the root of a sum of squares:
     the CPU norm kernel reduces a strided dim ~30x slower. Both are d squares, a d-term sum and a root, rounded alike
     (norm_factor); both overflow to inf for squares past float32's range."""
-    if t.device.type == "cpu" and not t.is_contiguous():
+    if (t.device.type == "cpu" and not t.is_contiguous()) or _one_entry(t, dim):
         return t.square().sum(dim).sqrt_()
     return torch.linalg.vector_norm(t, dim=dim)
+
+
+def _one_entry(t: torch.Tensor, dim) -> bool:
+    """Rows of one entry: torch's norm returns |t| there (no square, so no overflow), and a record above ~1e19 would
+    keep a finite norm; its square overflows like any longer row's, so its example is dropped (nu = 0), which the
+    clipped sums' rounding bound needs (review 64: the rows that multiply weighted entries stay below 2^64)."""
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    return all(t.shape[d] == 1 for d in dims)
 
 
 def underflow_floor(d: int, u: float, dtype: torch.dtype = torch.float32) -> float:

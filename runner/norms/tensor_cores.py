@@ -40,6 +40,7 @@ import os
 import torch
 
 from runner.errors import DprunError
+from runner.norms import certify
 
 U_ACCUMULATE = 2.0**-22  # tensor-core float32 accumulation, taken as 4x float32's unit roundoff (see above)
 # hi rounds t = nu g (float32, itself rounded: 2^-24) to bf16 (2^-8 |t|); t - hi is exact (Sterbenz) and lo rounds
@@ -108,7 +109,10 @@ def to_float32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def norms(t: torch.Tensor, dim) -> torch.Tensor:
-    """torch.linalg.vector_norm of a bf16 t computed in float32 (its entries upcast exactly), float32."""
+    """torch.linalg.vector_norm of a bf16 t computed in float32 (its entries upcast exactly), float32; rows of one
+    entry as a root of their square, so a record above ~1e19 overflows as in longer rows (certify.vector_norms)."""
+    if certify._one_entry(t, dim):
+        return t.float().square().sum(dim).sqrt_()
     return torch.linalg.vector_norm(t, dim=dim, dtype=torch.float32)
 
 
