@@ -1,8 +1,8 @@
 # dprun — `make help` lists the targets. Everything runs from a fresh clone after `make install`.
 # PY: the python of the virtual environment VENV (.venv, made by `make install`) if it exists, else the one on PATH
-# (checked when each command runs, so `make install demo` uses the venv it just made).
+# (checked when each target's commands run, so `make install demo` uses the venv it just made; echoed resolved).
 VENV ?= .venv
-PY ?= $$(test -x $(VENV)/bin/python && echo $(VENV)/bin/python || echo python)
+PY ?= $(shell test -x $(VENV)/bin/python && echo $(VENV)/bin/python || echo python)
 # torch for a venv without one (a torch already in the venv is kept; README "Set up" says the same):
 #  - nvidia-smi lists a GPU: `pip install torch`, PyPI's CUDA build;
 #  - else the CPU build from TORCH_INDEX (PyTorch's CPU wheel index), if one 5-second look reaches it;

@@ -372,7 +372,7 @@ class PrivateTraining:
 
 def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  data: tuple[torch.Tensor, torch.Tensor] | TorchDataset | DataLoader, *,
-                 method: str = "reweight", noise_multiplier: float = 1.0, max_grad_norm: float = 1.0,
+                 method: str = "reweight", noise_multiplier: float | None = None, max_grad_norm: float = 1.0,
                  batch_size: int | None = None, poisson: bool = True, accountant: str = "auto",
                  method_options: dict[str, Any] | None = None, r: int | None = None,
                  target_epsilon: float | None = None, epochs: int | None = None, delta: float | None = 1e-5,
@@ -382,7 +382,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """Wrap a model, its optimizer and its training data for DP training with a dprun method.
 
     method: nonprivate | nxbp | multiloss | reweight | jl | sbcd | opacus (runner/methods/; docs/methods.md)
-    noise_multiplier (sigma), max_grad_norm (C): noise N(0, (sigma C)^2 I) on the sum of clipped gradients.
+    noise_multiplier (sigma, default 1.0), max_grad_norm (C): noise N(0, (sigma C)^2 I) on the sum of clipped
+        gradients; not with target_epsilon, which sets sigma.
     batch_size: the expected batch size B (sample rate q = B / N); a DataLoader's own batch_size by default.
     poisson: Poisson sampling (what the accountants assume); False shuffles (epsilon is then not a guarantee).
     accountant: auto (the method's own: pld, jl or hsa) | rdp | pld | gdp | jl | hsa.
@@ -420,7 +421,8 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     seed = privacy_check.shared_seed(seed, generator, distributed.current())  # several ranks: one sampling seed
     if generator is None and seed is not None and randomness.check_rng(rng) == "seeded":
         generator = torch.Generator().manual_seed(randomness.derived_seed(seed, "sampling"))  # apart from the global
-    options = {**(method_options or {}), **({"r": int(r)} if r is not None else {})}  # r: method.r (JL dimension)
+    options = api_options(method_options, r)
+    sigma = api_sigma(noise_multiplier, target_epsilon)
     check_options("method", method, options)  # a typo in an option name is an error, not a silent default
     world = distributed.current(int(seed or 0))  # the user's own process group, if they initialised one
     generator = randomness.api_generator(rng, generator, world)  # secure: SecureRandom, shared by the ranks
@@ -429,7 +431,7 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         raise DprunError(f"delta={delta!r} is not valid: a probability in (0, 1), e.g. 1e-5")
     source = _Source(data, _whole("batch_size", batch_size), generator, world)
     request = Request(method=method, method_options=options, clip=_number("max_grad_norm", max_grad_norm),
-                      sigma=_number("noise_multiplier", noise_multiplier),
+                      sigma=sigma,
                       sampling="poisson" if poisson else "shuffle", accountant=accountant,
                       physical_batch_size=max_physical_batch_size, precision=precision, epochs=epochs,
                       memory_format=memory_format,
@@ -457,6 +459,27 @@ def make_private(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         for p in root.parameters():  # and each weight: new modules holding the same Parameter objects started a
             setattr(p, WRAPPED, training._record)  # second ledger at epsilon 0 (review 14: 60 steps, 30 in each)
     return training
+
+
+def api_options(method_options: dict | None, r) -> dict:
+    """The method's options with r= (the JL dimension, method.r) added; r= and method_options["r"] that disagree are
+    refused, as the CLI's r= and method.r= are (review 62: r=4 with {"r": 8} ran r = 4, epsilon inf, silently)."""
+    options = dict(method_options or {})
+    if r is not None:
+        if "r" in options and _number("method_options['r']", options["r"]) != _number("r", r):
+            raise DprunError(f"r={r!r} and method_options['r']={options['r']!r} disagree: r= is a shorthand for "
+                             f"method_options['r']; give one of them")
+        options["r"] = int(r)
+    return options
+
+
+def api_sigma(noise_multiplier, target_epsilon) -> float:
+    """The noise multiplier, 1.0 by default; with target_epsilon (which calibrates it) none may be given, as the CLI
+    refuses sigma= with target_epsilon= (review 62: noise_multiplier=5.0 was dropped for a calibrated 0.25, unsaid)."""
+    if target_epsilon is not None and noise_multiplier is not None:
+        raise DprunError(f"noise_multiplier={noise_multiplier!r} and target_epsilon={target_epsilon!r} both set the "
+                         f"noise: target_epsilon calibrates noise_multiplier; give one of them")
+    return 1.0 if noise_multiplier is None else _number("noise_multiplier", noise_multiplier)
 
 
 def _number(name: str, value) -> float:
