@@ -104,8 +104,9 @@ def vector_norms(t: torch.Tensor, dim) -> torch.Tensor:
 
 def _one_entry(t: torch.Tensor, dim) -> bool:
     """Rows of one entry: torch's norm returns |t| there (no square, so no overflow), and a record above ~1e19 would
-    keep a finite norm; its square overflows like any longer row's, so its example is dropped (nu = 0), which the
-    clipped sums' rounding bound needs (review 64: the rows that multiply weighted entries stay below 2^64)."""
+    keep a finite norm; its square overflows like any longer row's, so its example is dropped (nu = 0) wherever the
+    clipped sum multiplies the rows (not where a kept G_i is summed), which the clipped sums' rounding bound needs
+    (review 64: the rows that multiply weighted entries stay below 2^64)."""
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     return all(t.shape[d] == 1 for d in dims)
 
