@@ -16,6 +16,8 @@ V(t) = sum_{tau<=t} s_tau^2 w_tau^2, and its cost is  1/2 * sum_{hull segments} 
 """
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 from scipy.special import logsumexp
 
@@ -30,8 +32,9 @@ def shift_weights(lf: np.ndarray, lt: np.ndarray) -> np.ndarray:
     return np.exp(log_w - log_w.max())
 
 
-def lower_hull(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Indices of the lower convex hull of points sorted by x (monotone chain), first and last included."""
+def lower_hull(x, y) -> np.ndarray:
+    """Indices of the lower convex hull of points sorted by x (monotone chain), first and last included; exact where
+    x and y are Python ints."""
     hull: list[int] = []
     for i in range(len(x)):
         while len(hull) >= 2:
@@ -45,21 +48,51 @@ def lower_hull(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.array(hull, dtype=int)
 
 
+class Dyadic:
+    """Nonnegative values m 2^e (m an int) brought to one exponent as Python ints, so their sums and differences are
+    exact (review 67: with L_F L_T > 1 the weights w_t fall by that factor a step, and float64's V = cumsum(s^2 w^2)
+    lost the later increments: a cost of inf, or off by up to 6x, beside the composition's)."""
+
+    def __init__(self, log2_values: np.ndarray, factors: np.ndarray):
+        """values factors_t * 2^log2_values_t (T,) each: the power split into an integer exponent and a mantissa."""
+        whole = np.floor(log2_values).astype(np.int64)
+        parts = [float(f) * float(np.exp2(lv - e)) for f, lv, e in zip(factors, log2_values, whole)]
+        ratios = [v.as_integer_ratio() for v in parts]  # exact: (numerator, 2^k)
+        exps = [int(e) - (d.bit_length() - 1) for (_, d), e in zip(ratios, whole)]
+        self.exponent = min(exps)  # value_t = ints[t] * 2^exponent
+        self.ints = [n << (x - self.exponent) for (n, _), x in zip(ratios, exps)]
+
+
 def _hull_knots(shift, noise_std, lf, lt, key):
-    """(V (T,), knot V values, knot U values) of the optimal shift allocation; None if no key step."""
-    w = shift_weights(np.asarray(lf, float), np.asarray(lt, float))
-    inc = np.asarray(noise_std, float) ** 2 * w ** 2  # dV per step
-    V = np.cumsum(inc)  # V(t)
+    """(V (T,) ints, increments (T,) ints, knot V ints, knot U ints, 2U-scale minus V-scale exponent) of the optimal
+    shift allocation, exact for the float64 inputs; None if no key step. V values are scaled by 2^ev, U by 2^eu."""
     keys = np.flatnonzero(key)
     if len(keys) == 0:
         return None
-    P = np.cumsum(w[keys] * np.asarray(shift, float)[keys])  # P just after each key step
-    before = lambda t: V[t - 1] if t > 0 else 0.0  # V(t-1)
+    lf, lt = np.asarray(lf, float), np.asarray(lt, float)
+    log_c = np.log2(lf) + np.log2(lt)
+    later = np.concatenate([np.cumsum(log_c[::-1])[::-1][1:], [0.0]])  # log2 prod_{tau>t} L_F L_T
+    log_w = np.log2(lt) + later  # log2 w_t (shift_weights, unscaled: exact ints need no normalising)
+    inc = Dyadic(2 * log_w, np.asarray(noise_std, float) ** 2)  # dV per step: s_t^2 w_t^2
+    gain = Dyadic(log_w[keys], np.asarray(shift, float)[keys])  # dU at each key step: w_t shift_t
+    V = list(np.cumsum(np.array(inc.ints, dtype=object)))  # V(t), exact
+    P = list(np.cumsum(np.array(gain.ints, dtype=object)))  # P just after each key step
+    before = lambda t: V[t - 1] if t > 0 else 0  # V(t-1)
     # start (V(k_1 - 1), 0); the constraint before key i+1 binds at (V(k_{i+1} - 1), P_i); end (V(T-1), P_m)
-    xs = np.array([before(keys[0])] + [before(k) for k in keys[1:]] + [V[-1]])
-    ys = np.concatenate([[0.0], P[:-1], [P[-1]]])
+    xs = [before(keys[0])] + [before(k) for k in keys[1:]] + [V[-1]]
+    ys = [0] + P[:-1] + [P[-1]]
     h = lower_hull(xs, ys)
-    return V, inc, xs[h], ys[h]
+    return V, inc.ints, [xs[i] for i in h], [ys[i] for i in h], 2 * gain.exponent - inc.exponent
+
+
+def _scaled(numerator: int, denominator: int, exponent: int) -> float:
+    """numerator / denominator * 2^exponent as a float (0 for a zero numerator; big ints, no overflow on the way)."""
+    if not numerator:
+        return 0.0
+    try:
+        return float(Fraction(numerator, denominator) * Fraction(2) ** exponent)
+    except OverflowError:  # above float64's range
+        return float("inf")
 
 
 def pabi_cost(shift, noise_std, lf, lt, key) -> float:
@@ -67,12 +100,14 @@ def pabi_cost(shift, noise_std, lf, lt, key) -> float:
     knots = _hull_knots(shift, noise_std, lf, lt, key)
     if knots is None:
         return 0.0
-    _, _, hx, hy = knots
-    dU, dV = np.diff(hy), np.diff(hx)
-    ok = dU > 0
-    if np.any(ok & (dV <= 0)):
-        return float("inf")  # a shift that no noise can absorb (zero noise after the key step)
-    return float(0.5 * np.sum(dU[ok] ** 2 / dV[ok]))
+    _, _, hx, hy, exponent = knots
+    total = Fraction(0)
+    for (x0, x1), (y0, y1) in zip(zip(hx, hx[1:]), zip(hy, hy[1:])):
+        if y1 > y0:
+            if x1 <= x0:
+                return float("inf")  # a shift that no noise can absorb (zero noise after the key step)
+            total += Fraction((y1 - y0) ** 2, x1 - x0)
+    return 0.5 * _scaled(total.numerator, total.denominator, exponent)
 
 
 def pabi_step_costs(shift, noise_std, lf, lt, key) -> np.ndarray:
@@ -81,11 +116,18 @@ def pabi_step_costs(shift, noise_std, lf, lt, key) -> np.ndarray:
     T = len(np.asarray(noise_std))
     if knots is None:
         return np.zeros(T)
-    V, inc, hx, hy = knots
-    slopes = np.diff(hy) / np.maximum(np.diff(hx), 1e-300)  # mu per hull segment
-    seg = np.searchsorted(hx, V, side="left") - 1  # step t lies in segment seg[t] when V(t) in (hx[s], hx[s+1]]
-    mu = np.where((seg >= 0) & (seg < len(slopes)), slopes[np.clip(seg, 0, len(slopes) - 1)], 0.0)
-    return 0.5 * mu ** 2 * inc  # u_t = mu * inc_t, a_t = u_t / w_t  ->  a_t^2 / (2 s_t^2) = mu^2 * inc_t / 2
+    V, inc, hx, hy, exponent = knots
+    out = np.zeros(T)
+    s = 0  # step t lies in segment s when V(t) in (hx[s], hx[s+1]]; u_t = mu inc_t, a_t^2 / (2 s_t^2) = mu^2 inc_t / 2
+    for t in range(T):
+        while s < len(hx) - 1 and V[t] > hx[s + 1]:
+            s += 1
+        if s >= len(hx) - 1 or V[t] <= hx[0]:
+            continue
+        dU, dV = hy[s + 1] - hy[s], hx[s + 1] - hx[s]
+        if dV > 0:
+            out[t] = 0.5 * _scaled(dU * dU * inc[t], dV * dV, exponent)
+    return out
 
 
 def composition_cost(shift, noise_std, key) -> float:
