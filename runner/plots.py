@@ -64,6 +64,10 @@ def select_runs(runs: pd.DataFrame, experiment: str, scale: str, keep_failed: bo
 # for an arm of the sweep. Not lr: presets give a method its own rate (scales.<scale>.lr_<method>).
 SHARED = ["dataset", "like", "image_size", "model", "depth", "batch_size", "sigma", "clip", "optimizer", "epochs",
           "max_steps_per_epoch", "seed", "device", "delta", "sampling", "accountant"]  # delta..: what an epsilon means
+# ... compared only between runs of the same method (a column per method): the accountant goes with the method (jl
+# for JL, pld for exact clipping), and comparing it across arms left every figure with one of them only (review 66:
+# JL figures 1, 3, 4 and Table 2 lost DP-SGD-Outer and -Vanilla)
+PER_METHOD = {"accountant"}
 PRESET_KEYS = {"data": "dataset"}  # a preset's own variable -> the config key it sets (conf/experiment/*.yaml)
 
 
@@ -97,10 +101,18 @@ def same_settings(runs: pd.DataFrame, swept: set[str]) -> tuple[pd.DataFrame, st
         return runs, ""
     runs = runs.reset_index(drop=True)
     newest = runs["finished_at"].rank(method="first") if "finished_at" in runs else pd.Series(runs.index)
-    sig = [tuple(None if pd.isna(v) else v for v in row) for row in runs[cols].itertuples(index=False)]
+    methods = runs["method"] if "method" in runs else pd.Series("", index=runs.index)
+    # a PER_METHOD setting as (method, value), one column per method: runs of two methods never differ in it
+    per_method = [c for c in cols if c in PER_METHOD]
+    cols = [c for c in cols if c not in PER_METHOD] + [f"{c}@{m}" for c in per_method for m in sorted(set(methods))]
+    runs_ = runs.assign(**{f"{c}@{m}": runs[c].where(methods == m) for c in per_method for m in set(methods)})
+    sig = [tuple(None if pd.isna(v) else v for v in row) for row in runs_[cols].itertuples(index=False)]
+
+    def same(x, y) -> bool:
+        return x is None or y is None or x == y
 
     def fits(a: tuple, b: tuple) -> bool:
-        return all(x is None or y is None or x == y for x, y in zip(a, b))
+        return all(same(x, y) for x, y in zip(a, b))
 
     counts = [sum(fits(a, b) for b in sig) for a in sig]
     best = max(range(len(sig)), key=lambda i: (counts[i], newest[i]))
@@ -112,8 +124,8 @@ def same_settings(runs: pd.DataFrame, swept: set[str]) -> tuple[pd.DataFrame, st
         return runs, ""
     left = runs[[not k for k in keep]]
     names = list(left["folder"] if "folder" in left else left["run_dir"])
-    differ = sorted({f"{c}={s[j]} (figure: {ref[j]})" for s, k in zip(sig, keep) if not k
-                     for j, c in enumerate(cols) if s[j] is not None and ref[j] is not None and s[j] != ref[j]})
+    differ = sorted({f"{c.replace('@', ' of ')}={s[j]} (figure: {ref[j]})" for s, k in zip(sig, keep) if not k
+                     for j, c in enumerate(cols) if not same(s[j], ref[j])})
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     note = (f"left out {len(names)} run(s) with other settings than the figure's {sum(keep)}: "
             f"{'; '.join(differ)}: {shown}")

@@ -156,3 +156,19 @@ def test_a_figure_rerun_with_other_settings_replaces_every_arm():
     both = pd.concat([old, new], ignore_index=True)
     assert set(select_runs(both, "jl_fig3", "smoke")["run_dir"]) == set(new["run_dir"])
     assert set(select_runs(pd.concat([old, part]), "jl_fig3", "smoke")["run_dir"]) == set(old["run_dir"])
+
+
+def test_the_accountant_is_compared_only_between_runs_of_one_method():
+    """Review 66: each method publishes its own accountant's epsilon (jl: jl, exact clipping: pld); compared across
+    arms, the JL figures and Table 2 kept JL and non-private and dropped DP-SGD-Outer and -Vanilla. A second JL run
+    with another accountant still differs from the figure's."""
+    from runner.plots import select_runs
+
+    runs = fixture_runs("jl_fig3")
+    accountant = runs["method"].map({"jl": "jl", "nonprivate": None}).fillna("pld").where(runs["method"] != "nonprivate")
+    runs = runs.assign(accountant=accountant)
+    assert set(select_runs(runs, "jl_fig3", "smoke")["run_dir"]) == set(runs["run_dir"])
+    other = runs[runs["method"] == "jl"].head(1).assign(run_dir="fixture/jl_rdp", accountant="rdp", config_key="rdp",
+                                                        finished_at=runs["finished_at"].max() + 1)
+    kept = select_runs(pd.concat([runs, other], ignore_index=True), "jl_fig3", "smoke")
+    assert "fixture/jl_rdp" not in set(kept["run_dir"]) and set(runs["run_dir"]) <= set(kept["run_dir"])

@@ -186,8 +186,9 @@ def finite_max(values) -> float:
 
 def eps_panel(ax, points, eps_axis: str = "y"):
     """Methods on a panel with epsilon on one axis, from (position on the other axis, epsilon, label): finite at
-    their value; epsilon = inf (no finite guarantee) as red triangles on an "inf" band at the top (or right) of the
-    epsilon axis; non-private (no epsilon) as a dashed grey line at its position."""
+    their value; epsilon = inf (no finite guarantee) in the method's marker with a black edge on a red band at the top
+    (or right) of the epsilon axis, whose one tick reads infinity; non-private (no epsilon) as a dashed grey line at
+    its position."""
     finite = [e for _, e, _ in points if pd.notna(e) and np.isfinite(e)]
     n_inf = n_finite = 0
     top = max(finite) * 1.3 if finite else 1.0
@@ -214,9 +215,14 @@ def eps_panel(ax, points, eps_axis: str = "y"):
             ax.scatter(*xy, zorder=3, s=40, label=label, **method_style(label))
             n_finite += 1  # alternate above / below: two methods close together keep readable labels
             ax.annotate(label, xy, fontsize=7, xytext=(3, 3) if n_finite % 2 else (3, -10), textcoords="offset points")
+    (ax.set_ylim if eps_axis == "y" else ax.set_xlim)(0, top)
     if any(pd.notna(e) and np.isinf(e) for _, e, _ in points):
         (ax.axhspan if eps_axis == "y" else ax.axvspan)(top * 0.88, top, color="tab:red", alpha=0.08)
-    (ax.set_ylim if eps_axis == "y" else ax.set_xlim)(0, top)
+        # the band's one tick reads "inf": a finite tick beside it read as the infinite epsilon's value (review 66:
+        # JL(1) read as epsilon ~17 on jl_fig4's 0-18 axis)
+        axis = ax.yaxis if eps_axis == "y" else ax.xaxis
+        ticks = [t for t in axis.get_major_locator().tick_values(0, top) if 0 <= t < top * 0.85]
+        axis.set_ticks(ticks + [inf_at], labels=[f"{t:g}" for t in ticks] + [r"$\infty$"])
 
 
 def tradeoff_left(ax, fig, data, norm, cmap):
