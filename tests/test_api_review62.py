@@ -4,6 +4,7 @@ refused in one line now, as the CLI refuses sigma= with target_epsilon= and r= a
 echoed `$(test -x ...)` instead of the interpreter it runs."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -49,8 +50,9 @@ def test_r_and_method_options_r_that_disagree_are_refused_in_one_line():
 
 
 def test_make_echoes_the_interpreter_it_runs():
-    out = subprocess.run(["make", "-n", "lint", "VENV=/nonexistent"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under `make test`
+    out = subprocess.run(["make", "--no-print-directory", "-n", "lint", "VENV=/nonexistent"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[0] == "python -m ruff check .", out
 
 
