@@ -466,10 +466,11 @@ def api_options(method_options: dict | None, r) -> dict:
     refused, as the CLI's r= and method.r= are (review 62: r=4 with {"r": 8} ran r = 4, epsilon inf, silently)."""
     options = dict(method_options or {})
     if r is not None:
-        if "r" in options and _number("method_options['r']", options["r"]) != _number("r", r):
+        r_ = _whole("r", r)  # review 68: r=4.7 ran r = 4 and r=True r = 1, where the CLI refuses both
+        if "r" in options and _number("method_options['r']", options["r"]) != r_:
             raise DprunError(f"r={r!r} and method_options['r']={options['r']!r} disagree: r= is a shorthand for "
                              f"method_options['r']; give one of them")
-        options["r"] = int(r)
+        options["r"] = r_
     return options
 
 

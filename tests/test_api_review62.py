@@ -49,6 +49,13 @@ def test_r_and_method_options_r_that_disagree_are_refused_in_one_line():
         assert private(method="jl", **kw).method.r == 8
 
 
+@pytest.mark.parametrize("r", [4.7, True, "abc", 0])
+def test_r_that_is_not_a_whole_number_is_refused_in_one_line(r):
+    """Review 68: r=4.7 ran r = 4, r=True r = 1, r="abc" raised a bare ValueError."""
+    with pytest.raises(DprunError, match=r"^r=.* is not (valid: a whole number >= 1|a number)$"):
+        private(method="jl", r=r)
+
+
 def test_make_echoes_the_interpreter_it_runs():
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under `make test`
     out = subprocess.run(["make", "--no-print-directory", "-n", "lint", "VENV=/nonexistent"], cwd=ROOT, env=env,

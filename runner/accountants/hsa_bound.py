@@ -16,8 +16,6 @@ V(t) = sum_{tau<=t} s_tau^2 w_tau^2, and its cost is  1/2 * sum_{hull segments} 
 """
 from __future__ import annotations
 
-from fractions import Fraction
-
 import numpy as np
 from scipy.special import logsumexp
 
@@ -32,101 +30,83 @@ def shift_weights(lf: np.ndarray, lt: np.ndarray) -> np.ndarray:
     return np.exp(log_w - log_w.max())
 
 
-def lower_hull(x, y) -> np.ndarray:
-    """Indices of the lower convex hull of points sorted by x (monotone chain), first and last included; exact where
-    x and y are Python ints."""
-    hull: list[int] = []
-    for i in range(len(x)):
-        while len(hull) >= 2:
-            a, b = hull[-2], hull[-1]
-            # drop b if it lies on or above the segment a -> i
-            if (y[b] - y[a]) * (x[i] - x[a]) >= (y[i] - y[a]) * (x[b] - x[a]):
-                hull.pop()
-            else:
-                break
-        hull.append(i)
-    return np.array(hull, dtype=int)
+def _log2_segments(shift, noise_std, lf, lt, key):
+    """The staircase in log2 differences, None if no key step: (ldx (m,), ldy (m,), bounds (m + 1,), log_inc (T,)).
 
-
-class Dyadic:
-    """Nonnegative values m 2^e (m an int) brought to one exponent as Python ints, so their sums and differences are
-    exact (review 67: with L_F L_T > 1 the weights w_t fall by that factor a step, and float64's V = cumsum(s^2 w^2)
-    lost the later increments: a cost of inf, or off by up to 6x, beside the composition's)."""
-
-    def __init__(self, log2_values: np.ndarray, factors: np.ndarray):
-        """values factors_t * 2^log2_values_t (T,) each: the power split into an integer exponent and a mantissa."""
-        whole = np.floor(log2_values).astype(np.int64)
-        parts = [float(f) * float(np.exp2(lv - e)) for f, lv, e in zip(factors, log2_values, whole)]
-        ratios = [v.as_integer_ratio() for v in parts]  # exact: (numerator, 2^k)
-        exps = [int(e) - (d.bit_length() - 1) for (_, d), e in zip(ratios, whole)]
-        self.exponent = min(exps)  # value_t = ints[t] * 2^exponent
-        self.ints = [n << (x - self.exponent) for (n, _), x in zip(ratios, exps)]
-
-
-def _hull_knots(shift, noise_std, lf, lt, key):
-    """(V (T,) ints, increments (T,) ints, knot V ints, knot U ints, 2U-scale minus V-scale exponent) of the optimal
-    shift allocation, exact for the float64 inputs; None if no key step. V values are scaled by 2^ev, U by 2^eu."""
+    Points p_0..p_m at steps k_1 - 1, ..., k_m - 1, T - 1 (m keys); segment i runs over steps (p_i, p_{i+1}], its
+    dV = sum of s_t^2 w_t^2 there (ldx, log2) and its dU = w_k shift_k of key i (ldy). Every quantity is a sum of
+    positive terms, formed in log2 with its own scale (np.logaddexp2), never a difference of two cumulative sums:
+    with L_F L_T > 1 the weights w_t fall by that factor a step, and float64's V = cumsum(s^2 w^2) lost the later
+    increments (review 67: a cost of inf, or off by 0.17-1.04x); a zero L_F or L_T is a weight of 0 (review 68)."""
     keys = np.flatnonzero(key)
     if len(keys) == 0:
         return None
-    lf, lt = np.asarray(lf, float), np.asarray(lt, float)
-    log_c = np.log2(lf) + np.log2(lt)
-    later = np.concatenate([np.cumsum(log_c[::-1])[::-1][1:], [0.0]])  # log2 prod_{tau>t} L_F L_T
-    log_w = np.log2(lt) + later  # log2 w_t (shift_weights, unscaled: exact ints need no normalising)
-    inc = Dyadic(2 * log_w, np.asarray(noise_std, float) ** 2)  # dV per step: s_t^2 w_t^2
-    gain = Dyadic(log_w[keys], np.asarray(shift, float)[keys])  # dU at each key step: w_t shift_t
-    V = list(np.cumsum(np.array(inc.ints, dtype=object)))  # V(t), exact
-    P = list(np.cumsum(np.array(gain.ints, dtype=object)))  # P just after each key step
-    before = lambda t: V[t - 1] if t > 0 else 0  # V(t-1)
-    # start (V(k_1 - 1), 0); the constraint before key i+1 binds at (V(k_{i+1} - 1), P_i); end (V(T-1), P_m)
-    xs = [before(keys[0])] + [before(k) for k in keys[1:]] + [V[-1]]
-    ys = [0] + P[:-1] + [P[-1]]
-    h = lower_hull(xs, ys)
-    return V, inc.ints, [xs[i] for i in h], [ys[i] for i in h], 2 * gain.exponent - inc.exponent
+    with np.errstate(divide="ignore"):  # log2(0) = -inf: a zero weight, noise or shift
+        lf, lt = np.log2(np.asarray(lf, float)), np.log2(np.asarray(lt, float))
+        log_w = lt + np.concatenate([np.cumsum((lf + lt)[::-1])[::-1][1:], [0.0]])  # log2 w_t (unnormalised)
+        log_inc = 2 * (log_w + np.log2(np.asarray(noise_std, float)))  # (T,) log2 of s_t^2 w_t^2
+        ldy = log_w[keys] + np.log2(np.asarray(shift, float)[keys])  # (m,) log2 of w_k shift_k
+    bounds = np.concatenate([keys, [len(log_inc)]])  # segment i: steps bounds[i] .. bounds[i+1] - 1
+    ldx = np.array([np.logaddexp2.reduce(log_inc[a:b]) if b > a else -np.inf for a, b in zip(bounds, bounds[1:])])
+    return ldx, ldy, bounds, log_inc
 
 
-def _scaled(numerator: int, denominator: int, exponent: int) -> float:
-    """numerator / denominator * 2^exponent as a float (0 for a zero numerator; big ints, no overflow on the way)."""
-    if not numerator:
-        return 0.0
-    try:
-        return float(Fraction(numerator, denominator) * Fraction(2) ** exponent)
-    except OverflowError:  # above float64's range
-        return float("inf")
+def _log2_slope(ldx: np.ndarray, ldy: np.ndarray, a: int, b: int) -> float:
+    """log2 of (U_b - U_a) / (V_b - V_a) between points a < b: -inf where no shift, inf where no noise."""
+    ly, lx = np.logaddexp2.reduce(ldy[a:b]), np.logaddexp2.reduce(ldx[a:b])
+    return -np.inf if ly == -np.inf else (np.inf if lx == -np.inf else float(ly - lx))
+
+
+def _hull(ldx: np.ndarray, ldy: np.ndarray) -> list[int]:
+    """The lower convex hull of the m + 1 points (monotone chain). Point b between a and i is dropped when
+    dU_ab dV_bi >= dU_bi dV_ab: the two adjacent ranges' own sums, compared in log2 (never sums from a to i, whose
+    rounding hid a short steep range behind a long one: review 68's check against exact fractions)."""
+    total = lambda t, a, b: np.logaddexp2.reduce(t[a:b])  # noqa: E731  log2 of a range's sum (-inf: empty or 0)
+    hull: list[int] = []
+    for i in range(len(ldx) + 1):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if total(ldy, a, b) + total(ldx, b, i) >= total(ldy, b, i) + total(ldx, a, b):
+                hull.pop()  # b lies on or above the segment from a to i
+            else:
+                break
+        hull.append(i)
+    return hull
 
 
 def pabi_cost(shift, noise_std, lf, lt, key) -> float:
-    """C with eps_block(alpha) = alpha * C under the hidden state; all arguments are (T,) arrays over the steps."""
-    knots = _hull_knots(shift, noise_std, lf, lt, key)
-    if knots is None:
+    """C with eps_block(alpha) = alpha * C under the hidden state; all arguments are (T,) arrays over the steps.
+    Never above composition_cost (the hidden state releases less); the log2 arithmetic's ~1e-12 could cross it."""
+    staircase = _log2_segments(shift, noise_std, lf, lt, key)
+    if staircase is None:
         return 0.0
-    _, _, hx, hy, exponent = knots
-    total = Fraction(0)
-    for (x0, x1), (y0, y1) in zip(zip(hx, hx[1:]), zip(hy, hy[1:])):
-        if y1 > y0:
-            if x1 <= x0:
-                return float("inf")  # a shift that no noise can absorb (zero noise after the key step)
-            total += Fraction((y1 - y0) ** 2, x1 - x0)
-    return 0.5 * _scaled(total.numerator, total.denominator, exponent)
+    ldx, ldy, _, _ = staircase
+    hull = _hull(ldx, ldy)
+    cost = 0.0
+    for a, b in zip(hull, hull[1:]):
+        ly, lx = np.logaddexp2.reduce(ldy[a:b]), np.logaddexp2.reduce(ldx[a:b])
+        if ly > -np.inf:
+            cost += np.inf if lx == -np.inf else 0.5 * np.exp2(2 * ly - lx)  # inf: a shift no noise absorbs
+    return float(min(cost, composition_cost(shift, noise_std, key)))
 
 
 def pabi_step_costs(shift, noise_std, lf, lt, key) -> np.ndarray:
-    """The optimal allocation's cost a_t^2 / (2 s_t^2) spent at each step t (sums to pabi_cost). (T,)"""
-    knots = _hull_knots(shift, noise_std, lf, lt, key)
+    """The optimal allocation's cost a_t^2 / (2 s_t^2) spent at each step t (sums to pabi_cost). (T,)
+    u_t = mu inc_t with mu the slope of its hull segment, so a_t^2 / (2 s_t^2) = mu^2 inc_t / 2."""
     T = len(np.asarray(noise_std))
-    if knots is None:
-        return np.zeros(T)
-    V, inc, hx, hy, exponent = knots
+    staircase = _log2_segments(shift, noise_std, lf, lt, key)
     out = np.zeros(T)
-    s = 0  # step t lies in segment s when V(t) in (hx[s], hx[s+1]]; u_t = mu inc_t, a_t^2 / (2 s_t^2) = mu^2 inc_t / 2
-    for t in range(T):
-        while s < len(hx) - 1 and V[t] > hx[s + 1]:
-            s += 1
-        if s >= len(hx) - 1 or V[t] <= hx[0]:
-            continue
-        dU, dV = hy[s + 1] - hy[s], hx[s + 1] - hx[s]
-        if dV > 0:
-            out[t] = 0.5 * _scaled(dU * dU * inc[t], dV * dV, exponent)
+    if staircase is None:
+        return out
+    ldx, ldy, bounds, log_inc = staircase
+    hull = _hull(ldx, ldy)
+    for a, b in zip(hull, hull[1:]):
+        log_mu = _log2_slope(ldx, ldy, a, b)
+        steps = slice(bounds[a], bounds[b])
+        if log_mu == np.inf:
+            out[bounds[b] - 1] = np.inf  # the segment's shift meets no noise: its cost (and pabi_cost) is inf
+        elif log_mu > -np.inf:
+            out[steps] = 0.5 * np.exp2(2 * log_mu + log_inc[steps])
     return out
 
 
@@ -134,7 +114,8 @@ def composition_cost(shift, noise_std, key) -> float:
     """C with eps(alpha) = alpha * C when every intermediate state is released: sum of Gaussian-mechanism RDPs."""
     s, n = np.asarray(shift, float), np.asarray(noise_std, float)
     k = np.asarray(key, bool)
-    return float(np.sum(s[k] ** 2 / (2 * n[k] ** 2)))
+    with np.errstate(divide="ignore"):  # no noise at a key step: inf, as meant
+        return float(np.sum(s[k] ** 2 / (2 * n[k] ** 2)))
 
 
 def mixture_rdp(costs: np.ndarray, probs: np.ndarray, alphas: np.ndarray = ALPHAS) -> np.ndarray:
