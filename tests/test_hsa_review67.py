@@ -7,6 +7,8 @@ compares adjacent ranges only (review 68); the reference here is the same formul
 the weights span, and in exact fractions."""
 from __future__ import annotations
 
+from fractions import Fraction
+
 import mpmath as mp
 import numpy as np
 import pytest
@@ -14,8 +16,37 @@ import pytest
 from runner.accountants.hsa_bound import composition_cost, pabi_cost, pabi_step_costs
 
 
+def hull_cost(w, shift, s, key, number):
+    """The formula (docs/sbcd.md: the lower convex hull of the staircase, 1/2 sum dU^2 / dV) over the weights w in
+    the number type `number` (mpmath's mpf, or Fraction): a reference with no rounding of its own."""
+    V, acc = [], number(0)
+    for t in range(len(s)):
+        acc += number(float(s[t])) ** 2 * w[t] ** 2
+        V.append(acc)
+    keys = [t for t in range(len(s)) if key[t]]
+    P, acc = [], number(0)
+    for k in keys:
+        acc += w[k] * number(float(shift[k]))
+        P.append(acc)
+    xs = [V[keys[0] - 1] if keys[0] > 0 else number(0)] + [V[k - 1] for k in keys[1:]] + [V[-1]]
+    ys = [number(0)] + P[:-1] + [P[-1]]
+    hull: list[int] = []
+    for i in range(len(xs)):
+        while len(hull) >= 2 and ((ys[hull[-1]] - ys[hull[-2]]) * (xs[i] - xs[hull[-2]])
+                                  >= (ys[i] - ys[hull[-2]]) * (xs[hull[-1]] - xs[hull[-2]])):
+            hull.pop()
+        hull.append(i)
+    total = number(0)
+    for a, b in zip(hull, hull[1:]):
+        if ys[b] > ys[a]:
+            if xs[b] <= xs[a]:
+                return float("inf")
+            total += (ys[b] - ys[a]) ** 2 / (xs[b] - xs[a])
+    return float(total / 2)
+
+
 def reference(shift, s, lf, lt, key) -> float:
-    """pabi_cost's formula (docs/sbcd.md: the lower convex hull of the staircase, 1/2 sum dU^2 / dV) in mpmath."""
+    """In mpmath, with as many digits as the weights span (their logarithms summed in mpmath)."""
     T = len(s)
     spread = sum(abs(np.log10(a * b)) for a, b in zip(lf, lt))  # the weights' range in decades
     with mp.workdps(int(60 + 2 * spread)):  # V sums increments that far apart
@@ -24,25 +55,17 @@ def reference(shift, s, lf, lt, key) -> float:
         for t in range(T - 1, -1, -1):
             suffix[t] = suffix[t + 1] + log_c[t]
         w = [mp.mpf(float(lt[t])) * mp.exp(suffix[t + 1]) for t in range(T)]
-        V, acc = [], mp.mpf(0)
-        for t in range(T):
-            acc += mp.mpf(float(s[t])) ** 2 * w[t] ** 2
-            V.append(acc)
-        keys = [t for t in range(T) if key[t]]
-        P, acc = [], mp.mpf(0)
-        for k in keys:
-            acc += w[k] * mp.mpf(float(shift[k]))
-            P.append(acc)
-        xs = [V[keys[0] - 1] if keys[0] > 0 else mp.mpf(0)] + [V[k - 1] for k in keys[1:]] + [V[-1]]
-        ys = [mp.mpf(0)] + P[:-1] + [P[-1]]
-        hull: list[int] = []
-        for i in range(len(xs)):
-            while len(hull) >= 2 and ((ys[hull[-1]] - ys[hull[-2]]) * (xs[i] - xs[hull[-2]])
-                                      >= (ys[i] - ys[hull[-2]]) * (xs[hull[-1]] - xs[hull[-2]])):
-                hull.pop()
-            hull.append(i)
-        return float(mp.fsum((ys[b] - ys[a]) ** 2 / (xs[b] - xs[a]) for a, b in zip(hull, hull[1:])
-                             if ys[b] > ys[a]) / 2)
+        return hull_cost(w, shift, s, key, mp.mpf)
+
+
+def exact(shift, s, lf, lt, key) -> float:
+    """In exact fractions of the float64 inputs (review 68's reference; zero Lipschitz constants too)."""
+    T = len(s)
+    w, acc = [None] * T, Fraction(1)
+    for t in range(T - 1, -1, -1):
+        w[t] = Fraction(float(lt[t])) * acc
+        acc *= Fraction(float(lf[t])) * Fraction(float(lt[t]))
+    return hull_cost(w, shift, s, key, Fraction)
 
 
 CASES = [  # (T, batches, key batch j, L_F, L_T): method.eta = 100 gives L_F = 99, L_T = 1/6 on a middle layer
@@ -61,40 +84,6 @@ def test_the_hidden_state_cost_is_exact_and_at_most_the_compositions(T, batches,
     assert np.isfinite(cost) and cost <= composition_cost(shift, s, key) * (1 + 1e-12)
     assert cost == pytest.approx(reference(*args), rel=1e-12)
     assert pabi_step_costs(*args).sum() == pytest.approx(cost, rel=1e-9)
-
-
-def exact(shift, s, lf, lt, key) -> float:
-    """The formula in exact fractions of the float64 inputs (review 68's reference)."""
-    from fractions import Fraction as F
-    T = len(s)
-    w, acc = [None] * T, F(1)
-    for t in range(T - 1, -1, -1):
-        w[t] = F(float(lt[t])) * acc
-        acc *= F(float(lf[t])) * F(float(lt[t]))
-    V, a = [], F(0)
-    for t in range(T):
-        a += F(float(s[t])) ** 2 * w[t] ** 2
-        V.append(a)
-    keys = [t for t in range(T) if key[t]]
-    P, a = [], F(0)
-    for k in keys:
-        a += w[k] * F(float(shift[k]))
-        P.append(a)
-    xs = [V[keys[0] - 1] if keys[0] > 0 else F(0)] + [V[k - 1] for k in keys[1:]] + [V[-1]]
-    ys = [F(0)] + P[:-1] + [P[-1]]
-    hull: list[int] = []
-    for i in range(len(xs)):
-        while len(hull) >= 2 and ((ys[hull[-1]] - ys[hull[-2]]) * (xs[i] - xs[hull[-2]])
-                                  >= (ys[i] - ys[hull[-2]]) * (xs[hull[-1]] - xs[hull[-2]])):
-            hull.pop()
-        hull.append(i)
-    total = F(0)
-    for a_, b_ in zip(hull, hull[1:]):
-        if ys[b_] > ys[a_]:
-            if xs[b_] <= xs[a_]:
-                return float("inf")
-            total += (ys[b_] - ys[a_]) ** 2 / (xs[b_] - xs[a_])
-    return float(total / 2)
 
 
 def test_extreme_ranges_a_zero_lipschitz_constant_and_zero_noise_match_exact_fractions():
