@@ -101,7 +101,7 @@ def same_settings(runs: pd.DataFrame, swept: set[str]) -> tuple[pd.DataFrame, st
         return runs, ""
     runs = runs.reset_index(drop=True)
     newest = runs["finished_at"].rank(method="first") if "finished_at" in runs else pd.Series(runs.index)
-    methods = runs["method"] if "method" in runs else pd.Series("", index=runs.index)
+    methods = runs["method"].fillna("").astype(str) if "method" in runs else pd.Series("", index=runs.index)
     # a PER_METHOD setting as (method, value), one column per method: runs of two methods never differ in it
     per_method = [c for c in cols if c in PER_METHOD]
     cols = [c for c in cols if c not in PER_METHOD] + [f"{c}@{m}" for c in per_method for m in sorted(set(methods))]
@@ -116,9 +116,17 @@ def same_settings(runs: pd.DataFrame, swept: set[str]) -> tuple[pd.DataFrame, st
 
     counts = [sum(fits(a, b) for b in sig) for a in sig]
     best = max(range(len(sig)), key=lambda i: (counts[i], newest[i]))
-    # the reference's own blanks take the value most of its runs have, so it never joins two values of a setting
-    ref = tuple(v if v is not None else pd.Series([s[j] for s in sig if fits(s, sig[best])]).mode().get(0)
-                for j, v in enumerate(sig[best]))
+    # the reference's own blanks take the value most of its runs have, so it never joins two values of a setting; on a
+    # tie, the newest run's (review 69: pandas' mode took the value that sorts first: an older one-off's accountant)
+    def filled(j: int):
+        votes: dict = {}
+        for i, s in enumerate(sig):
+            if s[j] is not None and fits(s, sig[best]):
+                count, latest_seen = votes.get(s[j], (0, -1))
+                votes[s[j]] = (count + 1, max(latest_seen, newest[i]))
+        return max(votes, key=votes.get) if votes else None
+
+    ref = tuple(v if v is not None else filled(j) for j, v in enumerate(sig[best]))
     keep = [fits(s, ref) for s in sig]
     if all(keep):
         return runs, ""

@@ -172,3 +172,19 @@ def test_the_accountant_is_compared_only_between_runs_of_one_method():
                                                         finished_at=runs["finished_at"].max() + 1)
     kept = select_runs(pd.concat([runs, other], ignore_index=True), "jl_fig3", "smoke")
     assert "fixture/jl_rdp" not in set(kept["run_dir"]) and set(runs["run_dir"]) <= set(kept["run_dir"])
+
+
+def test_a_tie_between_two_accountants_of_one_method_goes_to_the_newer_run():
+    """Review 69: the reference's blank per-method setting took pandas' mode, which on a tie is the value that sorts
+    first: an opacus run with accountant gdp finished before the sweep stood in for the sweep's pld arm. A blank
+    method crashed the selection (sorting str against float)."""
+    from runner.plots import select_runs
+
+    runs = fixture_runs("jl_fig3")
+    runs = runs.assign(accountant=runs["method"].map({"jl": "jl", "nxbp": "pld", "opacus": "pld"}))
+    older = runs[runs["method"] == "opacus"].assign(run_dir="fixture/old_gdp", accountant="gdp", config_key="gdp",
+                                                    finished_at=runs["finished_at"].min() - 1)
+    kept = set(select_runs(pd.concat([runs, older], ignore_index=True), "jl_fig3", "smoke")["run_dir"])
+    assert kept == set(runs["run_dir"])
+    blank = runs.head(1).assign(method=float("nan"), run_dir="fixture/blank", config_key="blank")
+    assert "fixture/blank" in set(select_runs(pd.concat([runs, blank], ignore_index=True), "jl_fig3", "smoke")["run_dir"])
