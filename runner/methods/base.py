@@ -78,8 +78,8 @@ WEIGHT_DTYPES = (torch.float32, torch.float64)  # what a private method trains (
 # rounds what is released: C = 1e-44 (subnormal) made the noise std exactly 0 while the accountant certified an
 # epsilon, C = 1e-43 gave contributions of 1.04 C and a noise std of 1.11 sigma C, sigma * C = 1e40 overflowed the
 # noise to inf after the step was counted. 1e-30 and 1e30 keep every clipped gradient, noise draw and division by the
-# expected batch size normal in float32 (and float64); a clip factor C / N itself can still be subnormal (C = 1e-30,
-# N > 8.5e7), which clip_factors rounds down (review 61). The CLI's validate.py refuses the same values.
+# expected batch size normal in float32 (and float64). SCALE_RANGE bounds sigma * C; C itself has CLIP_RANGE below. The
+# CLI's validate.py refuses the same values.
 SCALE_RANGE = (1e-30, 1e30)
 SCALE_TEXT = "[1e-30, 1e30]"
 # C itself from 1e-6 (review 64): a clipped sum weights one side of a layer's records by nu_i and multiplies the other;
@@ -130,13 +130,15 @@ def _scaled(method: "Method", clip: float | None = None, sigma: float | None = N
 def clip_factors(norms: torch.Tensor, clip: float, margin: float = 0.0) -> torch.Tensor:
     """min(1, C (1 - CLIP_SLACK) / (norm (1 + margin) + 1e-6)), shape (B,); 0 where the norm is not finite (inf or
     nan: the example must contribute nothing, runner/norms/certify.py). CLIP_SLACK covers the weighted records'
-    rounding below float32's smallest normal (review 64, CLIP_RANGE above); ordinary factors move by 2.4e-7. The 1e-6 keeps zero-gradient examples finite; the margin
-    (bf16 only, runner/precision.py) covers the rounding of a norm formed from reduced-precision tensors.
+    rounding below float32's smallest normal (review 64, CLIP_RANGE above); ordinary factors move by 2.4e-7. The
+    1e-6 keeps zero-gradient examples finite; the margin (bf16 only, runner/precision.py) covers the rounding of a
+    norm formed from reduced-precision tensors.
     Six kernels: an inf norm gives C / inf = 0 by itself, a nan one a nan factor that nan_to_num_ sets to 0 (an
     isfinite mask and a where cost five more, and a small model's GPU step is launch-bound).
 
     One unit in the last place of the dtype's subnormals is taken off: a quotient below the smallest normal number
-    (C / N < 2^-126 in float32: C = 1e-30 and N > 8.5e7) is rounded to a multiple of 2^-149, up by as much as 100%,
+    (C / N < 2^-126 in float32; out of reach once C >= 1e-6 and N <= 2^64, but the privacy check's probes set tinier
+    clips directly) is rounded to a multiple of 2^-149, up by as much as 100%,
     which no relative margin covers (review 61: C / N = 0.51 * 2^-149 rounded to 2^-149 and the example released
     1.96 C). Less that spacing it is at most the exact quotient; a normal quotient loses nothing (the subtraction
     is below half its unit in the last place, or takes it one down)."""
